@@ -1,0 +1,32 @@
+"""Sharding as data: spec dataclasses, named strategies, explicit meshes."""
+
+from shardings.mesh import check_batch, check_divisible, make_mesh, parse_mesh_shape
+from shardings.specs import (
+    AttentionSharding,
+    BlockSharding,
+    EmbeddingSharding,
+    LinearSharding,
+    LmSharding,
+    MlpSharding,
+    NormSharding,
+)
+from shardings.strategies import DATA, MODEL, STRATEGIES, Strategy, get_strategy
+
+__all__ = [
+    "DATA",
+    "MODEL",
+    "STRATEGIES",
+    "AttentionSharding",
+    "BlockSharding",
+    "EmbeddingSharding",
+    "LinearSharding",
+    "LmSharding",
+    "MlpSharding",
+    "NormSharding",
+    "Strategy",
+    "check_batch",
+    "check_divisible",
+    "get_strategy",
+    "make_mesh",
+    "parse_mesh_shape",
+]

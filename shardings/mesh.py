@@ -1,0 +1,110 @@
+"""Explicit-axes meshes, and the checks that run before any array is created."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+
+def parse_mesh_shape(text: str, axes: Sequence[str]) -> tuple[int, ...]:
+    """`'data:4,model:2'` (any order, every axis named) or `'4,2'` (in `axes` order)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    valid = ",".join(f"{a}:N" for a in axes)
+    if not parts:
+        raise ValueError(f"empty mesh shape; expected {valid}")
+    if all(":" in p for p in parts):
+        sizes = {}
+        for p in parts:
+            name, _, size = p.partition(":")
+            if name not in axes:
+                raise ValueError(
+                    f"mesh axis {name!r} is not used by this strategy; its axes are {list(axes)}"
+                    f" (expected {valid})"
+                )
+            sizes[name] = _positive_int(size, text)
+        missing = [a for a in axes if a not in sizes]
+        if missing:
+            raise ValueError(f"mesh shape {text!r} does not name axes {missing}; expected {valid}")
+        return tuple(sizes[a] for a in axes)
+    if any(":" in p for p in parts):
+        raise ValueError(f"mesh shape {text!r} mixes named and bare sizes; expected {valid}")
+    sizes = tuple(_positive_int(p, text) for p in parts)
+    if len(sizes) != len(axes):
+        raise ValueError(
+            f"mesh shape {text!r} has {len(sizes)} axes; this strategy has {len(axes)} "
+            f"({', '.join(axes)}); expected {valid}"
+        )
+    return sizes
+
+
+def _positive_int(text: str, whole: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"mesh shape {whole!r}: {text!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"mesh shape {whole!r}: axis sizes must be >= 1, got {value}")
+    return value
+
+
+def make_mesh(strategy, shape=None, devices=None, num_kv_heads: int | None = None) -> Mesh:
+    """A mesh with the strategy's axes, all `AxisType.Explicit`.
+
+    `shape` is None (the strategy's documented default for these devices), a tuple, or a
+    string for `parse_mesh_shape`. Raises ValueError when it does not fit the devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if shape is None:
+        shape = strategy.default_mesh_shape(n, num_kv_heads)
+    elif isinstance(shape, str):
+        shape = parse_mesh_shape(shape, strategy.axes)
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != len(strategy.axes):
+        raise ValueError(
+            f"mesh shape {shape} has {len(shape)} axes; strategy {strategy.name!r} has "
+            f"{len(strategy.axes)} ({', '.join(strategy.axes)})"
+        )
+    if math.prod(shape) != n:
+        named = ",".join(f"{a}:{s}" for a, s in zip(strategy.axes, shape, strict=True))
+        raise ValueError(
+            f"mesh shape {named} needs {math.prod(shape)} devices but {n} are available; "
+            f"the axis sizes must multiply to {n}"
+        )
+    return jax.make_mesh(
+        shape,
+        strategy.axes,
+        axis_types=(AxisType.Explicit,) * len(shape),
+        devices=np.asarray(devices).reshape(-1),
+    )
+
+
+def check_divisible(
+    named_specs: Iterable[tuple[str, tuple[int, ...], P]], mesh: Mesh, strategy_name: str
+) -> None:
+    """Every sharded dim divides by the product of its mesh axes; else one clear line.
+
+    `named_specs` yields (path, shape, spec) for each array the strategy lays out.
+    """
+    for path, shape, spec in named_specs:
+        for dim, axes in enumerate(spec):
+            if axes is None:
+                continue
+            axes = axes if isinstance(axes, tuple) else (axes,)
+            size = math.prod(mesh.shape[a] for a in axes)
+            if shape[dim] % size:
+                axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
+                raise ValueError(
+                    f"{strategy_name}: {path} has shape {tuple(shape)}; its dim {dim} (size "
+                    f"{shape[dim]}) is split over mesh axis {axis_text}, which does not divide "
+                    f"it; choose a mesh whose {'/'.join(axes)} size divides {shape[dim]}"
+                )
+
+
+def check_batch(batch_size: int, batch_spec: P, mesh: Mesh, strategy_name: str) -> None:
+    check_divisible([("the batch [B, T]", (batch_size, 1), batch_spec)], mesh, strategy_name)

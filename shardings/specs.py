@@ -1,0 +1,94 @@
+"""Sharding as data: one frozen dataclass per module kind.
+
+Each holds the layout of the weights a module creates and of the activation it returns. A
+module stores its dataclass at construction, attaches the weight specs to its variables
+(`out_sharding=` metadata) and passes `out` as `out_sharding=` to the op it calls. Nothing
+here decides a layout; `shardings/strategies.py` fills these for a whole model.
+
+Dims, one set of letters everywhere: B batch, T query positions, S key/value positions,
+M model (residual) width, N query heads, K key/value heads, D head dim, F FFN width,
+V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import PartitionSpec as P
+
+REPLICATED = P()
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearSharding:
+    """A contraction with a weight: `weight` is the kernel's layout, `out` the result's.
+
+    `bias` is the layout of the optional bias over the output features; it must match the
+    output's feature dims, or broadcasting re-imposes its layout on the result.
+    """
+
+    weight: P
+    out: P
+    bias: P = REPLICATED
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingSharding:
+    table: P  # [V, M] (or [T_max, M] for learned positions)
+    out: P  # [B, T, M]
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSharding:
+    weight: P  # [M] scale (and bias, for LayerNorm)
+    out: P  # layout of the normalized activation: where the norm hands it on
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSharding:
+    q: LinearSharding  # [M, N, D] -> [B, T, N, D]
+    k: LinearSharding  # [M, K, D] -> [B, T, K, D]
+    v: LinearSharding  # [M, K, D] -> [B, T, K, D]
+    o: LinearSharding  # [N, D, M] -> residual [B, T, M]
+    q_norm: NormSharding  # per-head norm over D (Qwen3, Gemma 3); out = q heads
+    k_norm: NormSharding
+    kv_cache: P  # [B, S, K, D], for generation
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpSharding:
+    gate: LinearSharding  # [M, F] -> [B, T, F]
+    up: LinearSharding  # [M, F] -> [B, T, F]
+    down: LinearSharding  # [F, M] -> residual [B, T, M]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSharding:
+    residual: P  # [B, T, M], the stream between blocks
+    attn_norm: NormSharding
+    attention: AttentionSharding
+    post_attn_norm: NormSharding  # Gemma-style norm on the block's output, before the add
+    mlp_norm: NormSharding
+    mlp: MlpSharding
+    post_mlp_norm: NormSharding
+
+
+@dataclasses.dataclass(frozen=True)
+class LmSharding:
+    tokens: P  # [B, T] for tokens, segment ids, positions
+    embed: EmbeddingSharding
+    position_embed: EmbeddingSharding  # learned positions (GPT-2): [T_max, M]
+    block: BlockSharding  # every layer; stacked weights get a leading replicated L dim
+    final_norm: NormSharding
+    lm_head: LinearSharding  # [M, V] -> logits [B, T, V]
+
+
+def stacked(spec: P) -> P:
+    """The layout of a weight stacked over layers: the L dim is never sharded."""
+    return P(None, *spec)
+
+
+def normalize(spec: P, rank: int) -> P:
+    """`spec` padded with None to `rank` dims, so equal layouts compare equal."""
+    entries = tuple(spec) + (None,) * (rank - len(spec))
+    return P(*entries)

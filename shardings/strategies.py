@@ -1,0 +1,219 @@
+"""Named strategies: every layout decision of the project, and nowhere else.
+
+Notation in comments: dims with `/axis` for a sharded dim (`B/data T M/model`). The
+collectives named are the ones the layouts imply; XLA inserts them, we only declare.
+Stacked layer weights get a leading, never-sharded L dim (`specs.stacked`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from jax.sharding import PartitionSpec as P
+
+from shardings.specs import (
+    AttentionSharding,
+    BlockSharding,
+    EmbeddingSharding,
+    LinearSharding,
+    LmSharding,
+    MlpSharding,
+    NormSharding,
+)
+
+DATA = "data"  # batch, and the FSDP weight shards
+MODEL = "model"  # tensor parallel: heads, FFN width, vocab
+
+# Tensor parallelism stays inside one NVLink/ICI domain: 8 devices on a GPU node.
+MAX_MODEL_AXIS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    name: str
+    axes: tuple[str, ...]
+    description: str
+    _build: Callable[[], LmSharding]
+    _default_model_axis: Callable[[int, int], int] | None = None
+
+    def lm_sharding(self) -> LmSharding:
+        return self._build()
+
+    def batch_spec(self) -> P:
+        """Layout of [B, T] inputs (tokens, segment ids, positions)."""
+        return self.lm_sharding().tokens
+
+    def default_mesh_shape(self, num_devices: int, num_kv_heads: int | None = None) -> tuple:
+        """Documented rule: one-axis strategies put every device on `data`.
+
+        Two-axis strategies put on `model` the largest divisor of the device count that
+        also divides the kv head count (heads are split on `model`, so it must), is at
+        most 8, and, for `fsdp_tp`, at most sqrt(devices) so FSDP keeps the larger share;
+        `data` takes the rest.
+        """
+        if self._default_model_axis is None:
+            return (num_devices,)
+        model = self._default_model_axis(num_devices, num_kv_heads or MAX_MODEL_AXIS)
+        return (num_devices // model, model)
+
+    def make_mesh(self, shape=None, devices=None, config=None):
+        """An explicit mesh over `devices` (default: all). Without `shape`, the default rule
+        above, taking the kv head count from `config` when given."""
+        from shardings.mesh import make_mesh
+
+        kv_heads = getattr(config, "num_kv_heads", None)
+        return make_mesh(self, shape=shape, devices=devices, num_kv_heads=kv_heads)
+
+
+def _linear(weight: P, out: P, feature_dims: int = 1) -> LinearSharding:
+    # A bias over the output features (the trailing `feature_dims` dims: [N, D], [F] or
+    # [M]) carries the output's layout of those dims, else broadcasting re-imposes the
+    # bias's own layout on the sum.
+    return LinearSharding(weight=weight, out=out, bias=P(*tuple(out)[-feature_dims:]))
+
+
+def _norm(out: P) -> NormSharding:
+    # Norm scales are [M] (or [D]): tiny, so always replicated; sharding them saves nothing
+    # and would cost a gather on every use.
+    return NormSharding(weight=P(None), out=out)
+
+
+def _lm(
+    *,
+    batch: str | None,
+    fsdp: str | None,
+    tp: str | None,
+    residual_tp: bool,
+) -> LmSharding:
+    """The one template all four strategies fill.
+
+    batch: axis of the batch dim; fsdp: axis the weights are split on besides the tensor
+    parallel split; tp: axis of heads / FFN width / vocab; residual_tp: whether the
+    residual stream between blocks is split on M over `tp` (seqax-style, saves activation
+    memory and turns the post-contraction all-reduce into a reduce-scatter).
+    """
+    tokens = P(batch, None)
+    residual = P(batch, None, tp if residual_tp else None)
+    # Inputs to every matmul are gathered on M: `B/batch T M`. With a split residual this
+    # is the all-gather over `model` after each norm (seqax's layout); otherwise a no-op.
+    gathered = P(batch, None, None)
+    heads = P(batch, None, tp, None)  # [B, T, N|K, D]: heads split over tp
+    ffn = P(batch, None, tp)  # [B, T, F]
+
+    # Kernels reading the residual, [M, *]: FSDP splits M (the contracting dim), so the
+    # weight is all-gathered over `fsdp` just before the matmul and freed after; tp splits
+    # the output features, so no communication inside the matmul.
+    w_in_heads = P(fsdp, tp, None)  # [M, N|K, D]
+    w_in_ffn = P(fsdp, tp)  # [M, F]
+    # Kernels writing the residual, [*, M]: tp splits the contracting dim, so each device
+    # holds a partial sum that XLA reduces -- a reduce-scatter over `model` into a split
+    # residual, or an all-reduce into a replicated one. FSDP splits M (gathered first).
+    w_out_heads = P(tp, None, fsdp)  # [N, D, M]
+    w_out_ffn = P(tp, fsdp)  # [F, M]
+
+    q = _linear(w_in_heads, heads, feature_dims=2)
+    kv = _linear(w_in_heads, heads, feature_dims=2)
+    head_norm = _norm(heads)
+    attention = AttentionSharding(
+        q=q,
+        k=kv,
+        v=kv,
+        o=_linear(w_out_heads, residual),
+        q_norm=head_norm,
+        k_norm=head_norm,
+        kv_cache=P(batch, None, tp, None),
+    )
+    mlp = MlpSharding(
+        gate=_linear(w_in_ffn, ffn),
+        up=_linear(w_in_ffn, ffn),
+        down=_linear(w_out_ffn, residual),
+    )
+    block = BlockSharding(
+        residual=residual,
+        attn_norm=_norm(gathered),
+        attention=attention,
+        post_attn_norm=_norm(residual),
+        mlp_norm=_norm(gathered),
+        mlp=mlp,
+        post_mlp_norm=_norm(residual),
+    )
+    # Embedding [V, M]: split on M, never on V, so the row gather needs no communication;
+    # over tp the rows land already split like the residual (`M/model`), over fsdp they are
+    # gathered on M (one all-gather of the table per step).
+    embed = EmbeddingSharding(table=P(None, tp or fsdp), out=residual)
+    position_embed = EmbeddingSharding(table=P(None, tp or fsdp), out=residual)
+    # LM head [M, V]: vocab split over tp keeps logits `V/model` (the loss handles a split
+    # vocab); M split over fsdp is gathered before the matmul.
+    lm_head = _linear(P(fsdp, tp), P(batch, None, tp))
+    return LmSharding(
+        tokens=tokens,
+        embed=embed,
+        position_embed=position_embed,
+        block=block,
+        final_norm=_norm(gathered),
+        lm_head=lm_head,
+    )
+
+
+def _largest_model_axis(num_devices: int, num_kv_heads: int, cap: int) -> int:
+    best = 1
+    for d in range(1, min(num_devices, cap) + 1):
+        if num_devices % d == 0 and num_kv_heads % d == 0:
+            best = d
+    return best
+
+
+def _tp_model_axis(num_devices: int, num_kv_heads: int) -> int:
+    return _largest_model_axis(num_devices, num_kv_heads, MAX_MODEL_AXIS)
+
+
+def _fsdp_tp_model_axis(num_devices: int, num_kv_heads: int) -> int:
+    cap = min(MAX_MODEL_AXIS, math.isqrt(num_devices))
+    return _largest_model_axis(num_devices, num_kv_heads, cap)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy(
+            name="dp",
+            axes=(DATA,),
+            description="data parallel: batch split over `data`, weights replicated; "
+            "gradients all-reduced over `data`",
+            _build=lambda: _lm(batch=DATA, fsdp=None, tp=None, residual_tp=False),
+        ),
+        Strategy(
+            name="fsdp",
+            axes=(DATA,),
+            description="fully sharded data parallel (ZeRO-3): batch and every matrix split "
+            "over `data`; weights all-gathered per matmul, gradients reduce-scattered",
+            _build=lambda: _lm(batch=DATA, fsdp=DATA, tp=None, residual_tp=False),
+        ),
+        Strategy(
+            name="tp",
+            axes=(DATA, MODEL),
+            description="Megatron tensor parallel over `model` (heads, FFN width, vocab), "
+            "plain data parallel over `data`; residual replicated over `model`",
+            _build=lambda: _lm(batch=DATA, fsdp=None, tp=MODEL, residual_tp=False),
+            _default_model_axis=_tp_model_axis,
+        ),
+        Strategy(
+            name="fsdp_tp",
+            axes=(DATA, MODEL),
+            description="FSDP over `data` and tensor parallel over `model`; the residual "
+            "stream is split on M over `model` between blocks (seqax layout)",
+            _build=lambda: _lm(batch=DATA, fsdp=DATA, tp=MODEL, residual_tp=True),
+            _default_model_axis=_fsdp_tp_model_axis,
+        ),
+    )
+}
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        valid = ", ".join(sorted(STRATEGIES))
+        raise ValueError(f"unknown sharding strategy {name!r}; valid strategies: {valid}") from None

@@ -1,0 +1,12 @@
+"""8 simulated CPU devices for every test, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, f"tests need 8 simulated CPU devices, got {jax.device_count()}"

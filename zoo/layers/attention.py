@@ -1,0 +1,68 @@
+"""The attention module: q/k/v/o projections, optional q/k norms, RoPE, KV cache.
+
+The attention arithmetic itself (XLA, cuDNN, layout restoring) is `attention_ops.attention`.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from shardings.specs import AttentionSharding
+from zoo.layers import attention_ops, rope
+from zoo.layers.basic import Einsum, Norm
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, sharding: AttentionSharding, *, rngs: nnx.Rngs):
+        M, N, K, D = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.sharding = sharding
+        self.scale = cfg.softmax_scale
+        self.use_rope = cfg.position == "rope"
+        self.implementation = cfg.attention_impl
+        common = dict(rngs=rngs, use_bias=cfg.use_bias, dtype=cfg.compute_dtype)
+        self.q = Einsum("BTM,MND->BTND", (M, N, D), sharding.q, **common)
+        self.k = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.k, **common)
+        self.v = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.v, **common)
+        self.o = Einsum("BTND,NDM->BTM", (N, D, M), sharding.o, **common)
+        if cfg.qk_norm:
+            norm = dict(eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, dtype=cfg.compute_dtype)
+            self.q_norm = Norm(D, sharding.q_norm, **norm)
+            self.k_norm = Norm(D, sharding.k_norm, **norm)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
+        """`kv`: None, or this layer's cache (k_BSKD, v_BSKD, segment_ids_BS, positions_BS,
+        index) with this step's entries to be written at `index`. Returns (out_BTM, kv')."""
+        q_BTND, k_BTKD, v_BTKD = self.q(x_BTM), self.k(x_BTM), self.v(x_BTM)
+        if self.q_norm is not None:
+            q_BTND, k_BTKD = self.q_norm(q_BTND), self.k_norm(k_BTKD)
+        if self.use_rope:
+            q_BTND = rope.rotate(q_BTND, positions_BT, inv_freq_H)
+            k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_H)
+        kv_segment_ids, kv_positions = segment_ids_BT, positions_BT
+        if kv is not None:
+            k_cache, v_cache, kv_segment_ids, kv_positions, index = kv
+            k_BTKD = jax.lax.dynamic_update_slice_in_dim(
+                k_cache, k_BTKD.astype(k_cache.dtype), index, axis=1
+            )
+            v_BTKD = jax.lax.dynamic_update_slice_in_dim(
+                v_cache, v_BTKD.astype(v_cache.dtype), index, axis=1
+            )
+            kv = (k_BTKD, v_BTKD)
+        out_BTND = attention_ops.attention(
+            q_BTND,
+            k_BTKD,
+            v_BTKD,
+            q_segment_ids_BT=segment_ids_BT,
+            kv_segment_ids_BS=kv_segment_ids,
+            q_positions_BT=positions_BT,
+            kv_positions_BS=kv_positions,
+            scale=self.scale,
+            out_sharding=self.sharding.q.out,
+            causal=True,
+            sliding_window=window,
+            implementation=self.implementation,
+        )
+        return self.o(out_BTND), kv

@@ -1,0 +1,129 @@
+"""Leaf modules: a sharded einsum projection, an embedding table, RMS/Layer norms.
+
+Each takes its sharding dataclass, creates its weights with the declared layout, and calls
+its op with the declared `out` layout; none chooses a layout itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardings.specs import EmbeddingSharding, LinearSharding, NormSharding
+
+INIT_STD = 0.02  # GPT-2 / Llama initializer; depth is handled by the residual structure
+
+
+def _normal(rngs: nnx.Rngs, shape, spec, std=INIT_STD):
+    # Created directly with its layout: under jit no device ever holds the full array.
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32, out_sharding=spec)
+
+
+class Einsum(nnx.Module):
+    """`y = einsum(eq, x, w) + b`, e.g. 'BTM,MND->BTND' for a q projection.
+
+    Weight shape is given whole (`(M, N, D)`), so heads are a real dim that a strategy can
+    split and a mesh check can name.
+    """
+
+    def __init__(
+        self,
+        eq: str,
+        weight_shape: tuple[int, ...],
+        sharding: LinearSharding,
+        *,
+        rngs: nnx.Rngs,
+        use_bias: bool = False,
+        dtype=jnp.float32,
+    ):
+        self.eq = eq
+        self.sharding = sharding
+        self.dtype = dtype
+        self.weight = nnx.Param(
+            _normal(rngs, weight_shape, sharding.weight), out_sharding=sharding.weight
+        )
+        out_dims = eq.split("->")[1]
+        w_dims = eq.split("->")[0].split(",")[1]
+        # Bias covers the output features that come from the weight (N, D or F or M).
+        self.bias_shape = tuple(weight_shape[w_dims.index(c)] for c in out_dims if c in w_dims)
+        self.bias = (
+            nnx.Param(
+                jnp.zeros(self.bias_shape, jnp.float32, out_sharding=sharding.bias),
+                out_sharding=sharding.bias,
+            )
+            if use_bias
+            else None
+        )
+
+    def __call__(self, x):
+        w = self.weight[...].astype(self.dtype)
+        y = jnp.einsum(self.eq, x.astype(self.dtype), w, out_sharding=self.sharding.out)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    def __init__(
+        self, num: int, dim: int, sharding: EmbeddingSharding, *, rngs: nnx.Rngs, dtype=jnp.float32
+    ):
+        self.sharding = sharding
+        self.dtype = dtype
+        self.table = nnx.Param(
+            _normal(rngs, (num, dim), sharding.table), out_sharding=sharding.table
+        )
+
+    def __call__(self, ids_BT):
+        # A gather from a split table needs its output layout spelled out under explicit
+        # axes (JAX cannot infer it from batch-split ids).
+        table = self.table[...].astype(self.dtype)
+        return table.at[ids_BT].get(out_sharding=self.sharding.out)
+
+
+class Norm(nnx.Module):
+    """RMSNorm (Llama; `plus_one` for Gemma's (1 + w) scale) or LayerNorm with bias (GPT-2).
+
+    Statistics are taken in float32 whatever the compute dtype; the result is cast back and
+    moved to `sharding.out` (with a split residual this is the all-gather over `model`).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        sharding: NormSharding,
+        *,
+        kind: str = "rms",
+        eps: float = 1e-5,
+        plus_one: bool = False,
+        dtype=jnp.float32,
+    ):
+        self.sharding = sharding
+        self.kind = kind
+        self.eps = eps
+        self.plus_one = plus_one
+        self.dtype = dtype
+        init = 0.0 if plus_one else 1.0
+        self.weight = nnx.Param(
+            jnp.full((dim,), init, jnp.float32, out_sharding=sharding.weight),
+            out_sharding=sharding.weight,
+        )
+        self.bias = (
+            nnx.Param(
+                jnp.zeros((dim,), jnp.float32, out_sharding=sharding.weight),
+                out_sharding=sharding.weight,
+            )
+            if kind == "layer"
+            else None
+        )
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        if self.kind == "layer":
+            x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale = self.weight[...] + 1.0 if self.plus_one else self.weight[...]
+        y = y * scale
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return jax.sharding.reshard(y.astype(self.dtype), self.sharding.out)

@@ -1,0 +1,145 @@
+"""The decoder config every family shares; a family's Config subclasses it with its presets.
+
+Fields are the knobs by which the families differ, so the shared blocks in zoo/layers/
+serve all of them. Defaults are Llama 3's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_dim: int  # M, the residual width
+    num_layers: int  # L
+    num_heads: int  # N, query heads
+    num_kv_heads: int  # K, key/value heads; divides N (K=N: MHA, K=1: MQA)
+    head_dim: int  # D
+    ffn_dim: int  # F
+    max_seq_len: int = 8192  # KV-cache length, and the table size of learned positions
+
+    norm: str = "rms"  # 'rms' | 'layer' (LayerNorm with bias, GPT-2)
+    norm_eps: float = 1e-5
+    norm_plus_one: bool = False  # Gemma: scale by (1 + w), w initialised to 0
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # Gemma: norm each sub-block's output before the residual add
+    use_bias: bool = False  # biases on every projection (GPT-2)
+
+    activation: str = "silu"  # 'silu' | 'gelu_tanh' | 'gelu'
+    glu: bool = True  # gated MLP (SwiGLU / GeGLU); False: up -> act -> down (GPT-2)
+
+    position: str = "rope"  # 'rope' | 'learned' (GPT-2)
+    rope_theta: float = 500_000.0
+    # Llama 3 frequency scaling, as (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings), or None; linear scaling as (factor,).
+    rope_scaling: tuple | None = None
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding-window layers
+
+    sliding_window: int | None = None  # tokens visible to a query, itself included
+    # Every `global_every`-th layer (1-based) attends globally, the others use the window
+    # (Gemma 3: 6). 0: all layers use the window when one is set (Mistral).
+    global_every: int = 0
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    embed_scale: bool = False  # Gemma: multiply embeddings by sqrt(M)
+    final_logit_softcap: float | None = None
+    tie_embeddings: bool = False
+
+    dtype: str = "float32"  # compute dtype; parameters stay float32
+    scan_layers: bool = True  # stack layers and run them with nnx.scan (one compiled block)
+    remat: str = "none"  # 'none' | 'full' | 'dots' (save matmul outputs)
+    attention_impl: str = "xla"  # 'xla' | 'cudnn' | 'auto'
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads="
+                f"{self.num_kv_heads}; grouped-query attention needs K | N"
+            )
+        if self.remat not in ("none", "full", "dots"):
+            raise ValueError(f"remat={self.remat!r}; valid: none, full, dots")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r}; valid: float32, bfloat16")
+        if self.attention_impl not in ("xla", "cudnn", "auto"):
+            raise ValueError(f"attention_impl={self.attention_impl!r}; valid: xla, cudnn, auto")
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def layer_windows(self) -> list[int]:
+        """Per-layer window (0 = global), from `sliding_window` and `global_every`."""
+        if not self.sliding_window:
+            return [0] * self.num_layers
+        if not self.global_every:
+            return [self.sliding_window] * self.num_layers
+        return [
+            0 if (i + 1) % self.global_every == 0 else self.sliding_window
+            for i in range(self.num_layers)
+        ]
+
+    def replace(self, **changes) -> DecoderConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        M, N, K, D, F, V = (
+            self.hidden_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.ffn_dim,
+            self.vocab_size,
+        )
+        attn = M * N * D * 2 + M * K * D * 2
+        mlp = M * F * (3 if self.glu else 2)
+        norms = M * (4 if self.post_norms else 2) + (2 * D if self.qk_norm else 0)
+        per_layer = attn + mlp + norms
+        total = self.num_layers * per_layer + M + (0 if self.tie_embeddings else M * V)
+        if include_embedding:
+            total += V * M
+            if self.position == "learned":
+                total += self.max_seq_len * M
+        return total
+
+    def matmul_params(self) -> int:
+        """Weights that enter a matmul per token: every layer's, plus the LM head."""
+        M, N, K, D, F = (
+            self.hidden_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.ffn_dim,
+        )
+        per_layer = M * N * D * 2 + M * K * D * 2 + M * F * (3 if self.glu else 2)
+        return self.num_layers * per_layer + M * self.vocab_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 * matmul params, plus causal attention.
+
+        Attention scores and the weighted sum each cost 2*N*D FLOPs per (query, key) pair
+        forward; a causal query sees on average (T+1)/2 keys (fewer with a window), and the
+        backward pass costs twice the forward: 3 * 2 * 2 * N * D * keys per layer.
+        """
+        total = 6.0 * self.matmul_params()
+        for window in self.layer_windows():
+            keys = (seq_len + 1) / 2 if not window else min(window, (seq_len + 1) / 2)
+            total += 12.0 * self.num_heads * self.head_dim * keys
+        return total
+
+    def describe(self) -> str:
+        n = self.num_params()
+        scale = 1e9 if n >= 1e9 else 1e6
+        unit = "B" if n >= 1e9 else "M"
+        return (
+            f"{type(self).__name__}: {n / scale:.{1 if math.log10(n) > 7 else 2}f}{unit} params,"
+            f" L={self.num_layers} M={self.hidden_dim} N={self.num_heads} K={self.num_kv_heads}"
+            f" D={self.head_dim} F={self.ffn_dim} V={self.vocab_size}"
+        )

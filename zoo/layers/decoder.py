@@ -1,0 +1,234 @@
+"""The decoder-only LM every family is built from: embedding, blocks, final norm, LM head.
+
+Layers are stacked (one set of weights with a leading L dim, created with `nnx.vmap` and run
+with `nnx.scan`, so the block compiles once) or, for debugging, kept as a list.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardings.specs import BlockSharding, LmSharding
+from zoo.layers import rope
+from zoo.layers.attention import Attention
+from zoo.layers.basic import Einsum, Embed, Norm
+from zoo.layers.config import DecoderConfig
+from zoo.layers.mlp import Mlp
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the block in the backward pass
+    # Keep projection outputs, recompute the rest; attention scores (dots with batch dims)
+    # are recomputed, so their O(T^2) memory is never kept.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, sharding: BlockSharding, *, rngs: nnx.Rngs):
+        M = cfg.hidden_dim
+        norm = dict(
+            kind=cfg.norm, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, dtype=cfg.compute_dtype
+        )
+        self.attn_norm = Norm(M, sharding.attn_norm, **norm)
+        self.attention = Attention(cfg, sharding.attention, rngs=rngs)
+        self.mlp_norm = Norm(M, sharding.mlp_norm, **norm)
+        self.mlp = Mlp(cfg, sharding.mlp, rngs=rngs)
+        if cfg.post_norms:
+            self.post_attn_norm = Norm(M, sharding.post_attn_norm, **norm)
+            self.post_mlp_norm = Norm(M, sharding.post_mlp_norm, **norm)
+        else:
+            self.post_attn_norm = self.post_mlp_norm = None
+
+    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
+        h_BTM, kv = self.attention(
+            self.attn_norm(x_BTM),
+            segment_ids_BT,
+            positions_BT,
+            window=window,
+            inv_freq_H=inv_freq_H,
+            kv=kv,
+        )
+        if self.post_attn_norm is not None:
+            h_BTM = self.post_attn_norm(h_BTM)
+        x_BTM = x_BTM + h_BTM
+        h_BTM = self.mlp(self.mlp_norm(x_BTM))
+        if self.post_mlp_norm is not None:
+            h_BTM = self.post_mlp_norm(h_BTM)
+        return x_BTM + h_BTM, kv
+
+
+class DecoderLM(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, sharding: LmSharding, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.sharding = sharding
+        V, M, dtype = cfg.vocab_size, cfg.hidden_dim, cfg.compute_dtype
+        self.embed = Embed(V, M, sharding.embed, rngs=rngs, dtype=dtype)
+        self.position_embed = (
+            Embed(cfg.max_seq_len, M, sharding.position_embed, rngs=rngs, dtype=dtype)
+            if cfg.position == "learned"
+            else None
+        )
+        if cfg.scan_layers:
+
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            def make_blocks(rngs):
+                return Block(cfg, sharding.block, rngs=rngs)
+
+            self.blocks = make_blocks(rngs)
+        else:
+            self.blocks = nnx.List(
+                [Block(cfg, sharding.block, rngs=rngs) for _ in range(cfg.num_layers)]
+            )
+        self.final_norm = Norm(
+            M,
+            sharding.final_norm,
+            kind=cfg.norm,
+            eps=cfg.norm_eps,
+            plus_one=cfg.norm_plus_one,
+            dtype=dtype,
+        )
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else Einsum("BTM,MV->BTV", (M, V), sharding.lm_head, rngs=rngs, dtype=dtype)
+        )
+
+    # -- per-layer constants -------------------------------------------------------------
+
+    def _layer_tables(self):
+        """(windows, rope tables): a Python value when every layer agrees (so backends that
+        need a static window get one), else a per-layer array for the scan to slice."""
+        cfg = self.cfg
+        windows = cfg.layer_windows()
+        global_freq = rope.inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        if cfg.rope_local_theta is None:
+            freqs = [global_freq] * cfg.num_layers
+        else:
+            local_freq = rope.inverse_frequencies(cfg.head_dim, cfg.rope_local_theta)
+            freqs = [local_freq if w else global_freq for w in windows]
+        return windows, np.stack(freqs)
+
+    # -- forward -------------------------------------------------------------------------
+
+    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None):
+        """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache')."""
+        cfg = self.cfg
+        x_BTM = self.embed(tokens_BT)
+        if cfg.embed_scale:
+            x_BTM = x_BTM * jnp.asarray(cfg.hidden_dim**0.5, x_BTM.dtype)
+        if self.position_embed is not None:
+            x_BTM = x_BTM + self.position_embed(positions)
+
+        kv_ctx = None
+        if cache is not None:
+            index = cache["index"]
+            kv_segment_ids = jax.lax.dynamic_update_slice_in_dim(
+                cache["segment_ids"], segment_ids, index, axis=1
+            )
+            kv_positions = jax.lax.dynamic_update_slice_in_dim(
+                cache["positions"], positions, index, axis=1
+            )
+            kv_ctx = (kv_segment_ids, kv_positions, index)
+
+        windows, freqs_LH = self._layer_tables()
+        if cfg.scan_layers:
+            x_BTM, new_kv = self._run_scanned(
+                x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx
+            )
+        else:
+            x_BTM, new_kv = self._run_unscanned(
+                x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx
+            )
+
+        x_BTM = self.final_norm(x_BTM)
+        logits_BTV = self._logits(x_BTM)
+        if cache is None:
+            return logits_BTV
+        new_cache = {
+            "k": new_kv[0],
+            "v": new_kv[1],
+            "segment_ids": kv_ctx[0],
+            "positions": kv_ctx[1],
+            "index": cache["index"] + tokens_BT.shape[1],
+        }
+        return logits_BTV, new_cache
+
+    def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_H, kv):
+        def call(block, x_BTM):
+            return block(x_BTM, segment_ids, positions, window=window, inv_freq_H=inv_freq_H, kv=kv)
+
+        if self.cfg.remat != "none":
+            # Only the block and the residual are arguments; everything else is closed over,
+            # so a per-layer window (traced under the scan) needs no static handling.
+            call = nnx.remat(call, policy=REMAT_POLICIES[self.cfg.remat])
+        return call(block, x_BTM)
+
+    def _run_scanned(self, x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx):
+        uniform_window = len(set(windows)) == 1
+        static_window = (windows[0] or None) if uniform_window else None
+        windows_L = jnp.asarray(windows, jnp.int32)
+        freqs_LH = jnp.asarray(freqs_LH)
+        caches = (cache["k"], cache["v"]) if cache is not None else None
+
+        @nnx.scan(
+            in_axes=(nnx.Carry, 0, 0, 0, 0),
+            out_axes=(nnx.Carry, 0),
+            transform_metadata={nnx.PARTITION_NAME: None},
+        )
+        def run(x, block, window, inv_freq_H, layer_cache):
+            kv = None if layer_cache is None else (*layer_cache, *kv_ctx)
+            w = static_window if uniform_window else window
+            x, kv = self._call_block(block, x, segment_ids, positions, w, inv_freq_H, kv)
+            return x, kv
+
+        x_BTM, new_kv = run(x_BTM, self.blocks, windows_L, freqs_LH, caches)
+        return x_BTM, new_kv
+
+    def _run_unscanned(self, x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx):
+        ks, vs = [], []
+        for i, block in enumerate(self.blocks):
+            kv = None if cache is None else (cache["k"][i], cache["v"][i], *kv_ctx)
+            x_BTM, kv = self._call_block(
+                block, x_BTM, segment_ids, positions, windows[i] or None, freqs_LH[i], kv
+            )
+            if kv is not None:
+                ks.append(kv[0])
+                vs.append(kv[1])
+        return x_BTM, ((jnp.stack(ks), jnp.stack(vs)) if cache is not None else None)
+
+    def _logits(self, x_BTM):
+        cfg = self.cfg
+        if self.lm_head is not None:
+            logits_BTV = self.lm_head(x_BTM)
+        else:
+            table_VM = self.embed.table[...].astype(x_BTM.dtype)
+            logits_BTV = jnp.einsum(
+                "BTM,VM->BTV", x_BTM, table_VM, out_sharding=self.sharding.lm_head.out
+            )
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        if cfg.final_logit_softcap:
+            cap = cfg.final_logit_softcap
+            logits_BTV = cap * jnp.tanh(logits_BTV / cap)
+        return logits_BTV
+
+    # -- generation ----------------------------------------------------------------------
+
+    def init_cache(self, batch_size: int, max_len: int | None = None, dtype=None):
+        """An empty KV cache: every slot has segment id 0, which no real query attends."""
+        cfg = self.cfg
+        S = max_len or cfg.max_seq_len
+        dtype = dtype or cfg.compute_dtype
+        kv_spec = jax.sharding.PartitionSpec(None, *self.sharding.block.attention.kv_cache)
+        shape = (cfg.num_layers, batch_size, S, cfg.num_kv_heads, cfg.head_dim)
+        tokens_spec = self.sharding.tokens
+        return {
+            "k": jnp.zeros(shape, dtype, out_sharding=kv_spec),
+            "v": jnp.zeros(shape, dtype, out_sharding=kv_spec),
+            "segment_ids": jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
+            "positions": jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
+            "index": jnp.zeros((), jnp.int32),
+        }

@@ -1,0 +1,35 @@
+"""Feed-forward blocks: gated (SwiGLU, GeGLU) or plain (GPT-2)."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from shardings.specs import MlpSharding
+from zoo.layers.basic import Einsum
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg, sharding: MlpSharding, *, rngs: nnx.Rngs):
+        M, F = cfg.hidden_dim, cfg.ffn_dim
+        if cfg.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={cfg.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+        self.activation = cfg.activation
+        common = dict(rngs=rngs, use_bias=cfg.use_bias, dtype=cfg.compute_dtype)
+        self.gate = Einsum("BTM,MF->BTF", (M, F), sharding.gate, **common) if cfg.glu else None
+        self.up = Einsum("BTM,MF->BTF", (M, F), sharding.up, **common)
+        self.down = Einsum("BTF,FM->BTM", (F, M), sharding.down, **common)
+
+    def __call__(self, x_BTM):
+        act = ACTIVATIONS[self.activation]
+        if self.gate is None:
+            h_BTF = act(self.up(x_BTM))
+        else:
+            h_BTF = act(self.gate(x_BTM)) * self.up(x_BTM)
+        return self.down(h_BTF)

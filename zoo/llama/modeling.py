@@ -1,0 +1,101 @@
+"""Llama 3.x: RMSNorm, RoPE with Llama 3 frequency scaling, grouped-query attention, SwiGLU.
+
+Every module is the shared one from zoo/layers/; the family is its config and presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+
+from shardings.specs import LmSharding
+from zoo.layers.config import DecoderConfig
+from zoo.layers.decoder import DecoderLM
+
+# Llama 3.1 / 3.2 RoPE scaling: (factor, low_freq_factor, high_freq_factor, original context).
+LLAMA31_SCALING = (8.0, 1.0, 4.0, 8192)
+LLAMA32_SCALING = (32.0, 1.0, 4.0, 8192)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(DecoderConfig):
+    rope_theta: float = 500_000.0
+    norm_eps: float = 1e-5
+
+    @classmethod
+    def tiny(cls, **overrides) -> LlamaConfig:
+        """For tests: GQA (8 heads, 4 kv heads), every dim divisible by 8 devices' splits."""
+        base = dict(
+            vocab_size=512,
+            hidden_dim=64,
+            num_layers=2,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=16,
+            ffn_dim=128,
+            max_seq_len=256,
+            rope_theta=10_000.0,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama3_2_1b(cls, **overrides) -> LlamaConfig:
+        base = dict(
+            vocab_size=128_256,
+            hidden_dim=2048,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=64,
+            ffn_dim=8192,
+            max_seq_len=131_072,
+            rope_scaling=LLAMA32_SCALING,
+            tie_embeddings=True,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama3_2_3b(cls, **overrides) -> LlamaConfig:
+        base = dict(
+            vocab_size=128_256,
+            hidden_dim=3072,
+            num_layers=28,
+            num_heads=24,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_dim=8192,
+            max_seq_len=131_072,
+            rope_scaling=LLAMA32_SCALING,
+            tie_embeddings=True,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama3_1_8b(cls, **overrides) -> LlamaConfig:
+        base = dict(
+            vocab_size=128_256,
+            hidden_dim=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_dim=14_336,
+            max_seq_len=131_072,
+            rope_scaling=LLAMA31_SCALING,
+        )
+        return cls(**{**base, **overrides})
+
+
+class Llama(DecoderLM):
+    def __init__(self, cfg: LlamaConfig, sharding: LmSharding, *, rngs: nnx.Rngs):
+        super().__init__(cfg, sharding, rngs=rngs)
+
+
+PRESETS = {
+    "tiny": LlamaConfig.tiny,
+    "llama3.2-1b": LlamaConfig.llama3_2_1b,
+    "llama3.2-3b": LlamaConfig.llama3_2_3b,
+    "llama3.1-8b": LlamaConfig.llama3_1_8b,
+}
+MODEL_CLASS = Llama

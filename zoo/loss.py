@@ -1,0 +1,42 @@
+"""Next-token cross-entropy on (possibly vocab-split) logits, masked by segment ids."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def target_mask(tokens_BT, segment_ids_BT):
+    """(targets_BT, mask_BT): the target of position t is token t+1 of the same document.
+
+    Padding (segment 0) and each document's last token (whose successor belongs to the next
+    document, or is padding, or is past the row's end) carry no loss.
+    """
+    targets_BT = jnp.roll(tokens_BT, -1, axis=1)
+    next_segment_BT = jnp.roll(segment_ids_BT, -1, axis=1)
+    last_column = jnp.arange(tokens_BT.shape[1]) == tokens_BT.shape[1] - 1
+    mask_BT = (segment_ids_BT != 0) & (next_segment_BT == segment_ids_BT) & ~last_column
+    return targets_BT, mask_BT
+
+
+def token_nll(logits_BTV, tokens_BT, segment_ids_BT):
+    """(nll_BT, mask_BT) in float32.
+
+    optax's integer-label cross-entropy gathers along V, which fails when V is split over
+    `model` (the gather needs an output layout); a one-hot laid out like the logits keeps
+    the sum local to each shard, and XLA reduces the partial sums over `model`.
+    """
+    targets_BT, mask_BT = target_mask(tokens_BT, segment_ids_BT)
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    one_hot_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
+    one_hot_BTV = jax.sharding.reshard(one_hot_BTV, jax.typeof(logits_BTV).sharding.spec)
+    target_logit_BT = jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
+    nll_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
+    return jnp.where(mask_BT, nll_BT, 0.0), mask_BT
+
+
+def lm_loss(logits_BTV, tokens_BT, segment_ids_BT):
+    """(mean loss over counted tokens, number of counted tokens)."""
+    nll_BT, mask_BT = token_nll(logits_BTV, tokens_BT, segment_ids_BT)
+    count = jnp.sum(mask_BT)
+    return jnp.sum(nll_BT) / jnp.maximum(count, 1), count
