@@ -6,12 +6,23 @@ import jax
 from flax import nnx
 
 from shardings.mesh import check_divisible
+from zoo.gemma3 import modeling as gemma3
+from zoo.gpt2 import modeling as gpt2
 from zoo.layers.config import DecoderConfig
 from zoo.llama import modeling as llama
+from zoo.mistral import modeling as mistral
+from zoo.qwen3 import modeling as qwen3
 
 # Config type -> model class; a family registers here by importing its modeling module.
-FAMILIES = {llama.LlamaConfig: llama.MODEL_CLASS}
-PRESETS = dict(llama.PRESETS)
+_MODULES = (llama, qwen3, mistral, gemma3, gpt2)
+FAMILIES = {
+    llama.LlamaConfig: llama.MODEL_CLASS,
+    qwen3.Qwen3Config: qwen3.MODEL_CLASS,
+    mistral.MistralConfig: mistral.MODEL_CLASS,
+    gemma3.Gemma3Config: gemma3.MODEL_CLASS,
+    gpt2.GPT2Config: gpt2.MODEL_CLASS,
+}
+PRESETS = {name: factory for m in _MODULES for name, factory in m.PRESETS.items()}
 
 
 def get_config(name: str, **overrides) -> DecoderConfig:
@@ -51,7 +62,7 @@ def param_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[int, ..
     rows = []
     for path, var in nnx.to_flat_state(state):
         spec = var.get_metadata().get("out_sharding")
-        rows.append(("/".join(str(p) for p in path), tuple(var.value.shape), spec))
+        rows.append(("/".join(str(p) for p in path), tuple(var.get_value().shape), spec))
     return rows
 
 

@@ -29,6 +29,7 @@ REMAT_POLICIES = {
 class Block(nnx.Module):
     def __init__(self, cfg: DecoderConfig, sharding: BlockSharding, *, rngs: nnx.Rngs):
         M = cfg.hidden_dim
+        self.sharding = sharding
         norm = dict(
             kind=cfg.norm, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, dtype=cfg.compute_dtype
         )

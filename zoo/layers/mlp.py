@@ -20,6 +20,7 @@ class Mlp(nnx.Module):
         M, F = cfg.hidden_dim, cfg.ffn_dim
         if cfg.activation not in ACTIVATIONS:
             raise ValueError(f"activation={cfg.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+        self.sharding = sharding
         self.activation = cfg.activation
         common = dict(rngs=rngs, use_bias=cfg.use_bias, dtype=cfg.compute_dtype)
         self.gate = Einsum("BTM,MF->BTF", (M, F), sharding.gate, **common) if cfg.glu else None

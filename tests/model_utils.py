@@ -1,0 +1,100 @@
+"""Helpers shared by the model tests: batches, one-device references, output recording."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardings import get_strategy
+from shardings.specs import normalize
+from zoo.layers import attention as attention_mod
+from zoo.layers import basic, decoder, mlp
+
+
+def packed_batch(batch=8, seq=32, vocab=512, seed=0, docs_per_row=3):
+    """A packed batch: each row holds `docs_per_row` documents then some padding."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (batch, seq), dtype=np.int32)
+    segment_ids = np.zeros((batch, seq), np.int32)
+    positions = np.zeros((batch, seq), np.int32)
+    for b in range(batch):
+        cuts = np.sort(rng.choice(np.arange(2, seq - 2), docs_per_row, replace=False))
+        start = 0
+        for d, end in enumerate(cuts):
+            segment_ids[b, start:end] = d + 1
+            positions[b, start:end] = np.arange(end - start)
+            start = end
+        tokens[b, cuts[-1] :] = 0  # padding after the last document
+    return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+
+
+def one_device_mesh():
+    return get_strategy("dp").make_mesh(devices=jax.devices()[:1])
+
+
+def put_batch(batch, spec):
+    return {k: jax.device_put(jnp.asarray(v), spec) for k, v in batch.items()}
+
+
+def host_params(model):
+    """Parameters as {path: np.ndarray}, gathered from whatever layout they have."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {"/".join(map(str, p)): np.asarray(jax.device_get(v[...])) for p, v in flat}
+
+
+def load_params(model, params):
+    """Copy {path: array} into `model`, each array laid out like the live parameter."""
+    state = nnx.state(model, nnx.Param)
+    flat = nnx.to_flat_state(state)
+    for path, var in flat:
+        key = "/".join(map(str, path))
+        var.set_value(jax.device_put(params[key], jax.typeof(var[...]).sharding.spec))
+    nnx.update(model, nnx.from_flat_state(flat))
+
+
+def live_spec(x):
+    return normalize(jax.typeof(x).sharding.spec, x.ndim)
+
+
+def declared_out(module):
+    """The output layout a module declares (for the composite modules, its last op's)."""
+    if isinstance(module, attention_mod.Attention):
+        return module.sharding.o.out
+    if isinstance(module, mlp.Mlp):
+        return module.sharding.down.out
+    if isinstance(module, decoder.Block):
+        return module.sharding.residual
+    return module.sharding.out
+
+
+@contextlib.contextmanager
+def record_outputs():
+    """Record (class name, declared out spec, live out spec) for every module call, including
+    inside the layer scan, where outputs are traced but carry their sharding type."""
+    records = []
+    classes = [basic.Einsum, basic.Embed, basic.Norm, attention_mod.Attention, mlp.Mlp]
+    classes.append(decoder.Block)
+    originals = {cls: cls.__call__ for cls in classes}
+
+    def wrap(cls, fn):
+        def call(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            value = out[0] if isinstance(out, tuple) else out
+            records.append(
+                (cls.__name__, normalize(declared_out(self), value.ndim), live_spec(value))
+            )
+            return out
+
+        return call
+
+    for cls, fn in originals.items():
+        cls.__call__ = wrap(cls, fn)
+    try:
+        yield records
+    finally:
+        for cls, fn in originals.items():
+            cls.__call__ = fn
