@@ -107,4 +107,15 @@ def check_divisible(
 
 
 def check_batch(batch_size: int, batch_spec: P, mesh: Mesh, strategy_name: str) -> None:
-    check_divisible([("the batch [B, T]", (batch_size, 1), batch_spec)], mesh, strategy_name)
+    """The batch dim of [B, T] inputs divides by the mesh axes it is split over."""
+    axes = batch_spec[0] if len(batch_spec) else None
+    if axes is None:
+        return
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    size = math.prod(mesh.shape[a] for a in axes)
+    if batch_size % size:
+        axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
+        raise ValueError(
+            f"{strategy_name}: batch size {batch_size} is split over mesh axis {axis_text}, "
+            f"which does not divide it; use a batch size that is a multiple of {size}"
+        )

@@ -52,7 +52,7 @@ def load_params(model, params):
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         key = "/".join(map(str, path))
-        var.set_value(jax.device_put(params[key], jax.typeof(var[...]).sharding.spec))
+        var.set_value(jax.device_put(params[key], var[...].sharding))
     nnx.update(model, nnx.from_flat_state(flat))
 
 

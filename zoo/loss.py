@@ -29,7 +29,9 @@ def token_nll(logits_BTV, tokens_BT, segment_ids_BT):
     targets_BT, mask_BT = target_mask(tokens_BT, segment_ids_BT)
     logits_BTV = logits_BTV.astype(jnp.float32)
     one_hot_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=jnp.float32)
-    one_hot_BTV = jax.sharding.reshard(one_hot_BTV, jax.typeof(logits_BTV).sharding.spec)
+    logits_sharding = jax.typeof(logits_BTV).sharding
+    if not logits_sharding.mesh.empty:  # outside any mesh there is no layout to match
+        one_hot_BTV = jax.sharding.reshard(one_hot_BTV, logits_sharding.spec)
     target_logit_BT = jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
     nll_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
     return jnp.where(mask_BT, nll_BT, 0.0), mask_BT
