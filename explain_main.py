@@ -1,0 +1,83 @@
+"""Print how each strategy lays out a model's parameters, and the collectives XLA inserts.
+
+    python explain_main.py --model=tiny                      # 8 simulated CPU devices
+    python explain_main.py --model=llama3.1-8b --strategies=fsdp,fsdp_tp --devices=64
+
+Layouts come from the declarations alone (nothing is allocated), so real sizes are fine on a
+laptop; `--collectives` also compiles one forward+backward pass on the simulated devices
+(small models only).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
+_STRATEGIES = flags.DEFINE_list("strategies", ["dp", "fsdp", "tp", "fsdp_tp"], "strategies")
+_DEVICES = flags.DEFINE_integer("devices", 8, "simulated devices, when running on CPU")
+_COLLECTIVES = flags.DEFINE_bool(
+    "collectives", False, "also compile forward+backward and count collectives"
+)
+
+
+def main(argv):
+    del argv
+    if "jax" not in sys.modules:  # simulated devices must be requested before jax starts
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={_DEVICES.value}"
+        )
+    import jax
+
+    from shardings import get_strategy
+    from shardings.explain import count_collectives, layout_table
+    from zoo import get_config, param_layouts
+
+    try:
+        cfg = get_config(_MODEL.value)
+        strategies = [get_strategy(s) for s in _STRATEGIES.value]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(cfg.describe())
+    print(f"{jax.device_count()} devices; default meshes:")
+    for s in strategies:
+        shape = s.default_mesh_shape(jax.device_count(), cfg.num_kv_heads)
+        print(f"  {s.name}: " + ", ".join(f"{a}={n}" for a, n in zip(s.axes, shape, strict=True)))
+    print()
+    print(layout_table({s.name: param_layouts(cfg, s) for s in strategies}))
+    if _COLLECTIVES.value:
+        print()
+        for s in strategies:
+            print(f"{s.name}: {dict(count_collectives(_compiled_text(cfg, s)))}")
+
+
+def _compiled_text(cfg, strategy):
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from zoo import create_model
+    from zoo.loss import lm_loss
+
+    mesh = strategy.make_mesh(config=cfg)
+    with jax.set_mesh(mesh):
+        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+        B = int(np.prod([mesh.shape[a] for a in strategy.axes if a == "data"])) * 2
+        tokens = jax.device_put(np.zeros((B, 64), np.int32), strategy.batch_spec())
+
+        def loss(model, tokens):
+            logits = model(tokens, segment_ids=tokens + 1, positions=tokens)
+            return lm_loss(logits, tokens, tokens + 1)[0]
+
+        graphdef, state = nnx.split(model)
+        fn = jax.jit(lambda s, t: jax.grad(lambda s: loss(nnx.merge(graphdef, s), t))(s))
+        return fn.lower(state, tokens).compile().as_text()
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,60 @@
+"""Read what a strategy declared and what XLA did with it: layout tables and collectives.
+
+Works on plain data (path, shape, spec rows; compiled HLO text), so it needs no model
+family: `explain_main.py` feeds it from the zoo.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from jax.sharding import PartitionSpec as P
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def dims_text(shape: tuple[int, ...], spec: P, letters: str | None = None) -> str:
+    """`(2, 64, 8, 16)` + `P(None, 'data', 'model')` -> `2 64/data 8/model 16`."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    parts = []
+    for i, (size, axes) in enumerate(zip(shape, entries, strict=True)):
+        name = letters[i] if letters and i < len(letters) else str(size)
+        if axes is None:
+            parts.append(name)
+        else:
+            axes = axes if isinstance(axes, tuple) else (axes,)
+            parts.append(f"{name}/{'+'.join(axes)}")
+    return " ".join(parts)
+
+
+def layout_table(rows_by_strategy: dict[str, list[tuple[str, tuple[int, ...], P]]]) -> str:
+    """One line per parameter, one column per strategy."""
+    names = list(rows_by_strategy)
+    first = rows_by_strategy[names[0]]
+    by_name = {n: {path: (shape, spec) for path, shape, spec in rows_by_strategy[n]} for n in names}
+    header = ["parameter", "shape", *names]
+    lines = [header]
+    for path, shape, _ in first:
+        cells = [path, "x".join(map(str, shape))]
+        for n in names:
+            s, spec = by_name[n][path]
+            cells.append(dims_text(s, spec))
+        lines.append(cells)
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    out = []
+    for j, row in enumerate(lines):
+        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def count_collectives(hlo_text: str) -> Counter:
+    """Collectives in compiled (partitioned) HLO. Async pairs count once (by `-start`)."""
+    counts: Counter = Counter()
+    for op in COLLECTIVES:
+        starts = len(re.findall(rf"\b{op}-start\(", hlo_text))
+        plain = len(re.findall(rf"\b{op}\(", hlo_text))
+        counts[op] = starts + plain
+    return counts
