@@ -54,18 +54,7 @@ def main(argv):
             batch = [jax.device_put(x, strategy.batch_spec()) for x in (tokens, seg, pos)]
             graphdef, state = nnx.split((model, optimizer))
 
-            def step(state, tokens, seg, pos):
-                model, optimizer = nnx.merge(graphdef, state)
-
-                def loss_fn(model):
-                    logits = model(tokens, segment_ids=seg, positions=pos)
-                    return lm_loss(logits, tokens, seg)[0]
-
-                loss, grads = nnx.value_and_grad(loss_fn)(model)
-                optimizer.update(model, grads)
-                return nnx.state((model, optimizer)), loss
-
-            jitted = jax.jit(step, donate_argnums=0)
+            jitted = jax.jit(_train_step(graphdef, lm_loss), donate_argnums=0)
             t0 = time.perf_counter()
             compiled = jitted.lower(state, *batch).compile()
             compile_s = time.perf_counter() - t0
@@ -83,6 +72,23 @@ def main(argv):
                 f"{name:8s} mesh {dict(mesh.shape)}: compile {compile_s:6.2f} s, "
                 f"step {step_ms:8.1f} ms (median of {_STEPS.value}), {tokens_per_s:,.0f} tokens/s"
             )
+
+
+def _train_step(graphdef, lm_loss):
+    from flax import nnx
+
+    def step(state, tokens, seg, pos):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss_fn(model):
+            logits = model(tokens, segment_ids=seg, positions=pos)
+            return lm_loss(logits, tokens, seg)[0]
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    return step
 
 
 if __name__ == "__main__":
