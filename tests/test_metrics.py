@@ -1,0 +1,244 @@
+"""Tests for training/metrics.py and training/flops.py."""
+
+import json
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from training import flops
+from training.metrics import MetricsWriter, read_metrics
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TRAIN_KEYS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu"}
+
+
+def _train_metrics(step):
+    return {
+        "loss": jnp.float32(5.0 - 0.1 * step),  # a jax scalar, as the loop will pass
+        "learning_rate": np.float32(1e-3),
+        "grad_norm": 1.5,
+        "tokens_per_second": 1234.5,
+        "mfu": 0.25,
+    }
+
+
+def _read_lines(path):
+    with open(path) as f:
+        text = f.read()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_writes_jsonl_tensorboard_and_png(tmp_path):
+    workdir = str(tmp_path / "run")
+    writer = MetricsWriter(workdir, is_main_process=True, total_steps=10)
+    for step in range(1, 7):
+        writer.write(step, _train_metrics(step))
+        if step % 3 == 0:
+            writer.write_eval(step, val_loss=jnp.float32(4.0 - 0.1 * step), perplexity=50.0)
+    writer.write(7, {**_train_metrics(7), "grad_norm": float("nan")})
+    writer.finalize()
+
+    lines = _read_lines(os.path.join(workdir, "metrics.jsonl"))
+    train = [r for r in lines if "loss" in r]
+    val = [r for r in lines if "val_loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 8))
+    assert all(set(r) == TRAIN_KEYS for r in train)
+    assert train[1]["loss"] == pytest.approx(4.8)
+    assert train[-1]["grad_norm"] is None  # NaN written as null: strict JSON
+    assert [(r["step"], set(r)) for r in val] == [(3, {"step", "val_loss", "perplexity"})] + [
+        (6, {"step", "val_loss", "perplexity"})
+    ]
+    assert val[0]["val_loss"] == pytest.approx(3.7)
+
+    events = os.listdir(os.path.join(workdir, "tensorboard"))
+    assert any(name.startswith("events.out.tfevents") for name in events)
+    assert sum(os.path.getsize(os.path.join(workdir, "tensorboard", n)) for n in events) > 100
+
+    with open(os.path.join(workdir, "loss_curve.png"), "rb") as f:
+        png = f.read()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
+    assert not [n for n in os.listdir(workdir) if n.startswith(".tmp-")]  # no temp left behind
+
+
+def _read_scalars(tensorboard_dir):
+    """tag -> [(step, value)] from the event files (TFRecord framing: u64 length, u32 crc,
+    payload, u32 crc), parsed with tensorboardX's own protos (tensorboard is not installed)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for name in sorted(os.listdir(tensorboard_dir)):
+        with open(os.path.join(tensorboard_dir, name), "rb") as f:
+            data = f.read()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_tensorboard_holds_the_scalars(tmp_path):
+    writer = MetricsWriter(str(tmp_path), is_main_process=True, total_steps=3, progress_bar=False)
+    for step in (1, 2):
+        writer.write(step, _train_metrics(step))
+    writer.write_eval(2, val_loss=3.5)
+    writer.close()
+    scalars = _read_scalars(str(tmp_path / "tensorboard"))
+    assert [(s, round(v, 4)) for s, v in scalars["train/loss"]] == [(1, 4.9), (2, 4.8)]
+    assert scalars["train/mfu"] == [(1, 0.25), (2, 0.25)]
+    assert scalars["eval/loss"] == [(2, 3.5)]
+
+
+def test_truncate_after_and_resume(tmp_path):
+    workdir = str(tmp_path)
+    writer = MetricsWriter(workdir, is_main_process=True, total_steps=10, progress_bar=False)
+    for step in range(1, 9):
+        writer.write(step, _train_metrics(step))
+    writer.write_eval(4, val_loss=3.0)
+    writer.truncate_after(5)  # on the open writer: it keeps appending to the new file
+    writer.write(6, _train_metrics(6))
+    writer.close()
+    path = os.path.join(workdir, "metrics.jsonl")
+    assert [r["step"] for r in _read_lines(path)] == [1, 2, 3, 4, 5, 4, 6]
+
+    # A crash mid-line, then a resume from a checkpoint at step 3.
+    with open(path, "a") as f:
+        f.write('{"step": 7, "lo')
+    writer = MetricsWriter(
+        workdir, is_main_process=True, total_steps=10, resume_step=3, progress_bar=False
+    )
+    writer.write(4, _train_metrics(4))
+    writer.close()
+    assert [r["step"] for r in _read_lines(path)] == [1, 2, 3, 4]
+
+
+def test_partial_last_line_is_dropped_when_appending(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    writer = MetricsWriter(str(tmp_path), is_main_process=True, total_steps=5, progress_bar=False)
+    writer.write(2, {"loss": 1.0})
+    writer.close()
+    assert _read_lines(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}]
+    assert read_metrics(str(path))[-1] == {"step": 2, "loss": 1.0}
+
+
+def test_non_main_process_writes_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    writer = MetricsWriter(str(workdir), is_main_process=False, total_steps=5)
+    writer.write(1, _train_metrics(1))
+    writer.write_eval(1, val_loss=2.0)
+    writer.truncate_after(0)
+    writer.finalize()
+    assert not workdir.exists()
+
+
+# --- FLOPs and MFU -----------------------------------------------------------------------
+
+TINY = dict(
+    num_layers=2,
+    hidden_dim=8,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    ffn_dim=16,
+    vocab_size=10,
+)
+
+
+def test_flops_per_token_hand_count():
+    # Per layer: q 8*2*4=64, k 8*1*4=32, v 32, o 2*4*8=64 -> 192; GLU MLP 3*8*16=384.
+    # Two layers 2*576=1152, LM head 8*10=80: N_matmul = 1232; 6 * 1232 = 7392.
+    # Causal attention, T=6: keys per query 1..6, mean 3.5; 12 * N*D * L * 3.5 = 672.
+    assert flops.matmul_params(**TINY) == 1232
+    assert flops.flops_per_token(**TINY, seq_len=6) == 7392 + 672
+    # Without GLU the MLP has 2 matrices: 2 layers * 128 fewer entries, times 6.
+    assert flops.flops_per_token(**TINY, seq_len=6, glu=False) == 7392 - 6 * 256 + 672
+
+
+def test_flops_sliding_window():
+    # T=8, w=4: queries see 1, 2, 3, 4, 4, 4, 4, 4 keys, mean 26/8 = 3.25 (4.5 with no window).
+    assert flops.attention_context(8, 4) == 3.25
+    assert flops.attention_context(8) == 4.5
+    base = flops.flops_per_token(**TINY, seq_len=8)
+    windowed = flops.flops_per_token(**TINY, seq_len=8, sliding_window=4)
+    assert base - windowed == 12 * 2 * 4 * 2 * (4.5 - 3.25)
+    assert flops.flops_per_token(**TINY, seq_len=8, sliding_window=8) == base
+    assert flops.flops_per_token(**TINY, seq_len=8, sliding_window=100) == base
+    # Per-layer windows: one local, one global layer is half-way between.
+    mixed = flops.flops_per_token(**TINY, seq_len=8, sliding_window=[4, None])
+    assert mixed == (base + windowed) / 2
+    with pytest.raises(ValueError, match="layer windows"):
+        flops.flops_per_token(**TINY, seq_len=8, sliding_window=[4])
+
+
+def test_attention_context_matches_a_mask_count():
+    # C against counting the ones of the actual causal (windowed) mask, as the model builds it.
+    for t, w in [(7, None), (64, 16), (64, 63), (50, 1)]:
+        i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+        mask = (j <= i) & ((i - j < w) if w else True)
+        assert flops.attention_context(t, w) == pytest.approx(mask.sum() / t, rel=1e-12)
+
+
+def test_flops_agree_with_the_model_config():
+    # The same count from the model's own config (zoo/layers/config.py), no window.
+    from zoo import get_config
+
+    cfg = get_config("tiny")
+    ours = flops.flops_per_token(
+        num_layers=cfg.num_layers,
+        hidden_dim=cfg.hidden_dim,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        ffn_dim=cfg.ffn_dim,
+        vocab_size=cfg.vocab_size,
+        seq_len=64,
+        glu=cfg.glu,
+    )
+    assert ours == pytest.approx(cfg.flops_per_token(64), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kind,dtype,expected",
+    [
+        ("NVIDIA H100 80GB HBM3", jnp.bfloat16, 989e12),
+        ("NVIDIA H100 PCIe", jnp.bfloat16, 756e12),
+        ("NVIDIA H200", jnp.bfloat16, 989e12),
+        ("NVIDIA H100 80GB HBM3", jnp.float32, 494.5e12),
+        ("NVIDIA A100-SXM4-80GB", jnp.bfloat16, 312e12),
+        ("NVIDIA A100-SXM4-40GB", jnp.float32, 156e12),
+        ("TPU v4", jnp.bfloat16, 275e12),
+        ("TPU v5 lite", jnp.bfloat16, 197e12),
+        ("TPU v5e", jnp.bfloat16, 197e12),
+        ("TPU v5", jnp.bfloat16, 459e12),
+        ("TPU v5p", jnp.float32, 459e12),
+        ("TPU v6 lite", jnp.bfloat16, 918e12),
+        ("TPU v6e", jnp.bfloat16, 918e12),
+        ("Tesla T4", jnp.bfloat16, None),
+    ],
+)
+def test_peak_flops_table(kind, dtype, expected):
+    assert flops.lookup_peak_flops(kind, dtype) == expected
+
+
+def test_peak_flops_per_device_on_cpu():
+    device = jax.devices()[0]
+    assert flops.peak_flops_per_device(device, override_tflops=2.5) == 2.5e12
+    with pytest.raises(ValueError):
+        flops.peak_flops_per_device(device, override_tflops=0)
+    measured = flops.peak_flops_per_device(device, jnp.float32)
+    # Per device, with 8 simulated devices sharing the host: between 10 MFLOP/s and 10 TFLOP/s.
+    assert 1e7 < measured < 1e13
+    assert measured == flops.measure_cpu_peak_flops(dtype=jnp.float32)  # cached per process
+
+
+def test_mfu():
+    # 1000 tok/s * 1e9 FLOP/tok = 1e12 FLOP/s over 4 devices of 1e12: 25%.
+    assert flops.mfu(1000.0, 1e9, 4, 1e12) == pytest.approx(0.25)

@@ -1,0 +1,202 @@
+"""Model FLOPs per token, devices' peak FLOP/s, and MFU.
+
+Model FLOPs utilisation (MFU) = achieved model FLOP/s / peak FLOP/s, where "model FLOPs" are
+those the architecture needs for a training step (forward + backward), counted from the config,
+not those the compiled program happens to execute (rematerialisation is not counted).
+
+Training FLOPs per token, decoder-only LM (letters as in the rest of the project: L layers,
+M hidden, N query heads, K kv heads, D head dim, F ffn, V vocab, T sequence length):
+
+1. Matmul weights (PaLM / Chinchilla convention). A matmul with a weight of P entries costs
+   2P FLOPs per token forward (a multiply and an add per entry), and 4P backward (gradients
+   with respect to the input and to the weight), so 6P per token for training.
+       N_matmul = L * (M*N*D + 2*M*K*D + N*D*M      q, k, v, o projections
+                       + (3 if GLU else 2) * M*F)   gate+up+down, or up+down
+                  + M*V                              LM head
+   The LM head counts even when tied to the embedding: it is a matmul either way. The
+   embedding *lookup* is a gather, not a matmul, and counts 0. Norm gains, biases and
+   elementwise work (softmax, activations, RoPE) are left out, as usual.
+       6 * N_matmul
+
+2. Attention scores and values. For one query token, one layer, one head: q.k over C keys
+   costs 2*C*D FLOPs and the weighted sum of C values another 2*C*D, so 4*C*N*D per token per
+   layer forward (N query heads: GQA shares k/v but each query head still does its own
+   products), and 12*C*N*D for training (backward = 2 x forward, as for any matmul).
+   Full (bidirectional) attention has C = T. Causal attention computes only the lower
+   triangle: the query at position t (1-based) sees t keys, so C is the mean over t of t,
+   exactly (T+1)/2 -- "half", i.e. about 6*T*N*D per token per layer, where PaLM's
+   12*L*H*Q*T counts the full square. With a sliding window of w visible keys (the query
+   itself and the w-1 before it, as zoo/layers/attention_ops.py defines it), the query at t
+   sees min(t, w), and with w' = min(T, w):
+       C = (1/T) * sum_{t=1..T} min(t, w') = (w'(w'+1)/2 + (T - w') * w') / T
+   which is (T+1)/2 when w >= T. Layers may differ (local/global interleaving): the sum runs
+   over each layer's own C. T is the packed row's length: documents packed in a row do not
+   attend to each other, but an XLA/cuDNN kernel still computes the row's whole triangle, and
+   MFU conventionally counts the model at its sequence length, not its documents'.
+
+   flops_per_token = 6 * N_matmul + 12 * N * D * sum_over_layers C_layer
+                   = 6 * N_matmul + 6 * L * (T+1) * N * D      (causal, no window)
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def matmul_params(
+    *,
+    num_layers: int,
+    hidden_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    ffn_dim: int,
+    vocab_size: int,
+    glu: bool = True,
+) -> int:
+    """N_matmul: entries of every matmul weight, LM head included, embedding lookup excluded."""
+    m = hidden_dim
+    attention = m * num_heads * head_dim + 2 * m * num_kv_heads * head_dim
+    attention += num_heads * head_dim * m
+    mlp = (3 if glu else 2) * m * ffn_dim
+    return num_layers * (attention + mlp) + m * vocab_size
+
+
+def attention_context(seq_len: int, sliding_window: int | None = None) -> float:
+    """C, the mean number of keys a causal query attends to, with a window of `sliding_window`
+    visible keys (None or 0: no window): (w'(w'+1)/2 + (T - w') w') / T, w' = min(T, w)."""
+    t = seq_len
+    w = t if not sliding_window else min(t, sliding_window)
+    return (w * (w + 1) / 2 + (t - w) * w) / t
+
+
+def flops_per_token(
+    *,
+    num_layers: int,
+    hidden_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    ffn_dim: int,
+    vocab_size: int,
+    seq_len: int,
+    sliding_window: int | Sequence[int | None] | None = None,
+    glu: bool = True,
+) -> float:
+    """Training (forward + backward) model FLOPs per token (derivation in the module doc):
+    6 * N_matmul + 12 * N * D * sum over layers of C(T, window of the layer).
+
+    `sliding_window`: None or 0 for causal attention over the whole row; an int w for a
+    window of w visible keys in every layer; or one entry per layer (None/0 = global).
+    """
+    n_matmul = matmul_params(
+        num_layers=num_layers,
+        hidden_dim=hidden_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=ffn_dim,
+        vocab_size=vocab_size,
+        glu=glu,
+    )
+    if sliding_window is None or isinstance(sliding_window, int):
+        windows = [sliding_window] * num_layers
+    else:
+        windows = list(sliding_window)
+        if len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} layer windows given for {num_layers} layers")
+    context = sum(attention_context(seq_len, w) for w in windows)
+    return 6.0 * n_matmul + 12.0 * num_heads * head_dim * context
+
+
+# Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets. Looked up by
+# substring of `jax.Device.device_kind`, first match wins, so more specific names come first
+# ('TPU v5 lite' before 'TPU v5', 'H100 PCIe' before 'H100').
+# float32 column: on GPUs, XLA runs float32 matmuls as TF32 by default (jax's default matmul
+# precision), half the bf16 rate; on TPUs, default precision runs float32 matmuls as one bf16
+# pass, so the bf16 rate applies.
+#             (device_kind substrings,          bf16,     float32)
+PEAK_FLOPS: tuple[tuple[tuple[str, ...], float, float], ...] = (
+    (("H100 PCIe",), 756e12, 378e12),
+    (("H100",), 989e12, 494.5e12),  # SXM
+    (("H200",), 989e12, 494.5e12),
+    (("A100",), 312e12, 156e12),
+    (("TPU v4",), 275e12, 275e12),
+    (("TPU v5 lite", "TPU v5e"), 197e12, 197e12),
+    (("TPU v5p", "TPU v5"), 459e12, 459e12),
+    (("TPU v6 lite", "TPU v6e", "TPU v6"), 918e12, 918e12),
+)
+
+
+def lookup_peak_flops(device_kind: str, dtype=jnp.bfloat16) -> float | None:
+    """Peak FLOP/s for a `device_kind` string and compute dtype, or None if not in the table."""
+    low_precision = jnp.dtype(dtype).itemsize <= 2
+    for kinds, bf16, fp32 in PEAK_FLOPS:
+        if any(k.lower() in device_kind.lower() for k in kinds):
+            return bf16 if low_precision else fp32
+    return None
+
+
+@functools.cache
+def measure_cpu_peak_flops(size: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+    """FLOP/s per CPU device: the best of `repeats` jitted `size`^2 matmuls, over the devices.
+
+    Simulated CPU devices (`--xla_force_host_platform_device_count`) share the host's cores,
+    and one matmul already uses all of them, so the host's rate is divided by the number of
+    local CPU devices: the sum over devices is then the machine's rate, as MFU needs.
+    Cached: measured once per process.
+    """
+    device = jax.local_devices(backend="cpu")[0]
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.device_put(jax.random.normal(key_a, (size, size), dtype), device)
+    b = jax.device_put(jax.random.normal(key_b, (size, size), dtype), device)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, b).block_until_ready()  # compile and warm up
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    host_flops = 2.0 * size**3 / best
+    return host_flops / len(jax.local_devices(backend="cpu"))
+
+
+def peak_flops_per_device(
+    device: jax.Device, dtype=jnp.bfloat16, override_tflops: float | None = None
+) -> float:
+    """Peak FLOP/s of one `device` for matmuls in `dtype`.
+
+    `override_tflops` (e.g. from `--peak_tflops`) wins; CPUs are measured
+    (`measure_cpu_peak_flops`, in `dtype`); accelerators come from `PEAK_FLOPS`. An accelerator
+    not in the table raises ValueError, naming the kind and the override to use.
+    """
+    if override_tflops is not None:
+        if override_tflops <= 0:
+            raise ValueError(f"peak TFLOP/s must be positive, got {override_tflops}")
+        return override_tflops * 1e12
+    if device.platform == "cpu":
+        return measure_cpu_peak_flops(dtype=dtype)
+    peak = lookup_peak_flops(device.device_kind, dtype)
+    if peak is None:
+        known = ", ".join(k for kinds, _, _ in PEAK_FLOPS for k in kinds)
+        raise ValueError(
+            f"no peak FLOP/s known for device kind {device.device_kind!r} (known: {known}); "
+            "give it with --peak_tflops"
+        )
+    return peak
+
+
+def mfu(
+    tokens_per_second_global: float,
+    flops_per_token: float,
+    num_devices: int,
+    peak_per_device: float,
+) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all `num_devices`."""
+    return tokens_per_second_global * flops_per_token / (num_devices * peak_per_device)

@@ -1,0 +1,223 @@
+"""Tokenizers behind one small interface: byte-level, Hugging Face `tokenizer.json`, SentencePiece.
+
+Every tokenizer has `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `eos_id`
+(the id the data pipeline appends to each document) and `token_num_bytes`, an int array [V] with
+the number of UTF-8 bytes each id stands for (0 for EOS and special tokens). `num_bytes(ids)` sums
+it, so evaluation can report bits per byte = total_nll_nats / ln(2) / total_bytes over the
+predicted tokens without decoding.
+
+`make_tokenizer(spec)` picks one: 'byte', a path to a `tokenizer.json` (or a directory holding
+one), or a path to a SentencePiece `.model`.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+# Names of end-of-document tokens in common Hugging Face vocabularies, most specific first.
+_HF_EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+_BYTE_FALLBACK_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+class Tokenizer(abc.ABC):
+    """The interface the data pipeline, evaluation and generation rely on."""
+
+    eos_id: int
+    vocab_size: int  # every id in [0, vocab_size) may appear; models need at least this many rows
+    token_num_bytes: np.ndarray  # int64 [vocab_size]: UTF-8 bytes each id decodes to
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`, with no EOS/BOS added (the pipeline appends `eos_id` itself)."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; EOS and ids outside the vocabulary are dropped."""
+
+    def num_bytes(self, ids) -> int:
+        """UTF-8 bytes that `ids` stand for (the denominator of bits per byte)."""
+        return int(self.token_num_bytes[np.asarray(ids, dtype=np.int64)].sum())
+
+
+class ByteTokenizer(Tokenizer):
+    """Ids 0..255 are the UTF-8 bytes of the text; id 256 is EOS. vocab_size = 257."""
+
+    eos_id = 256
+    vocab_size = 257
+
+    def __init__(self):
+        self.token_num_bytes = np.array([1] * 256 + [0], dtype=np.int64)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_np(self, text: str) -> np.ndarray:
+        """Fast path for the data pipeline: the bytes as an int32 array."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # errors='replace' because generation can stop in the middle of a multi-byte character.
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the printable character standing for each byte."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def _has_type(node, type_name: str) -> bool:
+    """Whether a tokenizer.json component (possibly a Sequence of them) has `type_name`."""
+    if isinstance(node, dict):
+        if node.get("type") == type_name:
+            return True
+        return any(_has_type(v, type_name) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_type(v, type_name) for v in node)
+    return False
+
+
+class HfTokenizer(Tokenizer):
+    """A local Hugging Face `tokenizer.json`, through the `tokenizers` library.
+
+    EOS is the `eos_token` of a `tokenizer_config.json` beside the file, else the first of
+    `_HF_EOS_CANDIDATES` in the vocabulary, else one extra id past the vocabulary (then
+    vocab_size is one larger than the file's). Byte counts are exact for byte-level BPE (GPT-2,
+    Llama 3, Qwen) and SentencePiece-style vocabularies ('▁' = space, '<0xAB>' = one byte); for
+    WordPiece they ignore the spaces the decoder inserts.
+    """
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _HfTok
+
+        self.path = path
+        self._tok = _HfTok.from_file(path)
+        spec = json.loads(self._tok.to_str())
+        base_size = self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        eos_token = _eos_from_config(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+        candidates = ([eos_token] if eos_token else []) + list(_HF_EOS_CANDIDATES)
+        eos = next((vocab[t] for t in candidates if t in vocab), None)
+        self.eos_id = base_size if eos is None else eos
+        self.vocab_size = base_size + (eos is None)
+
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        byte_level = _has_type(spec.get("decoder"), "ByteLevel")
+        to_byte = _gpt2_unicode_to_byte()
+        num_bytes = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in vocab.items():
+            if i in special or i == self.eos_id:
+                continue
+            if byte_level:
+                num_bytes[i] = (
+                    len(token) if all(c in to_byte for c in token) else len(token.encode())
+                )
+            elif _BYTE_FALLBACK_PIECE.match(token):
+                num_bytes[i] = 1
+            else:
+                num_bytes[i] = len(token.removeprefix("##").replace("▁", " ").encode())
+        self.token_num_bytes = num_bytes
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        base = self._tok.get_vocab_size(with_added_tokens=True)
+        keep = [int(i) for i in ids if 0 <= int(i) < base and int(i) != self.eos_id]
+        return self._tok.decode(keep, skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HfTokenizer({self.path!r})"
+
+
+def _eos_from_config(config_path: str) -> str | None:
+    if not os.path.exists(config_path):
+        return None
+    with open(config_path, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece `.model` file. Needs `pip install sentencepiece` (imported lazily)."""
+
+    def __init__(self, path: str):
+        try:
+            import sentencepiece
+        except ImportError as e:
+            raise ImportError(
+                f"SentencePiece model {path!r} needs the sentencepiece package: "
+                "pip install sentencepiece"
+            ) from e
+        self.path = path
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        base_size = self._sp.get_piece_size()
+        eos = self._sp.eos_id()
+        self.eos_id = eos if eos >= 0 else base_size
+        self.vocab_size = base_size + (eos < 0)
+        num_bytes = np.zeros(self.vocab_size, dtype=np.int64)
+        for i in range(base_size):
+            if self._sp.is_control(i) or self._sp.is_unknown(i) or i == self.eos_id:
+                continue
+            piece = self._sp.id_to_piece(i)
+            num_bytes[i] = 1 if self._sp.is_byte(i) else len(piece.replace("▁", " ").encode())
+        self.token_num_bytes = num_bytes
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        base = self._sp.get_piece_size()
+        return self._sp.decode([int(i) for i in ids if 0 <= int(i) < base and i != self.eos_id])
+
+    def __reduce__(self):
+        # Rebuild from the path in worker processes (mp_prefetch pickles the pipeline).
+        return (SentencePieceTokenizer, (self.path,))
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self.path!r})"
+
+
+def make_tokenizer(spec: str) -> Tokenizer:
+    """'byte', a `tokenizer.json` path (or a directory holding one), or a `.model` path.
+
+    Raises FileNotFoundError naming the path when it does not exist, ValueError when the file
+    kind is not recognised.
+    """
+    if spec == "byte":
+        return ByteTokenizer()
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"tokenizer not found: {path!r} (use 'byte', a tokenizer.json "
+            "or a SentencePiece .model path)"
+        )
+    if path.endswith(".json"):
+        return HfTokenizer(path)
+    if path.endswith(".model"):
+        return SentencePieceTokenizer(path)
+    raise ValueError(
+        f"unknown tokenizer file {path!r}: expected 'byte', a tokenizer.json or a .model file"
+    )
