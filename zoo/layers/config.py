@@ -11,6 +11,9 @@ import math
 
 import jax.numpy as jnp
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
@@ -44,6 +47,9 @@ class DecoderConfig:
     # Every `global_every`-th layer (1-based) attends globally, the others use the window
     # (Gemma 3: 6). 0: all layers use the window when one is set (Mistral).
     global_every: int = 0
+    # Per-layer attention kind, 'sliding_attention' | 'full_attention' (Hugging Face's names),
+    # overriding `global_every` when set: checkpoints list one per layer (Gemma 3, Qwen3).
+    layer_types: tuple[str, ...] | None = None
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     embed_scale: bool = False  # Gemma: multiply embeddings by sqrt(M)
     final_logit_softcap: float | None = None
@@ -66,6 +72,15 @@ class DecoderConfig:
             raise ValueError(f"dtype={self.dtype!r}; valid: float32, bfloat16")
         if self.attention_impl not in ("xla", "cudnn", "auto"):
             raise ValueError(f"attention_impl={self.attention_impl!r}; valid: xla, cudnn, auto")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for num_layers="
+                    f"{self.num_layers}"
+                )
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types {bad} unknown; valid: {', '.join(LAYER_TYPES)}")
 
     @property
     def compute_dtype(self):
@@ -76,9 +91,12 @@ class DecoderConfig:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     def layer_windows(self) -> list[int]:
-        """Per-layer window (0 = global), from `sliding_window` and `global_every`."""
+        """Per-layer window (0 = global), from `sliding_window` and `layer_types` or
+        `global_every`."""
         if not self.sliding_window:
             return [0] * self.num_layers
+        if self.layer_types is not None:
+            return [self.sliding_window if t == SLIDING else 0 for t in self.layer_types]
         if not self.global_every:
             return [self.sliding_window] * self.num_layers
         return [
@@ -100,9 +118,12 @@ class DecoderConfig:
         )
         attn = M * N * D * 2 + M * K * D * 2
         mlp = M * F * (3 if self.glu else 2)
-        norms = M * (4 if self.post_norms else 2) + (2 * D if self.qk_norm else 0)
-        per_layer = attn + mlp + norms
-        total = self.num_layers * per_layer + M + (0 if self.tie_embeddings else M * V)
+        # LayerNorm carries a bias beside its scale.
+        norm_size = M * (2 if self.norm == "layer" else 1)
+        norms = norm_size * (4 if self.post_norms else 2) + (2 * D if self.qk_norm else 0)
+        biases = (N * D + 2 * K * D + M + F * (2 if self.glu else 1) + M) if self.use_bias else 0
+        per_layer = attn + mlp + norms + biases
+        total = self.num_layers * per_layer + norm_size + (0 if self.tie_embeddings else M * V)
         if include_embedding:
             total += V * M
             if self.position == "learned":
@@ -125,12 +146,15 @@ class DecoderConfig:
         """Training FLOPs per token: 6 * matmul params, plus causal attention.
 
         Attention scores and the weighted sum each cost 2*N*D FLOPs per (query, key) pair
-        forward; a causal query sees on average (T+1)/2 keys (fewer with a window), and the
-        backward pass costs twice the forward: 3 * 2 * 2 * N * D * keys per layer.
+        forward, and the backward pass twice the forward: 12 * N * D per pair. A causal
+        query sees on average C keys: (T+1)/2 without a window; with a window of w visible
+        keys (w' = min(w, T)), C = (w'(w'+1)/2 + (T-w') w') / T, counted exactly.
         """
         total = 6.0 * self.matmul_params()
+        T = seq_len
         for window in self.layer_windows():
-            keys = (seq_len + 1) / 2 if not window else min(window, (seq_len + 1) / 2)
+            w = min(window, T) if window else T
+            keys = (w * (w + 1) / 2 + (T - w) * w) / T
             total += 12.0 * self.num_heads * self.head_dim * keys
         return total
 
