@@ -1,0 +1,492 @@
+"""zoo.layers.attention_ops against a naive reference, plus backend choice and layouts.
+
+The reference is written independently of the module: a mask built by explicit loops over
+(b, t, s) in numpy from the rule "same segment, kv_pos <= q_pos if causal, q_pos - kv_pos <
+window", kv heads repeated to N (instead of grouped), -inf for masked logits (instead of a
+finite minimum), and jax.nn.softmax. Every case has at least one visible key per query, so
+the two formulations agree up to float rounding.
+
+Tolerances. float32: atol 1e-5 -- the two compute the same sums in a different order (and
+the implementation scales logits after the matmul in a grouped layout), which moves values
+of order 1 by a few ulp (~1e-7 each) over reductions of <= 16 terms. bfloat16 inputs: atol
+3e-2 against the float32 reference on the same (bf16-rounded) inputs -- the output and the
+softmax probabilities are rounded to bf16 (8-bit mantissa, relative 2**-8 = 0.004) and the
+outputs here are of order 1, so a few bf16 ulps.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from zoo.layers import attention_ops
+from zoo.layers.attention_ops import attention, resolve_implementation
+
+ATOL_F32 = 1e-5
+ATOL_BF16 = 3e-2
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}  # name -> (N, K)
+D = 8
+SCALE = D**-0.5
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def _packed_rows(doc_lengths_per_row, T):
+    """segment ids (1-based, 0 = padding) and positions (restart per document) for rows."""
+    seg = np.zeros((len(doc_lengths_per_row), T), np.int32)
+    pos = np.zeros_like(seg)
+    for b, lengths in enumerate(doc_lengths_per_row):
+        start = 0
+        for i, n in enumerate(lengths):
+            seg[b, start : start + n] = i + 1
+            pos[b, start : start + n] = np.arange(n)
+            start += n
+        assert start <= T
+    return seg, pos
+
+
+def _case(name):
+    """(q_seg, kv_seg, q_pos, kv_pos, causal, window, S) for a named masking scenario."""
+    T = 16
+    if name == "causal":  # one document per row, the second row padded at the end
+        seg, pos = _packed_rows([[16], [11]], T)
+        return seg, seg, pos, pos, True, None
+    if name == "packed":  # several documents per row and padding
+        seg, pos = _packed_rows([[5, 7], [3, 3, 6, 2]], T)
+        return seg, seg, pos, pos, True, None
+    if name == "packed_bidirectional":
+        seg, pos = _packed_rows([[5, 7], [3, 3, 6, 2]], T)
+        return seg, seg, pos, pos, False, None
+    if name == "window":  # window of 3 visible tokens, packed rows
+        seg, pos = _packed_rows([[9, 7], [3, 10]], T)
+        return seg, seg, pos, pos, True, 3
+    if name == "decode":
+        # Two query tokens against a 12-slot cache: row 0 holds a 7-token prompt plus the
+        # two new tokens (slots 0..8), row 1 a 3-token prompt (slots 0..4) -- the rest are
+        # empty slots (segment 0, position 0).
+        kv_seg, kv_pos = _packed_rows([[9], [5]], 12)
+        q_seg = np.ones((2, 2), np.int32)
+        q_pos = np.array([[7, 8], [3, 4]], np.int32)
+        return q_seg, kv_seg, q_pos, kv_pos, True, None
+    raise ValueError(name)
+
+
+def _qkv(B, T, S, N, K, dtype=jnp.float32, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (
+        jax.random.normal(kq, (B, T, N, D), dtype),
+        jax.random.normal(kk, (B, S, K, D), dtype),
+        jax.random.normal(kv, (B, S, K, D), dtype),
+    )
+
+
+# --- the reference ---------------------------------------------------------------------------
+
+
+def reference_mask(q_seg, kv_seg, q_pos, kv_pos, causal, window):
+    q_seg, kv_seg, q_pos, kv_pos = map(np.asarray, (q_seg, kv_seg, q_pos, kv_pos))
+    B, T = q_seg.shape
+    S = kv_seg.shape[1]
+    mask = np.zeros((B, T, S), bool)
+    for b in range(B):
+        for t in range(T):
+            for s in range(S):
+                ok = q_seg[b, t] == kv_seg[b, s]
+                if causal:
+                    ok = ok and kv_pos[b, s] <= q_pos[b, t]
+                if window is not None and window > 0:
+                    ok = ok and q_pos[b, t] - kv_pos[b, s] < window
+                mask[b, t, s] = ok
+    assert mask.any(axis=-1).all(), "a query with no visible key: the reference would be NaN"
+    return mask
+
+
+def reference_attention(q, k, v, mask_BTS, scale):
+    G = q.shape[2] // k.shape[2]
+    k_rep = jnp.repeat(k.astype(jnp.float32), G, axis=2)  # kv head of query head n: n // G
+    v_rep = jnp.repeat(v.astype(jnp.float32), G, axis=2)
+    scores = jnp.einsum("btnd,bsnd->bnts", q.astype(jnp.float32), k_rep) * scale
+    scores = jnp.where(jnp.asarray(mask_BTS)[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bnts,bsnd->btnd", probs, v_rep)
+
+
+def _run(q, k, v, case, *, implementation="xla", window=None, out_sharding=None, **kw):
+    q_seg, kv_seg, q_pos, kv_pos, causal, case_window = case
+    return attention(
+        q,
+        k,
+        v,
+        q_segment_ids_BT=jnp.asarray(q_seg),
+        kv_segment_ids_BS=jnp.asarray(kv_seg),
+        q_positions_BT=jnp.asarray(q_pos),
+        kv_positions_BS=jnp.asarray(kv_pos),
+        scale=SCALE,
+        out_sharding=out_sharding,
+        causal=causal,
+        sliding_window=case_window if window is None else window,
+        implementation=implementation,
+        **kw,
+    )
+
+
+# --- the xla path equals the reference -------------------------------------------------------
+
+CASES = ["causal", "packed", "packed_bidirectional", "window", "decode"]
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("case_name", CASES)
+def test_xla_forward_and_gradients_equal_reference(heads, case_name):
+    N, K = HEADS[heads]
+    case = _case(case_name)
+    q_seg, kv_seg, q_pos, kv_pos, causal, window = case
+    B, T = q_seg.shape
+    S = kv_seg.shape[1]
+    q, k, v = _qkv(B, T, S, N, K)
+    mask = reference_mask(*case[:4], causal, window)
+    # The mask must actually exclude something, or the test could not see a masking bug.
+    assert not mask.all()
+
+    out = jax.jit(lambda q, k, v: _run(q, k, v, case))(q, k, v)
+    ref = reference_attention(q, k, v, mask, SCALE)
+    assert out.shape == (B, T, N, D) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, atol=ATOL_F32, rtol=0)
+
+    # Gradients through a random projection of the output (a plain sum would hide errors
+    # that cancel across positions).
+    proj = jax.random.normal(jax.random.key(7), (B, T, N, D))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * proj)
+
+    grads = jax.jit(jax.grad(loss(lambda q, k, v: _run(q, k, v, case)), argnums=(0, 1, 2)))(q, k, v)
+    ref_grads = jax.grad(
+        loss(lambda q, k, v: reference_attention(q, k, v, mask, SCALE)), argnums=(0, 1, 2)
+    )(q, k, v)
+    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        assert float(jnp.abs(rg).max()) > 1e-3, f"d{name} of the reference is ~0: weak test"
+        np.testing.assert_allclose(g, rg, atol=ATOL_F32, rtol=0, err_msg=f"d{name}")
+
+
+def test_packed_row_equals_documents_run_alone():
+    """A document in a packed row gets the same output as the document alone in its row."""
+    N, K = HEADS["gqa"]
+    case = _case("packed")
+    q, k, v = _qkv(2, 16, 16, N, K)
+    packed = _run(q, k, v, case)
+    # Row 1 holds documents of lengths 3, 3, 6, 2 from offsets 0, 3, 6, 12.
+    for start, n in ((0, 3), (3, 3), (6, 6), (12, 2)):
+        sl = slice(start, start + n)
+        seg = jnp.ones((1, n), jnp.int32)
+        pos = jnp.arange(n, dtype=jnp.int32)[None]
+        alone = attention(
+            q[1:, sl],
+            k[1:, sl],
+            v[1:, sl],
+            q_segment_ids_BT=seg,
+            kv_segment_ids_BS=seg,
+            q_positions_BT=pos,
+            kv_positions_BS=pos,
+            scale=SCALE,
+            out_sharding=None,
+        )
+        np.testing.assert_allclose(packed[1:, sl], alone, atol=ATOL_F32, rtol=0)
+
+
+def test_traced_window_under_jit():
+    """One compiled function serves every per-layer window, passed in as an int32 scalar."""
+    N, K = HEADS["gqa"]
+    case = _case("window")
+    q_seg, kv_seg, q_pos, kv_pos, causal, _ = case
+    q, k, v = _qkv(2, 16, 16, N, K)
+    traces = []
+
+    @jax.jit
+    def run(q, k, v, window):
+        traces.append(window)
+        return _run(q, k, v, case, window=window)
+
+    for w in (3, 5, 0, -1):  # 0 and negative: no window (a global layer)
+        out = run(q, k, v, jnp.int32(w))
+        mask = reference_mask(q_seg, kv_seg, q_pos, kv_pos, causal, w)
+        np.testing.assert_allclose(out, reference_attention(q, k, v, mask, SCALE), atol=ATOL_F32)
+    assert len(traces) == 1, "the window must be a traced value, not a static argument"
+    # The window changes the answer (so the test above is not passing on a no-op).
+    assert float(jnp.abs(run(q, k, v, jnp.int32(3)) - run(q, k, v, jnp.int32(0))).max()) > 1e-2
+
+
+def test_static_window_convention():
+    """sliding_window=w: the query and the w-1 tokens before it; w=1 sees only itself."""
+    seg, pos = _packed_rows([[6]], 6)
+    q, k, v = _qkv(1, 6, 6, 2, 2)
+    case = (seg, seg, pos, pos, True, 1)
+    out = _run(q, k, v, case)
+    np.testing.assert_allclose(out, v, atol=ATOL_F32)  # attending only itself returns v
+
+
+def test_padding_rows_are_finite_and_full_cache_padding_query_is_not_nan():
+    q_seg = np.array([[1, 0]], np.int32)  # a real query and a padding query
+    kv_seg = np.ones((1, 4), np.int32)  # a full cache: the padding query sees nothing
+    q_pos = np.array([[3, 0]], np.int32)
+    kv_pos = np.arange(4, dtype=np.int32)[None]
+    q, k, v = _qkv(1, 2, 4, 2, 1)
+    out = _run(q, k, v, (q_seg, kv_seg, q_pos, kv_pos, True, None))
+    assert bool(jnp.isfinite(out).all())
+
+
+@pytest.mark.parametrize("heads", ["gqa", "mqa"])
+def test_bfloat16_runs_and_is_close_to_float32(heads):
+    N, K = HEADS[heads]
+    case = _case("packed")
+    q, k, v = _qkv(2, 16, 16, N, K, dtype=jnp.bfloat16)
+    out = jax.jit(lambda q, k, v: _run(q, k, v, case))(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    mask = reference_mask(*case[:4], case[4], case[5])
+    ref = reference_attention(q, k, v, mask, SCALE)  # float32 on the same rounded inputs
+    np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=ATOL_BF16, rtol=0)
+    grads = jax.grad(lambda q, k, v: _run(q, k, v, case).astype(jnp.float32).sum(), (0, 1, 2))(
+        q, k, v
+    )
+    assert all(g.dtype == jnp.bfloat16 and bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_shape_errors_are_clear():
+    q, k, v = _qkv(2, 16, 16, 4, 3)
+    seg = jnp.ones((2, 16), jnp.int32)
+    with pytest.raises(ValueError, match="K must divide N"):
+        attention(
+            q,
+            k,
+            v,
+            q_segment_ids_BT=seg,
+            kv_segment_ids_BS=seg,
+            q_positions_BT=seg,
+            kv_positions_BS=seg,
+            scale=SCALE,
+            out_sharding=None,
+        )
+
+
+# --- choosing a backend ----------------------------------------------------------------------
+
+
+def test_auto_picks_xla_on_cpu_and_cudnn_on_gpu_when_supported():
+    bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+    assert jax.default_backend() == "cpu"
+    assert resolve_implementation("auto", dtype=bf16, head_dim=64, platform="cpu") == "xla"
+    assert resolve_implementation("auto", dtype=f32, head_dim=64, platform="cpu") == "xla"
+    assert resolve_implementation("auto", dtype=bf16, head_dim=128, platform="gpu") == "cudnn"
+    assert resolve_implementation("auto", dtype=f16, head_dim=64, platform="cuda") == "cudnn"
+    assert resolve_implementation("auto", dtype=f32, head_dim=64, platform="gpu") == "xla"
+    assert resolve_implementation("auto", dtype=bf16, head_dim=60, platform="gpu") == "xla"
+    assert resolve_implementation("auto", dtype=bf16, head_dim=256, platform="gpu") == "xla"
+    packed = resolve_implementation("auto", dtype=bf16, head_dim=64, platform="gpu", packed=True)
+    assert packed == "xla"
+    assert resolve_implementation("xla", dtype=f32, head_dim=60, platform="gpu") == "xla"
+    assert resolve_implementation("cudnn", dtype=bf16, head_dim=256, platform="gpu") == "cudnn"
+
+
+def test_explicit_cudnn_that_cannot_run_says_why():
+    msg = (
+        "attention implementation 'cudnn' needs an NVIDIA GPU with cuDNN; "
+        "this process has platform cpu; use 'xla' or 'auto'"
+    )
+    with pytest.raises(ValueError) as err:
+        resolve_implementation("cudnn", dtype=jnp.bfloat16, head_dim=64, platform="cpu")
+    assert str(err.value) == msg
+    with pytest.raises(ValueError, match="needs bfloat16 or float16 inputs, got float32"):
+        resolve_implementation("cudnn", dtype=jnp.float32, head_dim=64, platform="gpu")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        resolve_implementation("cudnn", dtype=jnp.bfloat16, head_dim=12, platform="gpu")
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'; valid:"):
+        resolve_implementation("flash", dtype=jnp.bfloat16, head_dim=64, platform="gpu")
+
+
+def test_cudnn_on_cpu_raises_our_error_at_trace_time():
+    case = _case("causal")
+    q, k, v = _qkv(2, 16, 16, 4, 2, dtype=jnp.bfloat16)
+    # Under jit too: the error comes while tracing, before jax's "cuDNN is not detected".
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU with cuDNN; this process has"):
+        jax.jit(lambda q, k, v: _run(q, k, v, case, implementation="cudnn", packed=False))(q, k, v)
+
+
+def test_auto_on_cpu_is_the_xla_path():
+    case = _case("packed")
+    q, k, v = _qkv(2, 16, 16, 4, 2)
+    np.testing.assert_array_equal(
+        _run(q, k, v, case, implementation="auto"), _run(q, k, v, case, implementation="xla")
+    )
+
+
+def _recording_xla(calls):
+    xla = attention_ops._BACKENDS["xla"].fn
+
+    def fn(*args, **kwargs):
+        calls.append(kwargs["q_segment_ids_BT"].shape)
+        return xla(*args, **kwargs)
+
+    return fn
+
+
+def test_segment_unaware_backend_falls_back_to_xla_once_with_a_warning(monkeypatch):
+    """A backend that only knows sequence lengths never sees a packed row, a decode step or
+    a traced window: those go to xla, with one warning per reason when asked for by name."""
+    monkeypatch.setattr(attention_ops, "_WARNED", set())
+    calls = []
+    case = _case("packed")
+    q, k, v = _qkv(2, 16, 16, 4, 2)
+    dq, dk, dv = _qkv(2, 2, 12, 4, 2)  # a decode step: T=2 queries, S=12 cache slots
+    xla_out = _run(q, k, v, case)
+    original = attention_ops._BACKENDS["cudnn"]
+    with attention_ops.override_backend(
+        "cudnn", _recording_xla(calls), keeps_layout=True, segment_aware=False
+    ):
+        with pytest.warns(UserWarning, match="cannot honour document boundaries in packed"):
+            out = _run(q, k, v, case, implementation="cudnn")
+        np.testing.assert_array_equal(out, xla_out)
+        assert calls == []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the second time: no warning
+            _run(q, k, v, case, implementation="cudnn")
+            # 'auto' falls back silently: choosing is its job.
+            _run(dq, dk, dv, _case("decode"), implementation="auto", packed=False)
+        assert calls == []
+        with pytest.warns(UserWarning, match="needs T == S"):
+            _run(dq, dk, dv, _case("decode"), implementation="cudnn", packed=False)
+        with pytest.warns(UserWarning, match="needs a static sliding window"):
+            jax.jit(lambda w: _run(q, k, v, case, implementation="cudnn", packed=False, window=w))(
+                jnp.int32(3)
+            )
+        assert calls == []
+        # One document per row, T == S, static window: the backend itself runs.
+        _run(q, k, v, _case("causal"), implementation="cudnn", packed=False, window=4)
+        assert calls == [(2, 16)]
+    assert attention_ops._BACKENDS["cudnn"] is original  # restored after the block
+
+
+def test_public_path_translation_matches_our_semantics():
+    """The cuDNN backend's arguments (sequence lengths, window (w-1, 0)) are exact for the
+    rows it is given; checked by running the same translation through jax's xla path."""
+    seg, pos = _packed_rows([[16], [11]], 16)  # one document per row, padding at the end
+    q, k, v = _qkv(2, 16, 16, 4, 2)
+    for window in (None, 3):
+        case = (seg, seg, pos, pos, True, window)
+        ours = _run(q, k, v, case)
+        theirs = attention_ops._public_path(
+            q,
+            k,
+            v,
+            q_segment_ids_BT=jnp.asarray(seg),
+            kv_segment_ids_BS=jnp.asarray(seg),
+            q_positions_BT=jnp.asarray(pos),
+            kv_positions_BS=jnp.asarray(pos),
+            scale=SCALE,
+            causal=True,
+            sliding_window=window,
+            out_sharding=None,
+            jax_implementation="xla",
+        )
+        real = jnp.asarray(seg != 0)[:, :, None, None]  # padding queries' outputs are ignored
+        np.testing.assert_allclose(
+            jnp.where(real, ours, 0), jnp.where(real, theirs, 0), atol=ATOL_F32
+        )
+
+
+# --- layouts under an explicit (4, 2) mesh ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert len(jax.devices()) == 8, "tests/conftest.py must force 8 CPU devices before jax"
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+HEADS_SPEC = P("data", None, "model", None)
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("case_name", ["packed", "window"])
+def test_xla_keeps_head_sharding_and_values(mesh, heads, case_name):
+    N, K = HEADS[heads]
+    case = _case(case_name)
+    q_seg, kv_seg, q_pos, kv_pos, causal, window = case
+    q, k, v = _qkv(8, 16, 16, N, K, seed=1)
+    tok = [np.tile(x, (4, 1)) for x in (q_seg, kv_seg, q_pos, kv_pos)]  # B = 8
+    unsharded = _run(q, k, v, (*tok, causal, window))
+    kv_spec = HEADS_SPEC if K % 2 == 0 else P("data", None, None, None)  # MQA: K=1 replicated
+    with jax.set_mesh(mesh):
+        qs = jax.sharding.reshard(q, HEADS_SPEC)
+        ks, vs = (jax.sharding.reshard(x, kv_spec) for x in (k, v))
+        toks = [jax.sharding.reshard(jnp.asarray(x), P("data", None)) for x in tok]
+
+        @jax.jit
+        def fwd_bwd(q, k, v, w):
+            def f(q, k, v):
+                out = _run(q, k, v, (*toks, causal, None), window=w, out_sharding=HEADS_SPEC)
+                return jnp.sum(out**2), out
+
+            return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+        (_, out), (dq, dk, dv) = fwd_bwd(qs, ks, vs, jnp.int32(window or 0))
+        assert str(jax.typeof(out)) == f"float32[8@data,16,{N}@model,{D}]"
+        assert jax.typeof(dq).sharding.spec == jax.typeof(qs).sharding.spec
+        assert jax.typeof(dk).sharding.spec == jax.typeof(ks).sharding.spec
+        assert jax.typeof(dv).sharding.spec == jax.typeof(vs).sharding.spec
+    np.testing.assert_allclose(out, unsharded, atol=ATOL_F32, rtol=0)
+
+
+def test_decode_under_mesh(mesh):
+    N, K = HEADS["gqa"]
+    case = _case("decode")
+    q_seg, kv_seg, q_pos, kv_pos, causal, window = case
+    q, k, v = _qkv(8, 2, 12, N, K)
+    tok = [np.tile(x, (4, 1)) for x in (q_seg, kv_seg, q_pos, kv_pos)]
+    unsharded = _run(q, k, v, (*tok, causal, window))
+    with jax.set_mesh(mesh):
+        qs, ks, vs = (jax.sharding.reshard(x, HEADS_SPEC) for x in (q, k, v))
+        out = jax.jit(
+            lambda q, k, v: _run(q, k, v, (*tok, causal, window), out_sharding=HEADS_SPEC)
+        )(qs, ks, vs)
+        assert str(jax.typeof(out)) == f"float32[8@data,2,{N}@model,{D}]"
+    np.testing.assert_allclose(out, unsharded, atol=ATOL_F32, rtol=0)
+
+
+def _dropping_backend(*args, **kwargs):
+    """Stand-in for the cuDNN call: right numbers, layout dropped (typed unsharded) where
+    there are explicit axes, i.e. outside shard_map."""
+    out = attention_ops._BACKENDS["xla"].fn(*args, **kwargs)
+    return jax.sharding.reshard(out, P()) if jax.sharding.get_abstract_mesh().explicit_axes else out
+
+
+@pytest.mark.parametrize("keeps_layout", [False, True])
+def test_dispatcher_restores_the_layout_of_untrusted_backends(mesh, keeps_layout):
+    """keeps_layout=False: the backend runs per device inside shard_map and the output has
+    the declared layout. keeps_layout=True (trusting a backend that drops it): the dropped
+    layout comes through, so it is the dispatcher, not the backend, that restores it. (The
+    train-step version, gradients included, is tests/test_attention_layout.py.)"""
+    N, K = HEADS["gqa"]
+    case = _case("packed")
+    q, k, v = _qkv(2, 16, 16, N, K)
+    tok = [np.tile(x, (4, 1)) for x in case[:4]]
+    q, k, v = (jnp.tile(x, (4, 1, 1, 1)) for x in (q, k, v))
+    with jax.set_mesh(mesh):
+        qs, ks, vs = (jax.sharding.reshard(x, HEADS_SPEC) for x in (q, k, v))
+        with attention_ops.override_backend(
+            "dropper", _dropping_backend, keeps_layout=keeps_layout
+        ):
+            out = jax.jit(
+                lambda q, k, v: _run(
+                    q, k, v, (*tok, True, None), implementation="dropper", out_sharding=HEADS_SPEC
+                )
+            )(qs, ks, vs)
+        want = HEADS_SPEC if not keeps_layout else P(None, None, None, None)
+        assert jax.typeof(out).sharding.spec == want
+    assert "dropper" not in attention_ops.backend_names()
