@@ -248,3 +248,14 @@ def test_default_mesh_rule():
     assert get_strategy("fsdp_tp").default_mesh_shape(64, num_kv_heads=8) == (8, 8)
     assert get_strategy("tp").default_mesh_shape(8, num_kv_heads=4) == (2, 4)
     assert get_strategy("tp").default_mesh_shape(16, num_kv_heads=8) == (2, 8)
+
+
+def test_tied_vocab_not_divisible_names_the_logits():
+    # A tied model has no LM head weight; only the logits carry the vocab split.
+    strategy = get_strategy("tp")
+    cfg = CFG.replace(vocab_size=129, tie_embeddings=True)
+    with (
+        pytest.raises(ValueError, match=r"logits \[B, T, V\] .*size 129.*model=2"),
+        jax.set_mesh(strategy.make_mesh(shape=(4, 2))),
+    ):
+        create_model(cfg, strategy, rngs=nnx.Rngs(0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from shardings.mesh import check_divisible
 from zoo.gemma3 import modeling as gemma3
@@ -66,11 +67,33 @@ def param_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[int, ..
     return rows
 
 
+def activation_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[int, ...], object]]:
+    """(name, shape, declared spec) of the activations whose split dims no parameter shows
+    (a tied model has no LM head weight, so only the logits carry the vocab split)."""
+    lm = strategy.lm_sharding()
+    M, N, K, D, F, V = (
+        cfg.hidden_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.ffn_dim,
+        cfg.vocab_size,
+    )
+    # Batch and sequence are 1 here: the batch is checked where it is made (check_batch).
+    no_batch = lambda spec: P(None, *tuple(spec)[1:])  # noqa: E731
+    return [
+        ("residual stream [B, T, M]", (1, 1, M), no_batch(lm.block.residual)),
+        ("query heads [B, T, N, D]", (1, 1, N, D), no_batch(lm.block.attention.q.out)),
+        ("kv heads [B, T, K, D]", (1, 1, K, D), no_batch(lm.block.attention.k.out)),
+        ("mlp hidden [B, T, F]", (1, 1, F), no_batch(lm.block.mlp.up.out)),
+        ("logits [B, T, V]", (1, 1, V), no_batch(lm.lm_head.out)),
+    ]
+
+
 def check_model_fits(cfg: DecoderConfig, strategy, mesh) -> None:
     """Raise ValueError naming the first array whose split does not divide its dim."""
     check_divisible(param_layouts(cfg, strategy), mesh, strategy.name)
-    # Activations split on a dim no weight carries: query heads (weights carry K via k/v,
-    # but N only through q, which `param_layouts` covers) -- nothing else to add here.
+    check_divisible(activation_layouts(cfg, strategy), mesh, strategy.name)
 
 
 def create_model(cfg: DecoderConfig, strategy, *, rngs: nnx.Rngs, mesh=None):

@@ -1,0 +1,5 @@
+"""Mistral."""
+
+from zoo.mistral.modeling import Mistral, MistralConfig
+
+__all__ = ["Mistral", "MistralConfig"]
