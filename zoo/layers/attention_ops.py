@@ -12,9 +12,9 @@ alike. Query t attends key s iff
 
 so `sliding_window=w` shows a query itself and the w-1 tokens before it (w visible tokens,
 the query included; the window bounds only the past). This is the convention of
-`DecoderConfig.sliding_window`. Checkpoint formats count differently -- HF Mistral /
-Gemma configs' `sliding_window` and `jax.nn.dot_product_attention(local_window_size=(l, 0))`
-(l = w - 1 tokens to the left) -- so converters translate at the boundary, not here.
+`DecoderConfig.sliding_window`, and of Hugging Face Mistral / Gemma 3 configs (checked
+against transformers 5.23 in tests/hf_reference). `jax.nn.dot_product_attention`'s
+`local_window_size=(l, 0)` counts differently (l = w - 1 tokens to the left).
 
 Segment id 0 is padding (or an empty cache slot). Padding queries attend padding keys
 (all at position 0), so no row is fully masked and nothing is NaN; the loss ignores them.
