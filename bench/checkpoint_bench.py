@@ -1,0 +1,115 @@
+"""Checkpoint figures for a run config (default configs/small.py, ~105M parameters):
+size on disk, how long `Checkpointer.save` blocks training, the total time of a save, and the
+time to restore onto the live model.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
+        python bench/checkpoint_bench.py [--config=configs/small.py] [--strategy=fsdp_tp] \
+        [--mesh_shape=data:4,model:2] [--repeats=3] [--workdir=/tmp/ckpt_bench]
+
+Saves the model and its AdamW state (params + two moments, after one update so they are not
+zeros) and a Grain iterator's state, as training does. "blocks" is the wall time of `save()`
+(device-to-host copy and scheduling; training could continue after it); "total" runs from the
+start of `save()` until `wait()` returns (the bytes are on disk). Each figure is printed per
+repeat; the first repeat includes one-time set-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import grain  # noqa: E402
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from shardings import get_strategy  # noqa: E402
+from training import optim  # noqa: E402
+from training.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
+from training.config import RunConfig  # noqa: E402
+from zoo import create_model  # noqa: E402
+
+
+def load_run_config(path: str) -> RunConfig:
+    spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return RunConfig.from_config_dict(module.get_config())
+
+
+def dir_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, files in os.walk(path)
+        for name in files
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "small.py"))
+    parser.add_argument("--strategy", default="fsdp_tp")
+    parser.add_argument("--mesh_shape", default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default="/tmp/ckpt_bench")
+    args = parser.parse_args()
+
+    run = load_run_config(args.config)
+    cfg = run.model.decoder_config()
+    strategy = get_strategy(args.strategy)
+    mesh = strategy.make_mesh(shape=args.mesh_shape, config=cfg)
+    with jax.set_mesh(mesh):
+        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+        tx, _ = optim.make_optimizer(
+            learning_rate=run.optimizer.learning_rate,
+            warmup_steps=run.optimizer.warmup_steps,
+            total_steps=run.decay_steps,
+        )
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        # One update, so the Adam moments are real numbers (zeros would compress to nothing).
+        grads = jax.tree.map(lambda p: 0.01 * p, nnx.state(model, nnx.Param))
+        optimizer.update(model, grads)
+    it = iter(grain.MapDataset.range(10**6).to_iter_dataset())
+    num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(
+        f"{cfg.describe()} ({num_params / 1e6:.1f}M arrays), {args.strategy} on "
+        f"{dict(mesh.shape)}, {jax.device_count()} {jax.devices()[0].platform} devices"
+    )
+
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    for mode in ("async", "sync"):
+        workdir = os.path.join(args.workdir, mode)
+        ckpt = Checkpointer(
+            workdir, save_every=1, keep=1, run_info={"bench": True}, async_save=mode == "async"
+        )
+        for step in range(1, args.repeats + 1):
+            start = time.perf_counter()
+            ckpt.save(step, model=model, optimizer=optimizer, data_iter=it, meta={"step": step})
+            blocked = time.perf_counter() - start
+            ckpt.wait()
+            total = time.perf_counter() - start
+            size = dir_bytes(os.path.join(checkpoint_dir(workdir), str(step)))
+            print(
+                f"{mode:5s} save {step}: blocks {blocked:7.3f} s, total {total:7.3f} s, "
+                f"size {size / 2**20:8.1f} MiB ({size / num_params:.1f} bytes/param)"
+            )
+        ckpt.close()
+
+    ckpt = Checkpointer(os.path.join(args.workdir, "async"), save_every=1, keep=1, run_info={})
+    for _ in range(2):
+        start = time.perf_counter()
+        with jax.set_mesh(mesh):
+            ckpt.restore(ckpt.latest_step(), model=model, optimizer=optimizer, data_iter=it)
+        print(f"restore (params + optimizer + data): {time.perf_counter() - start:7.3f} s")
+    ckpt.close()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Shared by the train_main tests: one small run, as CLI flags and as an in-process config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_MAIN = os.path.join(ROOT, "train_main.py")
+# train_main.py is a script, not part of the installed packages: importable from the root.
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# configs/tiny.py made smaller still, so a run compiles and trains in seconds on 2 cores.
+# Every dim still splits over the default fsdp_tp mesh (data:4, model:2) and over 8 devices
+# for dp / fsdp; heads 8 / kv heads 4 as in the preset.
+SMALL_RUN = {
+    "model.hidden_dim": 64,
+    "model.num_layers": 2,
+    "model.head_dim": 8,
+    "model.ffn_dim": 128,
+    "data.seq_len": 64,
+    "data.global_batch_size": 16,
+    "optimizer.learning_rate": 3e-3,
+    "optimizer.warmup_steps": 5,
+    "training.steps": 40,
+    "training.eval_every": 20,
+    "training.eval_batches": 2,
+    "logging.log_every": 1,
+    "logging.progress_bar": False,
+    "checkpoint.enabled": False,
+}
+
+
+def cli_flags(overrides: dict) -> list[str]:
+    return [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+def run_config(overrides: dict):
+    """The typed RunConfig of configs/tiny.py with `overrides` applied, as the CLI would."""
+    from configs import tiny
+    from training.config import RunConfig
+
+    config = tiny.get_config()
+    for path, value in overrides.items():
+        section, field = path.split(".")
+        setattr(config[section], field, value)
+    return RunConfig.from_config_dict(config)
+
+
+def child_env(num_devices: int = 8) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    return env
+
+
+def run_train_main(args: list[str], *, num_devices: int = 8, timeout: int = 300, **kwargs):
+    return subprocess.run(
+        [sys.executable, TRAIN_MAIN, *args],
+        env=child_env(num_devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        **kwargs,
+    )
+
+
+def train_losses(workdir: str) -> list[float]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [r["loss"] for r in records if "loss" in r]

@@ -1,0 +1,166 @@
+"""eval_main.py: a checkpoint saved under fsdp_tp on (4, 2) evaluates to the same loss under
+dp on 8 devices and on one device (subprocesses), equal to the in-process loss of the saved
+model; generation from the one-device run equals the in-process one; bad input exits 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import configs.tiny
+from shardings import get_strategy
+from training import data
+from training.checkpoint import Checkpointer
+from training.config import RunConfig
+from training.tokenizers import make_tokenizer
+from zoo import create_model
+from zoo.generate import generate
+from zoo.loss import token_nll
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EVAL_BATCHES = 2
+PROMPT = "def main("
+# Both sides sum float32 NLLs of ~1000 tokens after matmuls split differently over devices
+# (8-way batch split vs one device vs the in-process (4, 2) mesh); each partial sum is exact
+# to ~1e-7 relative, and the sums differ only in reduction order: 1e-5 relative bounds it.
+RTOL = 1e-5
+
+
+def run_config():
+    c = configs.tiny.get_config()
+    c.model.hidden_dim, c.model.num_layers, c.model.ffn_dim = 64, 2, 128
+    c.data.seq_len, c.data.global_batch_size = 64, 8
+    c.training.eval_batches = EVAL_BATCHES
+    return RunConfig.from_config_dict(c)
+
+
+def eval_main(workdir, *flags, num_devices=8):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, "eval_main.py", f"--workdir={workdir}", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A perturbed tiny model saved under fsdp_tp on (4, 2), and its in-process loss on the
+    validation batches eval_main reads."""
+    workdir = str(tmp_path_factory.mktemp("eval"))
+    run = run_config()
+    cfg = run.model.decoder_config()
+    strategy = get_strategy("fsdp_tp")
+    mesh = strategy.make_mesh(shape=(4, 2))
+    with jax.set_mesh(mesh):
+        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+        # Move every parameter away from the seed-0 init eval_main could otherwise rebuild.
+        params = nnx.state(model, nnx.Param)
+        keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
+        nnx.update(
+            model,
+            jax.tree.map(
+                lambda p: (
+                    p + 0.05 * jax.random.normal(next(keys), p.shape, out_sharding=p.sharding)
+                ),
+                params,
+            ),
+        )
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    tokenizer = make_tokenizer(run.data.tokenizer)
+    it = data.make_dataset(
+        run.data.source, "train", tokenizer, run.data.seq_len, run.data.global_batch_size
+    )
+    run_info = {"config": run.to_dict(), "strategy": "fsdp_tp", "mesh_shape": dict(mesh.shape)}
+    ckpt = Checkpointer(workdir, save_every=1, keep=1, run_info=run_info)
+    ckpt.save(3, model=model, optimizer=optimizer, data_iter=it)
+    ckpt.close()
+
+    val = data.build_dataset(
+        run.data.source,
+        "validation",
+        tokenizer,
+        run.data.seq_len,
+        run.data.global_batch_size,
+        num_batches=EVAL_BATCHES,
+    )
+    total, count = 0.0, 0
+    sharding = jax.sharding.NamedSharding(mesh, strategy.batch_spec())
+    with jax.set_mesh(mesh):
+        for batch in val:
+            batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
+            logits = model(
+                batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+            )
+            nll, mask = token_nll(logits, batch["tokens"], batch["segment_ids"])
+            total += float(np.asarray(nll).sum())
+            count += int(np.asarray(mask).sum())
+        generated = generate(
+            model,
+            [tokenizer.encode(PROMPT)],
+            max_new_tokens=12,
+            eos_id=tokenizer.eos_id,
+        )[0]
+    return dict(
+        workdir=workdir, loss=total / count, tokens=count, generated=tokenizer.decode(generated)
+    )
+
+
+def test_same_loss_on_any_strategy_and_device_count(saved):
+    workdir = saved["workdir"]
+    results = {}
+    for name, flags, devices in (
+        ("dp8", ["--sharding_strategy=dp"], 8),
+        ("one", ["--sharding_strategy=dp", f"--prompt={PROMPT}", "--max_new_tokens=12"], 1),
+    ):
+        proc = eval_main(workdir, *flags, num_devices=devices)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(os.path.join(workdir, "eval.json")) as f:
+            results[name] = json.load(f)
+    dp8, one = results["dp8"], results["one"]
+    assert dp8["mesh_shape"] == {"data": 8} and one["mesh_shape"] == {"data": 1}
+    assert dp8["step"] == one["step"] == 3
+    assert dp8["tokens"] == one["tokens"] == saved["tokens"]
+    np.testing.assert_allclose(dp8["loss"], saved["loss"], rtol=RTOL)
+    np.testing.assert_allclose(one["loss"], saved["loss"], rtol=RTOL)
+    np.testing.assert_allclose(one["perplexity"], np.exp(one["loss"]), rtol=1e-12)
+    # Byte tokenizer: every predicted id is one byte, except EOS (zero bytes).
+    assert 0 < one["bytes"] <= one["tokens"]
+    np.testing.assert_allclose(
+        one["bits_per_byte"], one["loss"] * one["tokens"] / np.log(2) / one["bytes"], rtol=1e-12
+    )
+    assert one["generated"] == saved["generated"]
+    assert not [n for n in os.listdir(workdir) if n.startswith(".tmp-")]  # written atomically
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--sharding_strategy=zero"], "unknown sharding strategy 'zero'"),
+        (["--mesh_shape=data:3"], "needs 3 devices but 8 are available"),
+        (["--step=99"], "no checkpoint for step 99"),
+        (["--data=/nonexistent/x.txt"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(saved, flags, message):
+    proc = eval_main(saved["workdir"], "--sharding_strategy=dp", *flags)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_empty_workdir_exits_2(tmp_path):
+    proc = eval_main(str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: no complete checkpoint in"), proc.stderr

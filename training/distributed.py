@@ -1,0 +1,91 @@
+"""Several processes: when to call `jax.distributed.initialize`, and process-local batches ->
+global arrays.
+
+`initialize` must run before anything touches a JAX backend (`jax.devices()`, an array).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Environment variables that say this process is one of several launched by a cluster manager
+# JAX knows how to read (jax._src.clusters: Slurm, Open MPI, Cloud TPU). Auto-initialisation
+# happens only when one is set with more than one task, so a laptop run never waits for a
+# coordinator that does not exist.
+_TASK_COUNT_VARS = ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
+# Multi-host TPU VMs list their workers here (comma-separated); a single host has one name.
+_TPU_WORKERS_VAR = "TPU_WORKER_HOSTNAMES"
+
+
+def detected_cluster() -> str | None:
+    """The environment variable that reveals a multi-process launch, or None."""
+    for var in _TASK_COUNT_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            return var
+    if "," in os.environ.get(_TPU_WORKERS_VAR, ""):
+        return _TPU_WORKERS_VAR
+    return None
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> str | None:
+    """Join the other processes, when there are any. Returns how ('flags', the detected
+    variable) or None for a single-process run.
+
+    Given flags must be complete: all three, or none (then a cluster is auto-detected).
+    """
+    given = {
+        "--coordinator_address": coordinator_address,
+        "--num_processes": num_processes,
+        "--process_id": process_id,
+    }
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise ValueError(
+                f"several processes need all of --coordinator_address, --num_processes and "
+                f"--process_id; missing {', '.join(missing)}"
+            )
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ValueError(
+                f"--process_id={process_id} must be in [0, --num_processes={num_processes})"
+            )
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+        return "flags"
+    cluster = detected_cluster()
+    if cluster is not None:
+        jax.distributed.initialize()  # JAX reads the cluster's variables itself
+    return cluster
+
+
+def to_global(local_batch: Mapping[str, np.ndarray], mesh, batch_spec: P) -> dict[str, jax.Array]:
+    """Each process's rows -> one global array per key, laid out as `batch_spec` on `mesh`.
+
+    Process p's rows become the rows of the devices it owns, in device order: with the batch
+    split over `data`, the global batch is the processes' local batches concatenated.
+    """
+    sharding = NamedSharding(mesh, batch_spec)
+    n = jax.process_count()
+    if n > 1 and batch_spec[0] is None:
+        # A replicated batch would need every process to read the same rows; the data
+        # pipeline shards documents by process instead.
+        raise ValueError(f"batch layout {batch_spec} is not split over processes")
+    out = {}
+    for name, local in local_batch.items():
+        global_shape = (local.shape[0] * n, *local.shape[1:])
+        out[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
+    return out

@@ -1,0 +1,240 @@
+"""The train step, the eval step and the loop around them.
+
+The live training state is one pytree, `nnx.state((model, optimizer))`, that a jitted step
+takes and returns with its input buffers donated (so parameters and Adam moments are updated
+in place). The `model` / `optimizer` objects are brought up to date from it (`Trainer.sync`)
+only where something needs them: a checkpoint save, and the end of training.
+
+Nothing here knows a model family: a model is anything called as
+`model(tokens_BT, segment_ids=..., positions=...) -> logits_BTV`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from training.optim import accumulate_gradients
+from zoo.loss import token_nll
+
+Batch = Mapping[str, jax.Array]
+
+
+def loss_sum(model, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
+    needs (sums add across micro-batches; means would not)."""
+    logits_BTV = model(
+        batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+    )
+    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
+    return jnp.sum(nll_BT), jnp.sum(mask_BT)
+
+
+def _loss_and_grad(model, batch: Batch):
+    return nnx.value_and_grad(loss_sum, has_aux=True)(model, batch)
+
+
+class Trainer:
+    """Owns the training state and the compiled steps.
+
+    Args:
+      model, optimizer: built under the run's mesh (`nnx.Optimizer(model, tx, wrt=nnx.Param)`).
+      micro_batches: k; each step accumulates gradients over k slices of its batch.
+      batch_spec: the batch arrays' layout, so micro-batches keep rows on their devices.
+    """
+
+    def __init__(self, model, optimizer, *, micro_batches: int = 1, batch_spec: P | None = None):
+        self.model, self.optimizer = model, optimizer
+        self.micro_batches = micro_batches
+        self.batch_spec = batch_spec
+        self.graphdef, self.state = nnx.split((model, optimizer))
+        self._train_jit = jax.jit(self._train_step, donate_argnums=0)
+        self._eval_jit = jax.jit(self._eval_step)
+        self._train_compiled = None
+        self.compile_seconds: float | None = None
+
+    # -- the steps ----------------------------------------------------------------------
+
+    def _train_step(self, state, batch: Batch):
+        model, optimizer = nnx.merge(self.graphdef, state)
+        loss, num_tokens, grads = accumulate_gradients(
+            _loss_and_grad, model, batch, self.micro_batches, batch_spec=self.batch_spec
+        )
+        grad_norm = optax.tree.norm(grads)  # before clipping: what the data asked for
+        optimizer.update(model, grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": num_tokens}
+        return nnx.state((model, optimizer)), metrics
+
+    def _eval_step(self, state, batch: Batch):
+        model, _ = nnx.merge(self.graphdef, state)
+        return loss_sum(model, batch)
+
+    def compile(self, batch: Batch) -> float:
+        """Compile the train step ahead of time for batches like `batch`; returns seconds.
+
+        Separate from the first step so step timings (tokens/s, MFU) never include it.
+        """
+        start = time.perf_counter()
+        self._train_compiled = self._train_jit.lower(self.state, batch).compile()
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+    def train_step(self, batch: Batch) -> dict[str, jax.Array]:
+        """One optimizer step; returns its metrics as (not yet fetched) device scalars."""
+        step_fn = self._train_compiled or self._train_jit
+        self.state, metrics = step_fn(self.state, batch)
+        return metrics
+
+    def eval_step(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        return self._eval_jit(self.state, batch)
+
+    # -- the objects ----------------------------------------------------------------------
+
+    def sync(self):
+        """Point `model` / `optimizer` at the current state (after steps donated the old
+        buffers); returns them."""
+        nnx.update((self.model, self.optimizer), self.state)
+        return self.model, self.optimizer
+
+    def reload(self) -> None:
+        """Take the state from `model` / `optimizer` after something changed them in place
+        (a checkpoint restore)."""
+        self.state = nnx.state((self.model, self.optimizer))
+
+    def compiled_cost(self) -> dict[str, Any]:
+        """XLA's memory figures for the compiled step (bytes per device), when compiled."""
+        if self._train_compiled is None:
+            return {}
+        # XLA's own FLOP count is left out: it counts a scanned layer body once, not L times,
+        # so it undercounts stacked models; MFU uses the config's formula instead.
+        out = {}
+        memory = self._train_compiled.memory_analysis()
+        if memory is not None:
+            out["temp_bytes_per_device"] = int(memory.temp_size_in_bytes)
+            out["argument_bytes_per_device"] = int(memory.argument_size_in_bytes)
+        return out
+
+
+def evaluate(trainer: Trainer, batches: Iterator[Batch]) -> tuple[float, int]:
+    """Token-weighted mean validation loss over `batches` (global arrays), and the token count."""
+    total, count = 0.0, 0
+    for batch in batches:
+        nll, n = trainer.eval_step(batch)
+        total += float(nll)
+        count += int(n)
+    return (total / count if count else math.nan), count
+
+
+@dataclasses.dataclass
+class LoopOptions:
+    total_steps: int
+    tokens_per_step: int  # global batch * seq_len (padding included: the compute done)
+    flops_per_token: float  # model FLOPs per token for training (config.flops_per_token)
+    peak_flops: float  # all devices together
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0  # 0: only at the end (and on preemption)
+    seed: int = 0
+
+
+def run(
+    trainer: Trainer,
+    options: LoopOptions,
+    *,
+    train_batches: Iterator[Batch],
+    make_val_batches: Callable[[], Iterator[Batch]] | None,
+    learning_rate: Callable[[int], float],
+    writer,
+    checkpointer=None,
+    train_iter=None,
+    watcher=None,
+    start_step: int = 0,
+) -> list[dict[str, Any]]:
+    """Train from `start_step` to `options.total_steps`; returns the logged records.
+
+    `train_batches` yields global arrays; `train_iter` is the Grain iterator behind it, whose
+    state the checkpointer saves. `writer` is a training.metrics.MetricsWriter. The
+    checkpointer and the preemption watcher follow the seam in training/checkpoint.py and
+    training/preemption.py; either may be None.
+    """
+    records: list[dict[str, Any]] = []
+    step = start_step
+    tokens_seen = step * options.tokens_per_step
+    interval_start, interval_steps = time.perf_counter(), 0
+
+    def save(force: bool) -> None:
+        if checkpointer is None:
+            return
+        if not force and not (options.checkpoint_every and step % options.checkpoint_every == 0):
+            return  # the checkpointer would skip it; do not sync the objects for nothing
+        model, optimizer = trainer.sync()
+        meta = {"step": step, "seed": options.seed, "tokens_seen": tokens_seen}
+        checkpointer.save(
+            step, model=model, optimizer=optimizer, data_iter=train_iter, meta=meta, force=force
+        )
+
+    def validate() -> None:
+        if make_val_batches is None:
+            return
+        val_loss, val_tokens = evaluate(trainer, make_val_batches())
+        writer.write_eval(step, val_loss, val_tokens=val_tokens)
+        records.append({"step": step, "val_loss": val_loss, "val_tokens": val_tokens})
+
+    preempted = False
+    while step < options.total_steps:
+        batch = next(train_batches)
+        metrics = trainer.train_step(batch)
+        step += 1
+        interval_steps += 1
+        tokens_seen += options.tokens_per_step
+        last = step == options.total_steps
+        # The first step of a run is logged too, so the curve starts at the untrained loss.
+        log_now = step % options.log_every == 0 or last or step == start_step + 1
+        if log_now:
+            fetched = jax.device_get(metrics)  # blocks: the interval's steps are done
+            elapsed = time.perf_counter() - interval_start
+            tokens_per_second = interval_steps * options.tokens_per_step / elapsed
+            record = {
+                "loss": float(fetched["loss"]),
+                "learning_rate": float(learning_rate(step - 1)),  # the rate this step used
+                "grad_norm": float(fetched["grad_norm"]),
+                "tokens_per_second": tokens_per_second,
+                "mfu": tokens_per_second * options.flops_per_token / options.peak_flops,
+                "step_time": elapsed / interval_steps,
+                "loss_tokens": int(fetched["loss_tokens"]),
+                "tokens_seen": tokens_seen,
+            }
+            writer.write(step, record)
+            records.append({"step": step, **record})
+            if not np.isfinite(record["loss"]):
+                raise FloatingPointError(f"loss is {record['loss']} at step {step}")
+        # Validation and saving sit outside the timed intervals.
+        paused = time.perf_counter()
+        if options.eval_every and step % options.eval_every == 0 and not last:
+            validate()
+        save(force=False)
+        if watcher is not None and not last and watcher.should_stop(step):
+            save(force=True)
+            preempted = True
+            break
+        if log_now:
+            interval_start, interval_steps = time.perf_counter(), 0
+        else:
+            interval_start += time.perf_counter() - paused
+    if not preempted and step > start_step:
+        validate()
+        save(force=True)
+    if checkpointer is not None:
+        checkpointer.wait()
+    trainer.sync()
+    return records

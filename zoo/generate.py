@@ -1,0 +1,245 @@
+"""Autoregressive generation with the model's KV cache, laid out by the model's strategy.
+
+    with jax.set_mesh(mesh):
+        ids = generate(model, [prompt_a, prompt_b], max_new_tokens=64, temperature=0.8, top_k=40)
+
+How a batch of prompts of different lengths runs:
+  - Prompts are *left*-padded to the longest, P tokens. Padding has segment id 0 (attended by
+    no real token) and real tokens have segment id 1 with positions 0, 1, ... from their own
+    first token, so RoPE and the mask see each prompt exactly as if it ran alone; all rows
+    then share one cache index, and each decode step writes column P + i for every row.
+  - The batch dim of tokens and of the cache is split over `data` (the strategy's `tokens`
+    spec), so the number of rows must divide by that axis' size. The batch is padded up to a
+    multiple of it by repeating the last prompt; those rows are computed and dropped. (The
+    alternative, replicating the batch, would hand every device the whole batch and break the
+    declared `B/data` layouts the model's activations are typed with.)
+  - One jitted function does the prefill (all P columns in one call) and then a
+    `lax.while_loop` of one-token steps, so the loop is compiled once per prompt length /
+    budget / sampling setting. The loop stops after `max_new_tokens` or once every row has
+    produced `eos_id`.
+
+Sampling: `temperature == 0` is greedy (argmax); otherwise softmax(logits / temperature),
+optionally restricted to the `top_k` largest logits. Logits are gathered over the vocab dim
+first (`V/model` under tensor parallelism) -- one [B, V] array per step -- so argmax/top-k
+run on whole rows, and the random draws are the same on every mesh.
+
+`greedy_reference` recomputes the whole sequence without the cache at every step; it is the
+oracle the KV-cache path is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _model_mesh(model):
+    """The mesh the model's parameters live on (the one it was built under)."""
+    return jax.tree.leaves(nnx.state(model, nnx.Param))[0].sharding.mesh
+
+
+def batch_multiple(model, mesh) -> int:
+    """How many rows the batch must divide by: the mesh size of the tokens' batch dim."""
+    axes = model.sharding.tokens[0]
+    if axes is None:
+        return 1
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _pad_rows(rows: list, multiple: int) -> list:
+    return rows + [rows[-1]] * (-len(rows) % multiple)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int):
+    """(tokens, segment_ids, positions), int32 [B, length]: each prompt at the right end."""
+    B = len(prompts)
+    tokens = np.zeros((B, length), np.int32)
+    segment_ids = np.zeros((B, length), np.int32)
+    positions = np.zeros((B, length), np.int32)
+    for row, prompt in enumerate(prompts):
+        n = len(prompt)
+        tokens[row, length - n :] = prompt
+        segment_ids[row, length - n :] = 1
+        positions[row, length - n :] = np.arange(n)
+    return tokens, segment_ids, positions
+
+
+def _sample(logits_BV, key, temperature: float, top_k: int | None):
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV / temperature
+    if top_k is not None and top_k < logits_BV.shape[-1]:
+        kth_BV = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_BV, -jnp.inf, logits_BV)
+    return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+def _last_logits(logits_BTV, batch_spec: P):
+    """The last column's logits, gathered over the vocab dim: [B, V] laid out `B/data V`."""
+    return jax.sharding.reshard(logits_BTV[:, -1, :], P(batch_spec[0], None))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id"),
+)
+def _generate(
+    graphdef,
+    state,
+    tokens_BP,
+    segment_ids_BP,
+    positions_BP,
+    key,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    eos_id: int | None,
+):
+    model = nnx.merge(graphdef, state)
+    spec = model.sharding.tokens
+    B, prompt_len = tokens_BP.shape
+    cache = model.init_cache(B, prompt_len + max_new_tokens)
+    logits_BPV, cache = model(
+        tokens_BP, segment_ids=segment_ids_BP, positions=positions_BP, cache=cache
+    )
+    key, sub = jax.random.split(key)
+    token_B = _sample(_last_logits(logits_BPV, spec), sub, temperature, top_k)
+    # Next position of each row: its prompt length (left padding has positions 0).
+    position_B = positions_BP[:, -1] + 1
+    out_BN = jnp.full((B, max_new_tokens), -1, jnp.int32, out_sharding=spec)
+    done_B = jnp.zeros((B,), bool, out_sharding=P(spec[0]))
+    eos = -2 if eos_id is None else eos_id  # never matches a token when there is no EOS
+
+    def emit(i, token_B, done_B, out_BN):
+        """Write token i (-1 for rows already finished); mark rows that just produced EOS."""
+        out_BN = out_BN.at[:, i].set(jnp.where(done_B, -1, token_B))
+        return done_B | (token_B == eos), out_BN
+
+    # The parameters ride in the carry: an NNX module must be merged at the trace level that
+    # uses it (nnx.scan inside the model rejects variables closed over from outside the loop).
+    def cond(carry):
+        i, token_B, _, _, done_B, _, _, _ = carry
+        return (i < max_new_tokens - 1) & ~jnp.all(done_B | (token_B == eos))
+
+    def body(carry):
+        i, token_B, cache, position_B, done_B, out_BN, key, state = carry
+        done_B, out_BN = emit(i, token_B, done_B, out_BN)
+        model = nnx.merge(graphdef, state)
+        step = lambda x: jax.sharding.reshard(x[:, None], spec)  # noqa: E731
+        logits_B1V, cache = model(
+            step(token_B),
+            segment_ids=step(jnp.ones_like(token_B)),
+            positions=step(position_B),
+            cache=cache,
+        )
+        key, sub = jax.random.split(key)
+        token_B = _sample(_last_logits(logits_B1V, spec), sub, temperature, top_k)
+        return i + 1, token_B, cache, position_B + 1, done_B, out_BN, key, state
+
+    carry = (jnp.int32(0), token_B, cache, position_B, done_B, out_BN, key, state)
+    i, token_B, _, _, done_B, out_BN, _, _ = jax.lax.while_loop(cond, body, carry)
+    _, out_BN = emit(i, token_B, done_B, out_BN)
+    return out_BN
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_id: int | None = None,
+    seed: int = 0,
+) -> list[list[int]]:
+    """Continue each prompt (a list of token ids) by up to `max_new_tokens` ids.
+
+    Returns, per prompt, the new ids up to (not including) the first `eos_id`. Runs on the
+    mesh the model's parameters live on.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, each of at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1 (or None: the whole vocabulary)")
+    cfg = model.cfg
+    vocab = cfg.vocab_size
+    bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    prompt_len = max(len(p) for p in prompts)
+    if prompt_len + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's max_seq_len={cfg.max_seq_len}"
+        )
+    mesh = _model_mesh(model)
+    rows = _pad_rows([list(p) for p in prompts], batch_multiple(model, mesh))
+    sharding = NamedSharding(mesh, model.sharding.tokens)
+    arrays = [jax.device_put(a, sharding) for a in left_pad(rows, prompt_len)]
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(mesh):
+        out_BN = _generate(
+            graphdef,
+            state,
+            *arrays,
+            jax.random.key(seed),
+            max_new_tokens=max_new_tokens,
+            temperature=float(temperature),
+            top_k=top_k,
+            eos_id=eos_id,
+        )
+    out_BN = np.asarray(jax.device_get(out_BN))[: len(prompts)]
+    results = []
+    for row in out_BN:
+        ids = row.tolist()
+        stop = ids.index(-1) if -1 in ids else len(ids)
+        ids = ids[:stop]
+        if eos_id is not None and eos_id in ids:
+            ids = ids[: ids.index(eos_id)]
+        results.append(ids)
+    return results
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _full_logits(graphdef, state, tokens_BT, segment_ids_BT, positions_BT):
+    model = nnx.merge(graphdef, state)
+    return model(tokens_BT, segment_ids=segment_ids_BT, positions=positions_BT)
+
+
+def greedy_reference(model, prompt: Sequence[int], n: int) -> list[int]:
+    """`n` greedy tokens by recomputing the whole sequence without a cache at every step.
+
+    Each step runs the full forward pass over the prompt and every token chosen so far. The
+    row has a fixed length (prompt + n, right-padded with segment id 0, which no real token
+    attends), so all steps share one compiled function; for tests only.
+    """
+    mesh = _model_mesh(model)
+    rows = batch_multiple(model, mesh)
+    sharding = NamedSharding(mesh, model.sharding.tokens)
+    graphdef, state = nnx.split(model)
+    T = len(prompt) + n
+    ids = list(prompt)
+    with jax.set_mesh(mesh):
+        for _ in range(n):
+            tokens, segment_ids, positions = (np.zeros((rows, T), np.int32) for _ in range(3))
+            tokens[:, : len(ids)] = ids
+            segment_ids[:, : len(ids)] = 1
+            positions[:, : len(ids)] = np.arange(len(ids))
+            arrays = [jax.device_put(a, sharding) for a in (tokens, segment_ids, positions)]
+            logits_BTV = np.asarray(_full_logits(graphdef, state, *arrays))
+            ids.append(int(logits_BTV[0, len(ids) - 1].argmax()))
+    return ids[len(prompt) :]
