@@ -141,68 +141,57 @@ def test_non_main_process_writes_nothing(tmp_path):
 
 # --- FLOPs and MFU -----------------------------------------------------------------------
 
-TINY = dict(
-    num_layers=2,
-    hidden_dim=8,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=4,
-    ffn_dim=16,
-    vocab_size=10,
-)
+
+def _hand_config(**overrides):
+    from zoo.layers.config import DecoderConfig
+
+    base = dict(
+        num_layers=2,
+        hidden_dim=8,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        ffn_dim=16,
+        vocab_size=10,
+    )
+    return DecoderConfig(**{**base, **overrides})
 
 
 def test_flops_per_token_hand_count():
     # Per layer: q 8*2*4=64, k 8*1*4=32, v 32, o 2*4*8=64 -> 192; GLU MLP 3*8*16=384.
     # Two layers 2*576=1152, LM head 8*10=80: N_matmul = 1232; 6 * 1232 = 7392.
     # Causal attention, T=6: keys per query 1..6, mean 3.5; 12 * N*D * L * 3.5 = 672.
-    assert flops.matmul_params(**TINY) == 1232
-    assert flops.flops_per_token(**TINY, seq_len=6) == 7392 + 672
+    cfg = _hand_config()
+    assert cfg.matmul_params() == 1232
+    assert cfg.flops_per_token(6) == 7392 + 672
     # Without GLU the MLP has 2 matrices: 2 layers * 128 fewer entries, times 6.
-    assert flops.flops_per_token(**TINY, seq_len=6, glu=False) == 7392 - 6 * 256 + 672
+    assert _hand_config(glu=False).flops_per_token(6) == 7392 - 6 * 256 + 672
 
 
 def test_flops_sliding_window():
+    from zoo.layers.config import causal_keys_per_query
+
     # T=8, w=4: queries see 1, 2, 3, 4, 4, 4, 4, 4 keys, mean 26/8 = 3.25 (4.5 with no window).
-    assert flops.attention_context(8, 4) == 3.25
-    assert flops.attention_context(8) == 4.5
-    base = flops.flops_per_token(**TINY, seq_len=8)
-    windowed = flops.flops_per_token(**TINY, seq_len=8, sliding_window=4)
+    assert causal_keys_per_query(8, 4) == 3.25
+    assert causal_keys_per_query(8) == 4.5
+    base = _hand_config().flops_per_token(8)
+    windowed = _hand_config(sliding_window=4).flops_per_token(8)
     assert base - windowed == 12 * 2 * 4 * 2 * (4.5 - 3.25)
-    assert flops.flops_per_token(**TINY, seq_len=8, sliding_window=8) == base
-    assert flops.flops_per_token(**TINY, seq_len=8, sliding_window=100) == base
-    # Per-layer windows: one local, one global layer is half-way between.
-    mixed = flops.flops_per_token(**TINY, seq_len=8, sliding_window=[4, None])
+    assert _hand_config(sliding_window=8).flops_per_token(8) == base
+    assert _hand_config(sliding_window=100).flops_per_token(8) == base
+    # Interleaved layers: one local, one global is half-way between.
+    mixed = _hand_config(sliding_window=4, global_every=2).flops_per_token(8)
     assert mixed == (base + windowed) / 2
-    with pytest.raises(ValueError, match="layer windows"):
-        flops.flops_per_token(**TINY, seq_len=8, sliding_window=[4])
 
 
-def test_attention_context_matches_a_mask_count():
+def test_keys_per_query_matches_a_mask_count():
+    from zoo.layers.config import causal_keys_per_query
+
     # C against counting the ones of the actual causal (windowed) mask, as the model builds it.
     for t, w in [(7, None), (64, 16), (64, 63), (50, 1)]:
         i, j = np.arange(t)[:, None], np.arange(t)[None, :]
         mask = (j <= i) & ((i - j < w) if w else True)
-        assert flops.attention_context(t, w) == pytest.approx(mask.sum() / t, rel=1e-12)
-
-
-def test_flops_agree_with_the_model_config():
-    # The same count from the model's own config (zoo/layers/config.py), no window.
-    from zoo import get_config
-
-    cfg = get_config("tiny")
-    ours = flops.flops_per_token(
-        num_layers=cfg.num_layers,
-        hidden_dim=cfg.hidden_dim,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        ffn_dim=cfg.ffn_dim,
-        vocab_size=cfg.vocab_size,
-        seq_len=64,
-        glu=cfg.glu,
-    )
-    assert ours == pytest.approx(cfg.flops_per_token(64), rel=1e-12)
+        assert causal_keys_per_query(t, w) == pytest.approx(mask.sum() / t, rel=1e-12)
 
 
 @pytest.mark.parametrize(

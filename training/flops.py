@@ -36,84 +36,20 @@ M hidden, N query heads, K kv heads, D head dim, F ffn, V vocab, T sequence leng
 
    flops_per_token = 6 * N_matmul + 12 * N * D * sum_over_layers C_layer
                    = 6 * N_matmul + 6 * L * (T+1) * N * D      (causal, no window)
+
+The count itself is the model config's (`DecoderConfig.flops_per_token`, with
+`matmul_params` and `causal_keys_per_query` in zoo/layers/config.py), so there is one formula;
+this module holds the hardware side: peak FLOP/s and MFU.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-def matmul_params(
-    *,
-    num_layers: int,
-    hidden_dim: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    ffn_dim: int,
-    vocab_size: int,
-    glu: bool = True,
-) -> int:
-    """N_matmul: entries of every matmul weight, LM head included, embedding lookup excluded."""
-    m = hidden_dim
-    attention = m * num_heads * head_dim + 2 * m * num_kv_heads * head_dim
-    attention += num_heads * head_dim * m
-    mlp = (3 if glu else 2) * m * ffn_dim
-    return num_layers * (attention + mlp) + m * vocab_size
-
-
-def attention_context(seq_len: int, sliding_window: int | None = None) -> float:
-    """C, the mean number of keys a causal query attends to, with a window of `sliding_window`
-    visible keys (None or 0: no window): (w'(w'+1)/2 + (T - w') w') / T, w' = min(T, w)."""
-    t = seq_len
-    w = t if not sliding_window else min(t, sliding_window)
-    return (w * (w + 1) / 2 + (t - w) * w) / t
-
-
-def flops_per_token(
-    *,
-    num_layers: int,
-    hidden_dim: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    ffn_dim: int,
-    vocab_size: int,
-    seq_len: int,
-    sliding_window: int | Sequence[int | None] | None = None,
-    glu: bool = True,
-) -> float:
-    """Training (forward + backward) model FLOPs per token (derivation in the module doc):
-    6 * N_matmul + 12 * N * D * sum over layers of C(T, window of the layer).
-
-    `sliding_window`: None or 0 for causal attention over the whole row; an int w for a
-    window of w visible keys in every layer; or one entry per layer (None/0 = global).
-    """
-    n_matmul = matmul_params(
-        num_layers=num_layers,
-        hidden_dim=hidden_dim,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        ffn_dim=ffn_dim,
-        vocab_size=vocab_size,
-        glu=glu,
-    )
-    if sliding_window is None or isinstance(sliding_window, int):
-        windows = [sliding_window] * num_layers
-    else:
-        windows = list(sliding_window)
-        if len(windows) != num_layers:
-            raise ValueError(f"{len(windows)} layer windows given for {num_layers} layers")
-    context = sum(attention_context(seq_len, w) for w in windows)
-    return 6.0 * n_matmul + 12.0 * num_heads * head_dim * context
-
 
 # Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets. Looked up by
 # substring of `jax.Device.device_kind`, first match wins, so more specific names come first

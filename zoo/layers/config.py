@@ -15,6 +15,14 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 
 
+def causal_keys_per_query(seq_len: int, window: int | None = None) -> float:
+    """Mean number of keys a causal query sees in a row of `seq_len`: query t (1-based)
+    sees min(t, w) with w visible keys (itself included); (T+1)/2 without a window."""
+    T = seq_len
+    w = min(window, T) if window else T
+    return (w * (w + 1) / 2 + (T - w) * w) / T
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
     vocab_size: int
@@ -151,10 +159,8 @@ class DecoderConfig:
         keys (w' = min(w, T)), C = (w'(w'+1)/2 + (T-w') w') / T, counted exactly.
         """
         total = 6.0 * self.matmul_params()
-        T = seq_len
         for window in self.layer_windows():
-            w = min(window, T) if window else T
-            keys = (w * (w + 1) / 2 + (T - w) * w) / T
+            keys = causal_keys_per_query(seq_len, window or None)
             total += 12.0 * self.num_heads * self.head_dim * keys
         return total
 
