@@ -16,7 +16,7 @@ def base_config() -> ConfigDict:
     c.name = "run"  # names the default workdir, ./runs/<name>
 
     c.model = m = ConfigDict()
-    m.preset = "tiny"  # a zoo preset: tiny, llama3.2-1b, llama3.2-3b, llama3.1-8b
+    m.preset = "tiny"  # a zoo preset (zoo.get_config): tiny, llama3.2-1b, qwen3-0.6b, gpt2, ...
     # Shape overrides of the preset; None keeps the preset's value.
     m.vocab_size = placeholder(int)  # V; must be >= the tokenizer's vocabulary
     m.hidden_dim = placeholder(int)  # M, residual width

@@ -29,13 +29,13 @@ RUN = {**SMALL_RUN, "training.steps": 10, "training.eval_every": 0}
 
 def _reference_losses(workdir: str) -> list[float]:
     """The 8-device, one-process run fed the two processes' batches, concatenated."""
-    import train_main
     from training import data
+    from training import run as train_run
     from training.distributed import to_global
     from training.tokenizers import make_tokenizer
 
     run = run_config(RUN)
-    setup = train_main.Setup(run, workdir)
+    setup = train_run.Setup(run, workdir)
     assert dict(setup.mesh.shape) == {"data": 4, "model": 2}
     shards = [
         data.make_dataset(
@@ -60,7 +60,7 @@ def _reference_losses(workdir: str) -> list[float]:
             yield to_global(batch, setup.mesh, setup.batch_spec)
 
     setup.train_batches = two_process_batches()
-    train_main.train(setup)
+    train_run.train(setup)
     return train_losses(workdir)
 
 

@@ -64,12 +64,12 @@ STRATEGY_RTOL = 1e-5
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 def test_check2_strategies_give_the_same_losses(strategy, fsdp_tp_run, tmp_path):
-    import train_main
+    from training import run as train_run
 
     run = run_config({**SMALL_RUN, "training.sharding_strategy": strategy})
-    setup = train_main.Setup(run, str(tmp_path))
+    setup = train_run.Setup(run, str(tmp_path))
     assert setup.strategy.name == strategy and dict(setup.mesh.shape) == {"data": 8}
-    train_main.train(setup)
+    train_run.train(setup)
     losses = train_losses(str(tmp_path))
     reference = train_losses(fsdp_tp_run)
     np.testing.assert_allclose(losses, reference, rtol=STRATEGY_RTOL)
@@ -142,11 +142,11 @@ def _char_tokenizer(directory) -> str:
 def test_init_from_loads_the_checkpoint(tmp_path):
     from safetensors.numpy import load_file
 
-    import train_main
+    from training import run as train_run
 
     hf_dir = os.path.join(os.path.dirname(__file__), "hf_reference", "llama")
     overrides = {**SMALL_RUN, "data.tokenizer": _char_tokenizer(tmp_path)}
-    setup = train_main.Setup(run_config(overrides), str(tmp_path), init_from=hf_dir)
+    setup = train_run.Setup(run_config(overrides), str(tmp_path), init_from=hf_dir)
     # The architecture is the checkpoint's (F=64, V=128), not the config's preset (F=128).
     assert (setup.model_cfg.ffn_dim, setup.model_cfg.vocab_size) == (64, 128)
     assert setup.run_info["model_config"]["ffn_dim"] == 64

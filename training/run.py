@@ -1,0 +1,257 @@
+"""What train_main.py runs: build everything from a typed run config (`Setup`), then train
+(`train`). Every mistake in the inputs surfaces while building, as ValueError or
+FileNotFoundError, which the entry point turns into exit status 2.
+
+Uses the zoo only through its generic API (create_model, from_pretrained), never a family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+
+
+def _say(text: str) -> None:
+    import jax
+
+    if jax.process_index() == 0:
+        print(text, flush=True)
+
+
+def _make_checkpointer(run, workdir: str, run_info: dict):
+    if not run.checkpoint.enabled:
+        return None, None
+    try:
+        from training.checkpoint import Checkpointer
+    except ImportError:
+        _say("note: training/checkpoint.py is not in this checkout; running without checkpoints")
+        return None, None
+    ckpt = Checkpointer(
+        workdir,
+        save_every=run.checkpoint.every,
+        keep=run.checkpoint.keep,
+        run_info=run_info,
+        async_save=run.checkpoint.async_save,
+    )
+    try:
+        from training.preemption import PreemptionWatcher
+    except ImportError:
+        return ckpt, None
+    import jax
+
+    # With several processes every check is a host all-gather, a sync point: check only at
+    # logging steps, where the loop blocks anyway. Alone, a check is free.
+    every = 1 if jax.process_count() == 1 else run.logging.log_every
+    return ckpt, PreemptionWatcher(check_every=every)
+
+
+class Setup:
+    """Everything `main` builds before the first step; every mistake in the inputs surfaces
+    here as ValueError / FileNotFoundError (turned into exit status 2 by `main`)."""
+
+    def __init__(self, run, workdir: str, *, init_from: str | None = None):
+        import jax
+        from flax import nnx
+
+        from shardings import check_batch, get_strategy
+        from training import data, flops, optim
+        from training.distributed import to_global
+        from training.loop import Trainer
+        from training.tokenizers import make_tokenizer
+
+        self.run, self.workdir = run, workdir
+        strategy = get_strategy(run.training.sharding_strategy)
+        model_cfg = run.model.decoder_config()
+        mesh = strategy.make_mesh(shape=run.training.mesh_shape or None, config=model_cfg)
+        self.strategy, self.mesh = strategy, mesh
+        batch_spec = strategy.batch_spec()
+        self.batch_spec = batch_spec
+        micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
+        check_batch(micro_batch, batch_spec, mesh, strategy.name)
+
+        tokenizer = make_tokenizer(run.data.tokenizer)
+        common = dict(
+            tokenizer=tokenizer,
+            seq_len=run.data.seq_len,
+            global_batch_size=run.data.global_batch_size,
+            seed=run.data.shuffle_seed,
+            text_field=run.data.text_field,
+            validation_fraction=run.data.validation_fraction,
+        )
+        self.train_iter = data.make_dataset(
+            run.data.source, "train", num_workers=run.data.num_workers, **common
+        )
+        # Built once here so a source with no validation documents fails before training.
+        val_dataset = data.build_dataset(
+            run.data.source, "validation", num_batches=run.training.eval_batches, **common
+        )
+        self.make_val_batches = lambda: (to_global(b, mesh, batch_spec) for b in val_dataset)
+        self.train_batches = (to_global(b, mesh, batch_spec) for b in self.train_iter)
+
+        with jax.set_mesh(mesh):
+            if init_from:
+                model = _from_pretrained(init_from, strategy, run.model)
+                model_cfg = model.cfg
+            else:
+                model = _create_model(model_cfg, strategy, run.training.seed)
+            if model_cfg.vocab_size < tokenizer.vocab_size:
+                fix = (
+                    "use the checkpoint's own tokenizer (--config.data.tokenizer=<its dir>)"
+                    if init_from
+                    else f"set --config.model.vocab_size >= {tokenizer.vocab_size}"
+                )
+                raise ValueError(
+                    f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                    f"{tokenizer.vocab_size} ids ({run.data.tokenizer}); {fix}"
+                )
+            tx, self.schedule = optim.make_optimizer(
+                learning_rate=run.optimizer.learning_rate,
+                warmup_steps=run.optimizer.warmup_steps,
+                total_steps=run.decay_steps,
+                end_learning_rate_ratio=run.optimizer.end_learning_rate_ratio,
+                b1=run.optimizer.b1,
+                b2=run.optimizer.b2,
+                eps=run.optimizer.eps,
+                weight_decay=run.optimizer.weight_decay,
+                clip_grad_norm=run.optimizer.clip_grad_norm,
+                decay_norms_and_embeddings=run.optimizer.decay_norms_and_embeddings,
+            )
+            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.model_cfg, self.model, self.optimizer = model_cfg, model, optimizer
+        self.trainer = Trainer(
+            model, optimizer, micro_batches=run.optimizer.micro_batches, batch_spec=batch_spec
+        )
+        # One formula for model FLOPs: the config's (6 * matmul params + causal attention).
+        self.flops_per_token = model_cfg.flops_per_token(run.data.seq_len)
+        self.peak_per_device = flops.peak_flops_per_device(
+            jax.devices()[0], dtype=model_cfg.compute_dtype, override_tflops=run.logging.peak_tflops
+        )
+        self.run_info = {
+            "config": run.to_dict(),
+            "strategy": strategy.name,
+            "mesh_shape": dict(mesh.shape),
+            "num_devices": jax.device_count(),
+            "num_processes": jax.process_count(),
+            "model": model_cfg.describe(),
+            # The architecture actually trained (with --init_from it is the checkpoint's, not
+            # the config's preset); eval_main.py rebuilds the model from it.
+            "model_config": {"type": type(model_cfg).__name__, **dataclasses.asdict(model_cfg)},
+            "init_from": init_from,
+        }
+
+
+def _create_model(model_cfg, strategy, seed: int):
+    from flax import nnx
+
+    from zoo import create_model
+
+    return create_model(model_cfg, strategy, rngs=nnx.Rngs(seed))
+
+
+def _from_pretrained(path: str, strategy, model_section):
+    try:
+        from zoo import from_pretrained
+    except ImportError:
+        raise ValueError(
+            "--init_from needs zoo.from_pretrained, which this checkout does not have yet"
+        ) from None
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--init_from={path!r} is not a directory")
+    # The checkpoint fixes the architecture; the config still chooses how it runs.
+    runtime = dict(
+        dtype=model_section.dtype,
+        scan_layers=model_section.scan_layers,
+        remat=model_section.remat,
+        attention_impl=model_section.attention_impl,
+    )
+    return from_pretrained(path, strategy, **runtime)
+
+
+def train(setup: Setup) -> list[dict]:
+    """Run the loop for a built `Setup`: resume if the workdir has a checkpoint, train, log,
+    evaluate, save. Returns the logged records (training steps and evaluations)."""
+    import jax
+
+    from training.loop import LoopOptions
+    from training.loop import run as run_loop
+    from training.metrics import MetricsWriter
+
+    run, workdir, trainer = setup.run, setup.workdir, setup.trainer
+    is_main = jax.process_index() == 0
+    if is_main:
+        os.makedirs(workdir, exist_ok=True)
+        # Atomically: a run killed here must not leave a half-written record behind.
+        path = os.path.join(workdir, "run_info.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(setup.run_info, f, indent=2)
+        os.replace(path + ".tmp", path)
+    _say(
+        f"{setup.model_cfg.describe()}\nstrategy {setup.strategy.name} on mesh "
+        f"{dict(setup.mesh.shape)} ({jax.device_count()} devices, {jax.process_count()} "
+        f"processes); batch {run.data.global_batch_size}x{run.data.seq_len}, "
+        f"{run.optimizer.micro_batches} micro-batches; workdir {workdir}"
+    )
+    with jax.set_mesh(setup.mesh):
+        ckpt, watcher = _make_checkpointer(run, workdir, setup.run_info)
+        start_step = 0
+        latest = ckpt.latest_step() if ckpt is not None else None
+        if latest is not None:
+            ckpt.restore(
+                latest, model=setup.model, optimizer=setup.optimizer, data_iter=setup.train_iter
+            )
+            trainer.reload()
+            start_step = latest
+            _say(f"resumed from step {latest}")
+        writer = MetricsWriter(
+            workdir,
+            is_main,
+            run.training.steps,
+            resume_step=latest,
+            progress_bar=run.logging.progress_bar,
+        )
+        try:
+            batches = setup.train_batches
+            if start_step < run.training.steps:
+                first = next(batches)
+                seconds = trainer.compile(first)
+                _say(f"compiled the train step in {seconds:.1f}s {trainer.compiled_cost()}")
+                batches = itertools.chain([first], batches)
+            options = LoopOptions(
+                total_steps=run.training.steps,
+                tokens_per_step=run.data.global_batch_size * run.data.seq_len,
+                flops_per_token=setup.flops_per_token,
+                peak_flops=setup.peak_per_device * jax.device_count(),
+                log_every=run.logging.log_every,
+                eval_every=run.training.eval_every,
+                checkpoint_every=run.checkpoint.every if ckpt is not None else 0,
+                seed=run.training.seed,
+            )
+            records = run_loop(
+                trainer,
+                options,
+                train_batches=batches,
+                make_val_batches=setup.make_val_batches,
+                learning_rate=lambda s: setup.schedule(s),
+                writer=writer,
+                checkpointer=ckpt,
+                train_iter=setup.train_iter,
+                watcher=watcher,
+                start_step=start_step,
+            )
+        finally:
+            writer.finalize()
+            if ckpt is not None:
+                ckpt.close()
+            if watcher is not None:
+                watcher.close()
+    losses = [r["loss"] for r in records if "loss" in r]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    if losses:
+        _say(
+            f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+            + (f", val_loss {vals[-1]:.4f}" if vals else "")
+            + f"; metrics in {os.path.join(workdir, 'metrics.jsonl')}"
+        )
+    return records
