@@ -29,7 +29,7 @@ def _child(args) -> None:
     sys.path.insert(0, ROOT)
     import jax
 
-    import train_main
+    from training import run as train_run
     from training.config import RunConfig
 
     config_module = __import__(f"configs.{args.config}", fromlist=["get_config"])
@@ -46,7 +46,7 @@ def _child(args) -> None:
         config.training.sharding_strategy = strategy
         run = RunConfig.from_config_dict(config)
         try:
-            setup = train_main.Setup(run, tempfile.mkdtemp())
+            setup = train_run.Setup(run, tempfile.mkdtemp())
         except ValueError as e:
             print(json.dumps({"strategy": strategy, "error": str(e)}), flush=True)
             continue
