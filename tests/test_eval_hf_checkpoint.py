@@ -1,0 +1,78 @@
+"""eval_main.py --hf_checkpoint end to end: the loss it reports on the reference inputs equals
+the loss implied by transformers' own logits for them (tests/hf_reference)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from _train_helpers import ROOT
+
+from training.data import write_token_documents
+
+REFERENCE = os.path.join(ROOT, "tests", "hf_reference")
+
+
+def _char_tokenizer(directory) -> tuple[str, int]:
+    """A character-level tokenizer.json with exactly the reference models' 128 ids; returns
+    (path, eos id). Only its vocab size and EOS id matter: the data are token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = ["[UNK]", "</s>"] + [chr(0x4E00 + i) for i in range(126)]
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    path = os.path.join(directory, "tokenizer.json")
+    tokenizer.save(path)
+    return path, chars.index("</s>")
+
+
+def _reference_loss(logits_BTV, input_ids_BT, eos_id):
+    """Mean next-token NLL as eval_main counts it: each document is the ids then EOS, so the
+    last id's target is EOS, and EOS itself predicts nothing."""
+    logits = logits_BTV.astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    logp -= logits.max(-1, keepdims=True)
+    targets = np.concatenate(
+        [input_ids_BT[:, 1:], np.full((input_ids_BT.shape[0], 1), eos_id)], axis=1
+    )
+    return -np.take_along_axis(logp, targets[..., None], -1).mean()
+
+
+@pytest.mark.parametrize("family,strategy", [("gemma3", "fsdp_tp"), ("gpt2", "dp")])
+def test_eval_of_a_hf_checkpoint_equals_the_reference_loss(tmp_path, family, strategy):
+    ref = np.load(os.path.join(REFERENCE, family, "inputs_and_logits.npz"))
+    ids = ref["input_ids"]
+    data = str(tmp_path / "docs.arrayrecord")
+    write_token_documents(data, [row for row in ids])
+    tokenizer, eos = _char_tokenizer(tmp_path)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    args = [
+        sys.executable,
+        os.path.join(ROOT, "eval_main.py"),
+        f"--workdir={tmp_path}",
+        f"--hf_checkpoint={os.path.join(REFERENCE, family)}",
+        f"--data={data}",
+        f"--tokenizer={tokenizer}",
+        f"--sharding_strategy={strategy}",
+        # One document per row (24 ids + EOS fit 32), two rows: both documents, one batch.
+        "--seq_len=32",
+        "--batch_size=8",
+        "--eval_batches=1",
+    ]
+    result = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "eval.json") as f:
+        report = json.load(f)
+    assert report["tokens"] == ids.size  # 24 targets per document: 23 ids and the EOS
+    # float32 logits against transformers' (parity tests: within 1e-5), averaged over 48 terms.
+    np.testing.assert_allclose(
+        report["loss"], _reference_loss(ref["logits"], ids, eos), rtol=1e-5, atol=1e-5
+    )
