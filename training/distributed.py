@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # Environment variables that say this process is one of several launched by a cluster manager
-# JAX knows how to read (jax._src.clusters: Slurm, Open MPI, Cloud TPU). Auto-initialisation
+# whose environment jax.distributed.initialize() reads (Slurm, Open MPI, Cloud TPU). Auto-init
 # happens only when one is set with more than one task, so a laptop run never waits for a
 # coordinator that does not exist.
 _TASK_COUNT_VARS = ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
