@@ -117,6 +117,7 @@ def test_hf_tokenizer_without_eos_gets_an_extra_id(tmp_path):
 
 def test_sentencepiece_round_trip(tmp_path):
     import sentencepiece as spm
+
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(["hello world", "the quick brown fox", TEXT] * 30),
