@@ -27,10 +27,8 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
@@ -297,23 +295,6 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     }
 
 
-def write_json_atomic(path: str, record: dict) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def main(argv):
     if len(argv) > 1:
         _usage_error(f"unexpected arguments {argv[1:]}; flags look like --name=value")
@@ -375,6 +356,8 @@ def main(argv):
     if generated is not None:
         record.update(prompt=_PROMPT.value, generated=generated, generated_tokens=len(new_ids))
     if jax.process_index() == 0:
+        from training.files import write_json_atomic
+
         write_json_atomic(os.path.join(workdir, EVAL_FILE), record)
         bpb = metrics["bits_per_byte"]
         print(

@@ -74,3 +74,18 @@ def train_losses(workdir: str) -> list[float]:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     return [r["loss"] for r in records if "loss" in r]
+
+
+def char_tokenizer(directory, num_ids: int | None = None) -> tuple[str, int]:
+    """A character-level tokenizer.json (printable ASCII, newline, tab, [UNK], </s>: 99 ids,
+    which fit the 128-id reference models), padded with filler tokens to `num_ids` when given.
+    Returns (path, EOS id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n", "\t", "[UNK]", "</s>"]
+    chars += [chr(0x4E00 + i) for i in range((num_ids or len(chars)) - len(chars))]
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    path = os.path.join(directory, "tokenizer.json")
+    tokenizer.save(path)
+    return path, chars.index("</s>")

@@ -10,24 +10,11 @@ import sys
 
 import numpy as np
 import pytest
-from _train_helpers import ROOT
+from _train_helpers import ROOT, char_tokenizer
 
 from training.data import write_token_documents
 
 REFERENCE = os.path.join(ROOT, "tests", "hf_reference")
-
-
-def _char_tokenizer(directory) -> tuple[str, int]:
-    """A character-level tokenizer.json with exactly the reference models' 128 ids; returns
-    (path, eos id). Only its vocab size and EOS id matter: the data are token ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    chars = ["[UNK]", "</s>"] + [chr(0x4E00 + i) for i in range(126)]
-    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    path = os.path.join(directory, "tokenizer.json")
-    tokenizer.save(path)
-    return path, chars.index("</s>")
 
 
 def _reference_loss(logits_BTV, input_ids_BT, eos_id):
@@ -48,7 +35,7 @@ def test_eval_of_a_hf_checkpoint_equals_the_reference_loss(tmp_path, family, str
     ids = ref["input_ids"]
     data = str(tmp_path / "docs.arrayrecord")
     write_token_documents(data, [row for row in ids])
-    tokenizer, eos = _char_tokenizer(tmp_path)
+    tokenizer, eos = char_tokenizer(tmp_path, num_ids=128)  # the reference vocab
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",

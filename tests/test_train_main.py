@@ -7,7 +7,14 @@ import os
 
 import numpy as np
 import pytest
-from _train_helpers import SMALL_RUN, cli_flags, run_config, run_train_main, train_losses
+from _train_helpers import (
+    SMALL_RUN,
+    char_tokenizer,
+    cli_flags,
+    run_config,
+    run_train_main,
+    train_losses,
+)
 
 CONTRACT_KEYS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu"}
 
@@ -127,25 +134,13 @@ def test_configs_parse_and_build_abstractly(name):
     assert low < model_cfg.num_params() < high
 
 
-def _char_tokenizer(directory) -> str:
-    """A 99-id character-level tokenizer.json: fits the 128-id reference Llama below."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    chars = [chr(i) for i in range(32, 127)] + ["\n", "\t", "[UNK]", "</s>"]
-    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    path = os.path.join(directory, "tokenizer.json")
-    tokenizer.save(path)
-    return path
-
-
 def test_init_from_loads_the_checkpoint(tmp_path):
     from safetensors.numpy import load_file
 
     from training import run as train_run
 
     hf_dir = os.path.join(os.path.dirname(__file__), "hf_reference", "llama")
-    overrides = {**SMALL_RUN, "data.tokenizer": _char_tokenizer(tmp_path)}
+    overrides = {**SMALL_RUN, "data.tokenizer": char_tokenizer(tmp_path)[0]}
     setup = train_run.Setup(run_config(overrides), str(tmp_path), init_from=hf_dir)
     # The architecture is the checkpoint's (F=64, V=128), not the config's preset (F=128).
     assert (setup.model_cfg.ffn_dim, setup.model_cfg.vocab_size) == (64, 128)

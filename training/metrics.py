@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from training.files import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -52,23 +53,6 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
             if isinstance(record, dict):
                 records.append(record)
     return records
-
-
-def _atomic_write(path: str, write) -> None:
-    """Call `write(file_object)` on a temporary file beside `path`, fsync, then rename over it,
-    so a reader or a crash sees either the old file or the complete new one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 class MetricsWriter:
@@ -196,7 +180,7 @@ class MetricsWriter:
         if reopen:
             self._file.close()
         text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in records)
-        _atomic_write(self.path, lambda f: f.write(text.encode()))
+        atomic_write(self.path, lambda f: f.write(text.encode()))
         if reopen:
             self._file = open(self.path, "a")  # noqa: SIM115 -- held open for the whole run
 
@@ -228,7 +212,7 @@ class MetricsWriter:
         fig.tight_layout()
         path = os.path.join(self.workdir, LOSS_CURVE_FILE)
         try:
-            _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+            atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
         finally:
             plt.close(fig)
         return path

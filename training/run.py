@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
+
+from training.files import write_json_atomic
 
 
 def _say(text: str) -> None:
@@ -183,10 +184,7 @@ def train(setup: Setup) -> list[dict]:
     if is_main:
         os.makedirs(workdir, exist_ok=True)
         # Atomically: a run killed here must not leave a half-written record behind.
-        path = os.path.join(workdir, "run_info.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(setup.run_info, f, indent=2)
-        os.replace(path + ".tmp", path)
+        write_json_atomic(os.path.join(workdir, "run_info.json"), setup.run_info)
     _say(
         f"{setup.model_cfg.describe()}\nstrategy {setup.strategy.name} on mesh "
         f"{dict(setup.mesh.shape)} ({jax.device_count()} devices, {jax.process_count()} "
