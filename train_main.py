@@ -51,7 +51,9 @@ def _define_config_flag():
 
 _CONFIG = _define_config_flag()
 _STRATEGY = flags.DEFINE_string(
-    "sharding_strategy", None, "dp | fsdp | tp | fsdp_tp; default: config.training."
+    "sharding_strategy",
+    None,
+    "dp | fsdp | tp | fsdp_tp | auto (the fastest that fits, planning/); default: config.",
 )
 _MESH_SHAPE = flags.DEFINE_string(
     "mesh_shape", None, "e.g. data:4,model:2; default: config.training.mesh_shape or the rule."
@@ -126,6 +128,10 @@ def main(argv):
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         run = _load_config()
+        if run.training.sharding_strategy == "auto":
+            from planning.cli import resolve_auto
+
+            run = resolve_auto(run)  # compiles candidates on these devices; picks, says why
         workdir = os.path.abspath(_WORKDIR.value or os.path.join("runs", run.name))
         setup = Setup(run, workdir, init_from=_INIT_FROM.value)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:

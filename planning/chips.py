@@ -113,3 +113,29 @@ def chip_for(topology: str, memory_gib: float | None = None) -> Chip:
             chip, name=f"{chip.name} ({memory_gib:g} GiB)", memory_bytes=int(memory_gib * GiB)
         )
     return chip
+
+
+# `jax.Device.device_kind` substrings -> chip, most specific first.
+_DEVICE_KINDS = (
+    ("v5 lite", "v5e"),
+    ("v5e", "v5e"),
+    ("v6 lite", "v6e"),
+    ("v6e", "v6e"),
+    ("tpu v5", "v5p"),
+    ("h200", "h200"),
+    ("h100", "h100"),
+)
+
+
+def chip_name_for(device) -> str:
+    """The CHIPS key of a real device (for `train_main --sharding_strategy=auto`)."""
+    if device.platform == "cpu":
+        return "cpu"
+    kind = device.device_kind.lower()
+    for substring, name in _DEVICE_KINDS:
+        if substring in kind:
+            return name
+    raise ValueError(
+        f"--sharding_strategy=auto has no figures for device kind {device.device_kind!r} "
+        f"(known: {', '.join(sorted(CHIPS))}); name a strategy instead"
+    )

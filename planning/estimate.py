@@ -115,8 +115,10 @@ def comm_seconds(
     for op in ops:
         if not op.axes:
             continue
-        seconds = op.executions * op.bytes_per_device / bandwidth_of(
-            tuple(axis_names.index(a) for a in op.axes)
+        seconds = (
+            op.executions
+            * op.bytes_per_device
+            / bandwidth_of(tuple(axis_names.index(a) for a in op.axes))
         )
         if any(a in TP_AXES for a in op.axes):
             exposed += seconds

@@ -234,7 +234,10 @@ def _groups(attrs: str, num_devices: int) -> list[list[int]]:
         return ids.reshape(group_shape[0], -1).tolist()
     listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
     if listed and listed.group(1):
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))]
+        return [
+            [int(x) for x in g.split(",") if x]
+            for g in re.findall(r"\{([\d,]*)\}", listed.group(1))
+        ]
     return [list(range(num_devices))]  # `{}` or no groups: every device
 
 
