@@ -15,10 +15,8 @@ from planning.report import table
 from planning.search import (
     REMAT_ORDER,
     NoFitError,
-    cached_compile,
     candidate_space,
     search,
-    smallest_change,
 )
 
 
@@ -149,28 +147,27 @@ def plan(request: Request, as_json: bool = False) -> str:
     Raises ValueError on bad input and NoFitError (a ValueError) when nothing fits."""
     run, target, candidates, auto = build(request)
     log = (lambda _: None) if as_json else (lambda line: print(line, flush=True))
-    if auto:
-        result = search(run, target, candidates, max_compiles=request.max_compiles, log=log)
-        plans = result.plans
+    result = search(
+        run,
+        target,
+        candidates,
+        max_compiles=request.max_compiles,
+        exhaustive=not auto,
+        log=log,
+    )
+    if as_json:
+        rows = [p.to_json() | {"auto": auto and p is result.best} for p in result.plans]
+        text = "\n".join(json.dumps(r) for r in rows)
     else:
-        plans = []
-        for c in candidates:
-            log(f"compiling {c.describe()} for {target.name} ...")
-            plans.append(cached_compile(run, c, target))
-    lines = [json.dumps(p.to_json() | ({"auto": p is result.best} if auto else {})) for p in plans]
-    text = "\n".join(lines) if as_json else table(plans)
-    if auto:
-        if result.best is None:
-            print(text, flush=True)
-            raise NoFitError(result.reason)
-        text += "\n" + result.reason if not as_json else ""
-        if as_json:
-            log_line = json.dumps({"auto_reason": result.reason})
-            text = text + "\n" + log_line
-    elif not any(p.fits for p in plans):
+        text = table(result.plans) if result.plans else ""
+    for c, why in result.skipped if not (auto or as_json) else []:
+        text += f"\nnot compiled: {c.describe()}: {why}"
+    if result.best is None:
         print(text, flush=True)
-        raise NoFitError(smallest_change(run, target, plans, {}))
-    return text
+        raise NoFitError(result.reason)
+    if auto:
+        text += "\n" + (json.dumps({"auto_reason": result.reason}) if as_json else result.reason)
+    return text.strip("\n")
 
 
 def resolve_auto(run, log=print):

@@ -97,9 +97,13 @@ def search(
     candidates: list[Candidate],
     *,
     max_compiles: int = 16,
+    exhaustive: bool = False,
     log: Callable[[str], None] = lambda _: None,
 ) -> SearchResult:
-    """The best candidate that fits, by predicted step time (see the module docstring)."""
+    """The best candidate that fits, by predicted step time (see the module docstring).
+
+    `exhaustive` compiles every candidate whose state can fit (the bound, the dominance rule
+    and the compile budget are off): what plan_main does for named strategies."""
     cfg = run.model.decoder_config()
     memory = target.chip.memory_bytes
     bounds = {
@@ -123,11 +127,13 @@ def search(
     best: Plan | None = None
     state_cache: dict[tuple, int] = {}
     fitted: list[Candidate] = []
-    for c in order:
-        if best is not None and bounds[c] >= best.estimate.step_seconds:
+    for c in candidates if exhaustive else order:
+        if exhaustive:
+            pass
+        elif best is not None and bounds[c] >= best.estimate.step_seconds:
             skipped.append((c, "its compute alone is slower than the best found"))
             continue
-        if any(_dominated(c, f) for f in fitted):
+        elif any(_dominated(c, f) for f in fitted):
             skipped.append((c, "a variant with less remat / fewer micro-batches fits"))
             continue
         layout = (c.strategy, c.mesh_shape)
@@ -141,7 +147,7 @@ def search(
         if state_cache[layout] > memory:
             skipped.append((c, f"state alone needs {state_cache[layout] / GiB:.1f} GiB"))
             continue
-        if len(plans) >= max_compiles:
+        if len(plans) >= max_compiles and not exhaustive:
             skipped.append((c, f"over the compile budget ({max_compiles})"))
             continue
         log(f"compiling {c.describe()} for {target.name} ...")

@@ -253,17 +253,18 @@ def _axes_crossed(groups, mesh_shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(n for n in names if n in crossed)
 
 
-def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list[Collective]:
     """Every collective of a compiled module, with per-step executions and axes crossed.
 
     `mesh_shape` is the mesh the program was partitioned over (`dict(mesh.shape)`, in axis
-    order): device ids in replica groups index its devices in flat (row-major) order.
+    order): device ids in replica groups index its devices in flat (row-major) order. Without
+    it, axes are left empty.
     """
     computations, entry = _parse(hlo_text)
     if entry is None:
         return []
     times = _multipliers(computations, entry)
-    num_devices = math.prod(mesh_shape.values())
+    num_devices = math.prod(mesh_shape.values()) if mesh_shape else 0
     out = []
     for comp_name, instructions in computations.items():
         runs = times.get(comp_name, 0)
@@ -281,7 +282,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
             group_size = max(len(g) for g in groups) if groups else 1
             output = _output_bytes(op, is_start, inst.shape)
             array = output * group_size if op == "reduce-scatter" else output
-            axes = _axes_crossed(groups, mesh_shape)
+            axes = _axes_crossed(groups, mesh_shape) if mesh_shape else ()
             out.append(Collective(op, inst.name, array, group_size, axes, runs))
     return out
 

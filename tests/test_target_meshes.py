@@ -1,0 +1,21 @@
+"""Every strategy's default mesh builds on big TPU slices, whose torus dims a logical mesh
+axis must be allowed to split (data 8 x model 8 on v5p:4x4x4, model 4 on v6e:4x4)."""
+
+import pytest
+
+from planning import target_devices
+from shardings import STRATEGIES
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("topology", ["v5p:4x4x4", "v6e:4x4"])
+@pytest.mark.parametrize("num_kv_heads", [8, 4])
+def test_every_default_mesh_builds_on_the_slice(topology, num_kv_heads):
+    devices = target_devices(topology)
+    for strategy in STRATEGIES.values():
+        shape = strategy.default_mesh_shape(len(devices), num_kv_heads)
+        mesh = strategy.make_mesh(devices=devices, shape=shape)
+        assert tuple(mesh.shape.values()) == shape
+        assert mesh.axis_names == strategy.axes
+        # Every chip once: a mesh is a permutation of the slice.
+        assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
