@@ -53,7 +53,8 @@ _CONFIG = _define_config_flag()
 _STRATEGY = flags.DEFINE_string(
     "sharding_strategy",
     None,
-    "dp | fsdp | tp | fsdp_tp | auto (the fastest that fits, planning/); default: config.",
+    "a strategy name (shardings.STRATEGIES), or auto (the fastest that fits, planning/); "
+    "default: config.training.",
 )
 _MESH_SHAPE = flags.DEFINE_string(
     "mesh_shape", None, "e.g. data:4,model:2; default: config.training.mesh_shape or the rule."

@@ -39,7 +39,9 @@ from planning.chips import Chip
 from shardings.hlo import Collective
 from zoo.layers.config import causal_keys_per_query
 
-TP_AXES = ("model",)  # collectives crossing these are exposed (see the overlap assumption)
+# Collectives crossing these are exposed (see the overlap assumption): tensor parallelism, and
+# context parallelism's exchanges of keys and values inside attention.
+TP_AXES = ("model", "context")
 
 
 @dataclasses.dataclass(frozen=True)

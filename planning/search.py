@@ -52,31 +52,47 @@ def candidate_space(
     count, up to the strategies' tensor-parallel cap; `mesh_shapes` fixes a strategy's shape.
     """
     from shardings import get_strategy
-    from shardings.strategies import MAX_MODEL_AXIS
+    from shardings.hybrid import num_granules
 
     n = len(target.devices)
     cfg = run.model.decoder_config()
     batch = run.data.global_batch_size
+    slices = num_granules(list(target.devices))
     out = []
     for name in strategies:
         strategy = get_strategy(name)
         if mesh_shapes and name in mesh_shapes:
             shapes = [tuple(mesh_shapes[name])]
-        elif len(strategy.axes) == 1:
-            shapes = [(n,)]
         else:
-            shapes = [
-                (n // m, m)
-                for m in range(2, min(n, MAX_MODEL_AXIS) + 1)
-                if n % m == 0 and cfg.num_kv_heads % m == 0
-            ]
+            shapes = _mesh_shapes(strategy, n, cfg.num_kv_heads, slices)
+        batch_axes = strategy.batch_spec()[0] or ()
+        batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
         for shape in shapes:
-            data = shape[0]
+            sizes = dict(zip(strategy.axes, shape, strict=True))
+            data = math.prod(sizes[a] for a in batch_axes)
             for remat in remats:
                 for k in micro_batches:
                     if batch % k == 0 and (batch // k) % data == 0:
                         out.append(Candidate(name, tuple(shape), remat, k))
     return out
+
+
+def _mesh_shapes(strategy, n: int, num_kv_heads: int, slices: int) -> list[tuple[int, ...]]:
+    """The strategy's default shape, and for tensor-parallel ones every other `model` size
+    that divides the devices and the kv heads, up to the strategies' cap."""
+    from shardings.strategies import CONTEXT, DATA, MAX_MODEL_AXIS, MODEL
+
+    default = tuple(strategy.default_mesh_shape(n, num_kv_heads, num_slices=slices))
+    shapes = [default]
+    if MODEL in strategy.axes and CONTEXT not in strategy.axes:
+        sizes = dict(zip(strategy.axes, default, strict=True))
+        inner = sizes[DATA] * sizes[MODEL]
+        for m in range(2, min(inner, MAX_MODEL_AXIS) + 1):
+            if inner % m == 0 and num_kv_heads % m == 0:
+                shape = tuple({**sizes, MODEL: m, DATA: inner // m}[a] for a in strategy.axes)
+                if shape not in shapes:
+                    shapes.append(shape)
+    return shapes
 
 
 _CACHE: dict[tuple, Plan] = {}

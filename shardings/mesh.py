@@ -11,6 +11,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from shardings.hybrid import REPLICA, hybrid_device_array, num_granules
+
 
 def parse_mesh_shape(text: str, axes: Sequence[str]) -> tuple[int, ...]:
     """`'data:4,model:2'` (any order, every axis named) or `'4,2'` (in `axes` order)."""
@@ -62,7 +64,7 @@ def make_mesh(strategy, shape=None, devices=None, num_kv_heads: int | None = Non
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if shape is None:
-        shape = strategy.default_mesh_shape(n, num_kv_heads)
+        shape = strategy.default_mesh_shape(n, num_kv_heads, num_slices=num_granules(devices))
     elif isinstance(shape, str):
         shape = parse_mesh_shape(shape, strategy.axes)
     shape = tuple(int(s) for s in shape)
@@ -76,6 +78,13 @@ def make_mesh(strategy, shape=None, devices=None, num_kv_heads: int | None = Non
         raise ValueError(
             f"mesh shape {named} needs {math.prod(shape)} devices but {n} are available; "
             f"the axis sizes must multiply to {n}"
+        )
+    if REPLICA in strategy.axes:
+        # `replica` must cross slices and nothing else may: built granule by granule.
+        return Mesh(
+            hybrid_device_array(shape, strategy.axes, devices),
+            strategy.axes,
+            axis_types=(AxisType.Explicit,) * len(shape),
         )
     # Split physical axes allowed: on a TPU torus a logical axis may then span parts of two
     # physical dims (data 8 x model 8 on a 4x4x4 v5p); without it such a shape has no
