@@ -110,6 +110,11 @@ def build(request: Request):
     n = len(target.devices)
     run, raw = load_run(request, n)
     names, auto = _strategies(request.strategies)
+    if auto:  # on one slice a replica axis has size 1: those are fsdp / fsdp_tp again
+        from shardings.hybrid import REPLICA, num_granules
+
+        single = num_granules(list(target.devices)) == 1
+        names = [s for s in names if not (single and REPLICA in get_strategy(s).axes)]
     config_remat = run.model.remat
     remats = tuple(request.remat) if request.remat else (REMAT_ORDER if auto else (config_remat,))
     for r in remats:
@@ -184,6 +189,11 @@ def resolve_auto(run, log=print):
         name=f"{devices[0].device_kind}:{len(devices)}", devices=tuple(devices), chip=chip
     )
     names, _ = _strategies("auto")
+    from shardings import get_strategy
+    from shardings.hybrid import REPLICA, num_granules
+
+    if num_granules(list(devices)) == 1:
+        names = [s for s in names if REPLICA not in get_strategy(s).axes]
     candidates = candidate_space(run, target, names, REMAT_ORDER, (1, 2, 4, 8))
     if not candidates:
         raise ValueError(
