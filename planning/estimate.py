@@ -12,13 +12,15 @@ negative or no times).
     comm(op) = executions per step * bytes a device sends (ring algorithm: (n-1)/n of the
                array for all-gather / reduce-scatter / all-to-all, twice that for all-reduce,
                the operand for a permute) / bandwidth of the mesh axes the op crosses.
-    step     = compute + comm over `model` + max(0, comm over `data` only - compute)
+    step     = compute + comm over `model` / `context` only + max(0, other comm - compute)
 
-The overlap assumption, stated: collectives that cross only the data-parallel axis (FSDP
-weight all-gathers, gradient reduce-scatters / all-reduces) are issued asynchronously and hide
-behind the layer compute of neighbouring layers, so they cost time only where they exceed the
-compute; collectives that cross the tensor-parallel axis sit between a matmul and the next
-one that needs its result, so they are fully exposed. Compute is taken at the chip's peak: no
+The overlap assumption, stated: collectives whose group spans a data-parallel axis (`data`,
+`replica`: FSDP weight all-gathers, gradient reduce-scatters / all-reduces, also when XLA
+fuses them across `data` and `model` at once) are issued asynchronously and hide behind the
+layer compute of neighbouring layers, so they cost time only where they exceed the compute;
+collectives that cross only tensor / context-parallel axes (`model`, `context`) move
+activations between a matmul and the next one that needs its result, so they are fully
+exposed. Compute is taken at the chip's peak: no
 allowance for elementwise work, memory-bound kernels or pipeline bubbles, so the predicted
 MFU is an upper bound that real runs fall short of.
 
@@ -122,7 +124,7 @@ def comm_seconds(
             * op.bytes_per_device
             / bandwidth_of(tuple(axis_names.index(a) for a in op.axes))
         )
-        if any(a in TP_AXES for a in op.axes):
+        if all(a in TP_AXES for a in op.axes):
             exposed += seconds
         else:
             overlapped += seconds
