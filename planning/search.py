@@ -101,7 +101,11 @@ _CACHE: dict[tuple, Plan] = {}
 def cached_compile(run, candidate: Candidate, target: Target) -> Plan:
     """`compile_plan`, once per (run, candidate, target devices) in this process: the compile
     does not depend on the chip's memory, so a smaller synthetic chip reuses it."""
-    key = (run, candidate, target.name, len(target.devices))
+    from planning.compile import run_for
+
+    # The run as the candidate sets it: requests that differ only in what it overrides
+    # (`auto` vs a strategy name, the config's remat) share a compile.
+    key = (run_for(run, candidate), candidate, target.name, len(target.devices))
     if key not in _CACHE:
         _CACHE[key] = compile_plan(run, candidate, target)
     return dataclasses.replace(_CACHE[key], target=target)
