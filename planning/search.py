@@ -230,10 +230,18 @@ def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -
         least = min(state_cache.values()) if state_cache else None
         if least is None:
             return f"{head}: no candidate could be laid out on {n} devices"
-        chips = _next_power_of_two(math.ceil(n * least / (0.8 * memory)))
+        # Float32 parameters, two Adam moments and gradients, split over every chip (fsdp).
+        split = run.model.decoder_config().num_params() * 16 / n
+        if split <= 0.8 * memory < least:
+            return (
+                f"{head}: parameters + optimizer state + gradients alone need "
+                f"{least / GiB:.1f} GiB per chip; split over all {n} chips they need "
+                f"{split / GiB:.1f}: use --sharding_strategy=fsdp"
+            )
+        chips = _next_power_of_two(math.ceil(split * n / (0.8 * memory)))
         return (
             f"{head}: parameters + optimizer state + gradients alone need "
-            f"{least / GiB:.1f} GiB per chip; use more chips (at least {chips})"
+            f"{least / GiB:.1f} GiB per chip; use more chips (at least {chips}, with fsdp)"
         )
     lowest = min(plans, key=lambda p: p.required_bytes)
     c = lowest.candidate
