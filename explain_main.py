@@ -18,7 +18,7 @@ import sys
 from absl import app, flags
 
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
-_STRATEGIES = flags.DEFINE_list("strategies", ["dp", "fsdp", "tp", "fsdp_tp"], "strategies")
+_STRATEGIES = flags.DEFINE_list("strategies", None, "strategies; default: all of them")
 _DEVICES = flags.DEFINE_integer("devices", 8, "simulated devices, when running on CPU")
 _WRITE_GOLDEN = flags.DEFINE_string(
     "write_golden", None, "write DIR/<strategy>.txt, the layout report tests/golden pins, and stop"
@@ -38,13 +38,13 @@ def main(argv):
         )
     import jax
 
-    from shardings import get_strategy
+    from shardings import STRATEGIES, get_strategy
     from shardings.explain import count_collectives, layout_report, layout_table
     from zoo import get_config, param_layouts
 
     try:
         cfg = get_config(_MODEL.value)
-        strategies = [get_strategy(s) for s in _STRATEGIES.value]
+        strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -30,13 +30,17 @@ from shardings.specs import (
 
 DATA = "data"  # batch, and the FSDP weight shards
 MODEL = "model"  # tensor parallel: heads, FFN width, vocab
+# Data parallel across slices / hosts (DCN): only the gradient all-reduce crosses it.
+REPLICA = "replica"
+# Sequence split for long context: T of every activation, K/V gathered inside attention.
+CONTEXT = "context"
 
 # The logical dims a rule may name, each with the config field that gives its size (None:
 # no single field), which the default mesh rule must divide.
 LOGICAL_DIMS: dict[str, str | None] = {
     "batch": None,  # B of every input and activation
     "seq": None,  # T of the inputs and of the activations inside a block
-    "residual_seq": None,  # T of the residual stream between blocks
+    "residual_seq": None,  # T of the residual stream between blocks (a context split names both)
     "residual": "hidden_dim",  # M of the residual stream between blocks
     "embed_fsdp": "hidden_dim",  # M of every weight matrix (the FSDP split)
     "table_embed": "hidden_dim",  # M of the embedding tables [V, M] and [T_max, M]
@@ -54,9 +58,9 @@ MAX_MODEL_AXIS = 8
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Strategy:
-    """A named rule table. `axes` are the mesh axes in mesh order: the first takes the
-    devices the others leave; each other axis is sized by the default mesh rule, at most
-    `axis_caps[axis](num_devices)`."""
+    """A named rule table over the mesh axes `axes` (in mesh order). For the default mesh,
+    each axis other than `data` and `replica` is at most `axis_caps[axis](devices per
+    slice)`."""
 
     name: str
     axes: tuple[str, ...]
@@ -88,27 +92,37 @@ class Strategy:
         """Layout of [B, T] inputs (tokens, segment ids, positions)."""
         return self.lm_sharding().tokens
 
-    def default_mesh_shape(self, num_devices: int, config=None) -> tuple[int, ...]:
-        """Documented rule: every axis but the first gets the largest size that divides the
-        device count and every `config` size the axis splits (heads, kv heads, FFN width,
-        vocab, M: the dims its rules name), capped by `axis_caps`; the first axis takes the
-        rest. Without a config no size is known, so the other axes get 1: the one mesh that
-        every model accepts (pass `config` to get a split).
+    def default_mesh_shape(self, num_devices: int, config=None, num_slices: int = 1) -> tuple:
+        """Documented rule. `replica` is the number of slices (TPU slices, else processes;
+        1 on one host); the other axes share the devices of one slice. In `axes` order,
+        every axis but `data` gets the largest size that divides the devices left and every
+        `config` size the axis splits (the config fields of the dims its rules name: heads,
+        kv heads, FFN width, vocab, M), at most its cap; `data` takes the rest. Without a
+        config those sizes are unknown, so such an axis gets 1: the one mesh every model
+        accepts (pass `config` to get a split).
         """
         sizes = {}
-        for axis in self.axes[1:]:
-            if config is None:
-                sizes[axis] = 1
+        if REPLICA in self.axes:
+            sizes[REPLICA] = num_slices
+        left = num_devices // sizes.get(REPLICA, 1)
+        per_slice = left
+        for axis in self.axes:
+            if axis in (DATA, REPLICA):
                 continue
-            cap = self.axis_caps.get(axis, lambda n: n)(num_devices)
-            dims = [
-                getattr(config, LOGICAL_DIMS[dim])
+            fields = [
+                LOGICAL_DIMS[dim]
                 for dim, axes in self.rules.items()
                 if axis in _as_tuple(axes) and LOGICAL_DIMS[dim] is not None
             ]
-            sizes[axis] = _largest_divisor(num_devices, dims, cap)
-        rest = num_devices // math.prod(sizes.values())
-        return (rest, *(sizes[a] for a in self.axes[1:]))
+            if fields and config is None:
+                sizes[axis] = 1
+            else:
+                cap = self.axis_caps.get(axis, lambda n: n)(per_slice)
+                dims = [getattr(config, f) for f in fields]
+                sizes[axis] = _largest_divisor(left, dims, cap)
+            left //= sizes[axis]
+        sizes[DATA] = left
+        return tuple(sizes[a] for a in self.axes)
 
     def make_mesh(self, shape=None, devices=None, config=None):
         """An explicit mesh over `devices` (default: all). Without `shape`, the default rule
@@ -284,7 +298,38 @@ FSDP_TP = Strategy(
     },
 )
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DP, FSDP, TP, FSDP_TP)}
+# Hybrid sharded data parallel: the mesh puts `replica` across slices (DCN) and `data` /
+# `model` inside one (shardings/hybrid.py). Weights are split over `data` only, so the
+# per-matmul all-gathers and the gradient reduce-scatters stay on the fast links.
+HSDP = Strategy(
+    name="hsdp",
+    axes=(REPLICA, DATA),
+    rules={
+        # The batch is split over both: the one collective over `replica` is the all-reduce
+        # of the already `data`-sharded gradients.
+        "batch": (REPLICA, DATA),
+        "embed_fsdp": DATA,  # as fsdp, inside a slice
+        "table_embed": DATA,
+    },
+)
+
+HSDP_TP = Strategy(
+    name="hsdp_tp",
+    axes=(REPLICA, DATA, MODEL),
+    axis_caps={MODEL: _at_most_node_and_sqrt},
+    rules={
+        "batch": (REPLICA, DATA),  # as hsdp
+        "embed_fsdp": DATA,  # as fsdp_tp, inside a slice
+        "heads": MODEL,
+        "kv_heads": MODEL,
+        "ffn": MODEL,
+        "vocab": MODEL,
+        "residual": MODEL,
+        "table_embed": MODEL,
+    },
+)
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP)}
 
 
 def get_strategy(name: str) -> Strategy:

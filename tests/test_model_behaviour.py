@@ -196,7 +196,7 @@ def test_bfloat16_compute_tracks_float32(model):
 
 def test_unknown_strategy_lists_valid_names():
     with pytest.raises(
-        ValueError, match=r"unknown sharding strategy 'zero3'.*dp, fsdp, fsdp_tp, tp"
+        ValueError, match=r"unknown sharding strategy 'zero3'.*dp, fsdp, fsdp_tp, hsdp, hsdp_tp, tp"
     ):
         get_strategy("zero3")
 
