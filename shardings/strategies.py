@@ -304,29 +304,16 @@ FSDP_TP = Strategy(
 HSDP = Strategy(
     name="hsdp",
     axes=(REPLICA, DATA),
-    rules={
-        # The batch is split over both: the one collective over `replica` is the all-reduce
-        # of the already `data`-sharded gradients.
-        "batch": (REPLICA, DATA),
-        "embed_fsdp": DATA,  # as fsdp, inside a slice
-        "table_embed": DATA,
-    },
+    # As fsdp inside a slice; the batch is split over both axes, so the one collective over
+    # `replica` is the all-reduce of the already `data`-sharded gradients.
+    rules={**FSDP.rules, "batch": (REPLICA, DATA)},
 )
 
 HSDP_TP = Strategy(
     name="hsdp_tp",
     axes=(REPLICA, DATA, MODEL),
-    axis_caps={MODEL: _at_most_node_and_sqrt},
-    rules={
-        "batch": (REPLICA, DATA),  # as hsdp
-        "embed_fsdp": DATA,  # as fsdp_tp, inside a slice
-        "heads": MODEL,
-        "kv_heads": MODEL,
-        "ffn": MODEL,
-        "vocab": MODEL,
-        "residual": MODEL,
-        "table_embed": MODEL,
-    },
+    axis_caps=FSDP_TP.axis_caps,
+    rules={**FSDP_TP.rules, "batch": (REPLICA, DATA)},  # as fsdp_tp inside a slice
 )
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP)}
