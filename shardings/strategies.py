@@ -170,6 +170,8 @@ def _lm(
     # vocab); M split over fsdp is gathered before the matmul.
     lm_head = _linear(P(fsdp, tp), P(batch, seq, tp))
     return LmSharding(
+        # Causal attention over a split T: balanced chunks give each device the same work.
+        seq_order="balanced" if seq else "natural",
         tokens=tokens,
         embed=embed,
         position_embed=position_embed,
@@ -247,6 +249,31 @@ STRATEGIES: dict[str, Strategy] = {
             description="fsdp_tp inside a slice (`data`, `model`), replicated over `replica` "
             "across slices; batch over `replica` and `data`",
             _build=lambda: _lm(batch=(REPLICA, DATA), fsdp=DATA, tp=MODEL, residual_tp=True),
+            _default_model_axis=_fsdp_tp_model_axis,
+        ),
+        # Context parallelism: T of every activation split over `context` (tokens, residual,
+        # MLP hidden, logits `B/data T/context ...`); attention all-gathers K/V over
+        # `context` (zoo/layers/context_parallel.py). The context devices hold different
+        # tokens of the same rows, so for the weights they are data parallel: FSDP splits
+        # over `data` and `context` together, and the gradients are reduce-scattered over
+        # both (they must be summed over both anyway).
+        Strategy(
+            name="fsdp_cp",
+            axes=(DATA, CONTEXT),
+            description="FSDP over `data` and `context`, batch over `data`, sequence over "
+            "`context` (K/V all-gathered in attention, causal work load-balanced)",
+            _build=lambda: _lm(
+                batch=DATA, fsdp=(DATA, CONTEXT), tp=None, residual_tp=False, seq=CONTEXT
+            ),
+        ),
+        Strategy(
+            name="fsdp_tp_cp",
+            axes=(DATA, CONTEXT, MODEL),
+            description="fsdp_cp with tensor parallelism over `model` (heads, FFN, vocab; "
+            "residual split on M), for long context with models too wide for FSDP alone",
+            _build=lambda: _lm(
+                batch=DATA, fsdp=(DATA, CONTEXT), tp=MODEL, residual_tp=True, seq=CONTEXT
+            ),
             _default_model_axis=_fsdp_tp_model_axis,
         ),
     )
