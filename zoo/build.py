@@ -79,7 +79,8 @@ def activation_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[in
         cfg.ffn_dim,
         cfg.vocab_size,
     )
-    # Batch and sequence are 1 here: both are checked where the batch is made (check_batch).
+    # Batch and sequence are 1 here and unsplit: they are checked where the batch is made
+    # (check_batch).
     no_batch = lambda spec: P(None, None, *tuple(spec)[2:])  # noqa: E731
     return [
         ("residual stream [B, T, M]", (1, 1, M), no_batch(lm.block.residual)),
