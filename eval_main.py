@@ -97,9 +97,9 @@ def model_config_from_run_info(run_info: dict):
     and fields), else the run config's model section (`RunConfig.model.decoder_config()`)."""
     recorded = run_info.get("model_config")
     if recorded:
-        from zoo.build import FAMILIES
+        from zoo.registry import config_types
 
-        types = {t.__name__: t for t in FAMILIES}
+        types = config_types()
         fields = dict(recorded)
         name = fields.pop("type", None)
         if name not in types:

@@ -6,8 +6,9 @@ module stores its dataclass at construction, attaches the weight specs to its va
 here decides a layout; `shardings/strategies.py` fills these for a whole model.
 
 Dims, one set of letters everywhere: B batch, T query positions, S key/value positions,
-M model (residual) width, N query heads, K key/value heads, D head dim, F FFN width,
-V vocab, L layers.
+M model (residual) width, N query heads, K key/value heads, G = N // K query heads per kv
+head, D head dim, R = D / 2 rotary frequencies, F FFN width, V vocab, L layers, P prompt
+positions, O generated (output) tokens.
 """
 
 from __future__ import annotations

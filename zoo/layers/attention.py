@@ -32,15 +32,15 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
+    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_R, kv=None):
         """`kv`: None, or this layer's cache (k_BSKD, v_BSKD, segment_ids_BS, positions_BS,
         index) with this step's entries to be written at `index`. Returns (out_BTM, kv')."""
         q_BTND, k_BTKD, v_BTKD = self.q(x_BTM), self.k(x_BTM), self.v(x_BTM)
         if self.q_norm is not None:
             q_BTND, k_BTKD = self.q_norm(q_BTND), self.k_norm(k_BTKD)
         if self.use_rope:
-            q_BTND = rope.rotate(q_BTND, positions_BT, inv_freq_H)
-            k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_H)
+            q_BTND = rope.rotate(q_BTND, positions_BT, inv_freq_R)
+            k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_R)
         kv_segment_ids, kv_positions = segment_ids_BT, positions_BT
         if kv is not None:
             k_cache, v_cache, kv_segment_ids, kv_positions, index = kv

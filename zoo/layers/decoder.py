@@ -43,13 +43,13 @@ class Block(nnx.Module):
         else:
             self.post_attn_norm = self.post_mlp_norm = None
 
-    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
+    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_R, kv=None):
         h_BTM, kv = self.attention(
             self.attn_norm(x_BTM),
             segment_ids_BT,
             positions_BT,
             window=window,
-            inv_freq_H=inv_freq_H,
+            inv_freq_R=inv_freq_R,
             kv=kv,
         )
         if self.post_attn_norm is not None:
@@ -173,9 +173,9 @@ class DecoderLM(nnx.Module):
         }
         return logits_BTV, new_cache
 
-    def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_H, kv):
+    def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_R, kv):
         def call(block, x_BTM):
-            return block(x_BTM, segment_ids, positions, window=window, inv_freq_H=inv_freq_H, kv=kv)
+            return block(x_BTM, segment_ids, positions, window=window, inv_freq_R=inv_freq_R, kv=kv)
 
         if self.cfg.remat != "none":
             # Only the block and the residual are arguments; everything else is closed over,
@@ -195,10 +195,10 @@ class DecoderLM(nnx.Module):
             out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: None},
         )
-        def run(x, block, window, inv_freq_H, layer_cache):
+        def run(x, block, window, inv_freq_R, layer_cache):
             kv = None if layer_cache is None else (*layer_cache, *kv_ctx)
             w = static_window if uniform_window else window
-            x, kv = self._call_block(block, x, segment_ids, positions, w, inv_freq_H, kv)
+            x, kv = self._call_block(block, x, segment_ids, positions, w, inv_freq_R, kv)
             return x, kv
 
         x_BTM, new_kv = run(x_BTM, self.blocks, windows_L, freqs_LH, caches)
