@@ -148,14 +148,14 @@ class DecoderLM(nnx.Module):
             )
             kv_ctx = (kv_segment_ids, kv_positions, index)
 
-        windows, freqs_LH = self._layer_tables()
+        windows, freqs_LR = self._layer_tables()
         if cfg.scan_layers:
             x_BTM, new_kv = self._run_scanned(
-                x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx
+                x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx
             )
         else:
             x_BTM, new_kv = self._run_unscanned(
-                x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx
+                x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx
             )
 
         if balanced:
@@ -183,11 +183,11 @@ class DecoderLM(nnx.Module):
             call = nnx.remat(call, policy=REMAT_POLICIES[self.cfg.remat])
         return call(block, x_BTM)
 
-    def _run_scanned(self, x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx):
+    def _run_scanned(self, x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx):
         uniform_window = len(set(windows)) == 1
         static_window = (windows[0] or None) if uniform_window else None
         windows_L = jnp.asarray(windows, jnp.int32)
-        freqs_LH = jnp.asarray(freqs_LH)
+        freqs_LR = jnp.asarray(freqs_LR)
         caches = (cache["k"], cache["v"]) if cache is not None else None
 
         @nnx.scan(
@@ -201,15 +201,15 @@ class DecoderLM(nnx.Module):
             x, kv = self._call_block(block, x, segment_ids, positions, w, inv_freq_R, kv)
             return x, kv
 
-        x_BTM, new_kv = run(x_BTM, self.blocks, windows_L, freqs_LH, caches)
+        x_BTM, new_kv = run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
         return x_BTM, new_kv
 
-    def _run_unscanned(self, x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx):
+    def _run_unscanned(self, x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx):
         ks, vs = [], []
         for i, block in enumerate(self.blocks):
             kv = None if cache is None else (cache["k"][i], cache["v"][i], *kv_ctx)
             x_BTM, kv = self._call_block(
-                block, x_BTM, segment_ids, positions, windows[i] or None, freqs_LH[i], kv
+                block, x_BTM, segment_ids, positions, windows[i] or None, freqs_LR[i], kv
             )
             if kv is not None:
                 ks.append(kv[0])
