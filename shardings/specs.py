@@ -82,6 +82,10 @@ class LmSharding:
     block: BlockSharding  # every layer; stacked weights get a leading replicated L dim
     final_norm: NormSharding
     lm_head: LinearSharding  # [M, V] -> logits [B, T, V]
+    # With T split (context parallelism): "balanced" keeps rows inside the model in
+    # load-balanced chunk order (device i holds chunks i and 2c-1-i of 2c), "natural" in
+    # index order. Inputs and logits are always in index order.
+    seq_order: str = "natural"
 
 
 def stacked(spec: P) -> P:

@@ -65,7 +65,7 @@ class Setup:
         batch_spec = strategy.batch_spec()
         self.batch_spec = batch_spec
         micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
-        check_batch(micro_batch, batch_spec, mesh, strategy.name)
+        check_batch(micro_batch, batch_spec, mesh, strategy.name, seq_len=run.data.seq_len)
 
         tokenizer = make_tokenizer(run.data.tokenizer)
         common = dict(

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from shardings.specs import AttentionSharding
-from zoo.layers import attention_ops, rope
+from zoo.layers import attention_ops, context_parallel, rope
 from zoo.layers.basic import Einsum, Norm
 
 
@@ -51,6 +51,23 @@ class Attention(nnx.Module):
                 v_cache, v_BTKD.astype(v_cache.dtype), index, axis=1
             )
             kv = (k_BTKD, v_BTKD)
+        # --- context-parallel hook: T split over a mesh axis (training / eval forward) ---
+        cp_axis = context_parallel.seq_axis(self.sharding.q.out) if kv is None else None
+        if cp_axis is not None:
+            out_BTND = context_parallel.attention(
+                q_BTND,
+                k_BTKD,
+                v_BTKD,
+                segment_ids_BT=segment_ids_BT,
+                positions_BT=positions_BT,
+                axis=cp_axis,
+                scale=self.scale,
+                sliding_window=window,
+                implementation=self.implementation,
+                out_sharding=self.sharding.q.out,
+            )
+            return self.o(out_BTND), kv
+        # --- end of hook ---
         out_BTND = attention_ops.attention(
             q_BTND,
             k_BTKD,

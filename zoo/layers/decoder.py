@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from shardings.specs import BlockSharding, LmSharding
-from zoo.layers import rope
+from zoo.layers import context_parallel, rope
 from zoo.layers.attention import Attention
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
@@ -118,6 +118,19 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens_BT, *, segment_ids, positions, cache=None):
         """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache')."""
         cfg = self.cfg
+        # Context parallelism: rows run in load-balanced chunk order inside the model
+        # (zoo/layers/context_parallel.py); the residual goes back before the LM head.
+        cp_axis = context_parallel.seq_axis(self.sharding.tokens)
+        balanced = cp_axis is not None and self.sharding.seq_order == "balanced"
+        if balanced:
+            if cache is not None:
+                raise ValueError(
+                    "KV-cache decoding does not split T; use a strategy without `context`"
+                )
+            tokens_BT, segment_ids, positions = (
+                context_parallel.to_balanced(a, cp_axis)
+                for a in (tokens_BT, segment_ids, positions)
+            )
         x_BTM = self.embed(tokens_BT)
         if cfg.embed_scale:
             x_BTM = x_BTM * jnp.asarray(cfg.hidden_dim**0.5, x_BTM.dtype)
@@ -145,6 +158,8 @@ class DecoderLM(nnx.Module):
                 x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx
             )
 
+        if balanced:
+            x_BTM = context_parallel.from_balanced(x_BTM, cp_axis)
         x_BTM = self.final_norm(x_BTM)
         logits_BTV = self._logits(x_BTM)
         if cache is None:
