@@ -10,11 +10,21 @@ from shardings.specs import (
     MlpSharding,
     NormSharding,
 )
-from shardings.strategies import DATA, MODEL, STRATEGIES, Strategy, get_strategy
+from shardings.strategies import (
+    CONTEXT,
+    DATA,
+    MODEL,
+    REPLICA,
+    STRATEGIES,
+    Strategy,
+    get_strategy,
+)
 
 __all__ = [
+    "CONTEXT",
     "DATA",
     "MODEL",
+    "REPLICA",
     "STRATEGIES",
     "AttentionSharding",
     "BlockSharding",
