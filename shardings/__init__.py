@@ -8,12 +8,14 @@ from shardings.specs import (
     LinearSharding,
     LmSharding,
     MlpSharding,
+    MoeSharding,
     NormSharding,
 )
-from shardings.strategies import DATA, MODEL, STRATEGIES, Strategy, get_strategy
+from shardings.strategies import DATA, EXPERT, MODEL, STRATEGIES, Strategy, get_strategy
 
 __all__ = [
     "DATA",
+    "EXPERT",
     "MODEL",
     "STRATEGIES",
     "AttentionSharding",
@@ -22,6 +24,7 @@ __all__ = [
     "LinearSharding",
     "LmSharding",
     "MlpSharding",
+    "MoeSharding",
     "NormSharding",
     "Strategy",
     "check_batch",

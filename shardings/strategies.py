@@ -20,14 +20,18 @@ from shardings.specs import (
     LinearSharding,
     LmSharding,
     MlpSharding,
+    MoeSharding,
     NormSharding,
 )
 
 DATA = "data"  # batch, and the FSDP weight shards
 MODEL = "model"  # tensor parallel: heads, FFN width, vocab
+EXPERT = "expert"  # expert parallel: MoE experts; the batch is split over it too
 
 # Tensor parallelism stays inside one NVLink/ICI domain: 8 devices on a GPU node.
 MAX_MODEL_AXIS = 8
+# So does the expert all-to-all (twice per MoE layer, forward).
+MAX_EXPERT_AXIS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Strategy:
     description: str
     _build: Callable[[], LmSharding]
     _default_model_axis: Callable[[int, int], int] | None = None
+    _default_expert_axis: Callable[[int, int], int] | None = None
 
     def lm_sharding(self) -> LmSharding:
         return self._build()
@@ -45,14 +50,20 @@ class Strategy:
         """Layout of [B, T] inputs (tokens, segment ids, positions)."""
         return self.lm_sharding().tokens
 
-    def default_mesh_shape(self, num_devices: int, num_kv_heads: int | None = None) -> tuple:
+    def default_mesh_shape(
+        self, num_devices: int, num_kv_heads: int | None = None, num_experts: int | None = None
+    ) -> tuple:
         """Documented rule: one-axis strategies put every device on `data`.
 
         Two-axis strategies put on `model` the largest divisor of the device count that
         also divides the kv head count (heads are split on `model`, so it must), is at
         most 8, and, for `fsdp_tp`, at most sqrt(devices) so FSDP keeps the larger share;
-        `data` takes the rest.
+        `data` takes the rest. `fsdp_ep` puts on `expert` the largest divisor of the device
+        count that divides the expert count and is at most 8 (1 for a dense model).
         """
+        if self._default_expert_axis is not None:
+            expert = self._default_expert_axis(num_devices, num_experts or 1)
+            return (num_devices // expert, expert)
         if self._default_model_axis is None:
             return (num_devices,)
         model = self._default_model_axis(num_devices, num_kv_heads or MAX_MODEL_AXIS)
@@ -64,7 +75,10 @@ class Strategy:
         from shardings.mesh import make_mesh
 
         kv_heads = getattr(config, "num_kv_heads", None)
-        return make_mesh(self, shape=shape, devices=devices, num_kv_heads=kv_heads)
+        experts = getattr(config, "num_experts", None)
+        return make_mesh(
+            self, shape=shape, devices=devices, num_kv_heads=kv_heads, num_experts=experts
+        )
 
 
 def _linear(weight: P, out: P, feature_dims: int = 1) -> LinearSharding:
@@ -82,17 +96,19 @@ def _norm(out: P) -> NormSharding:
 
 def _lm(
     *,
-    batch: str | None,
+    batch: str | tuple[str, ...] | None,
     fsdp: str | None,
     tp: str | None,
     residual_tp: bool,
+    expert: str | None = None,
 ) -> LmSharding:
-    """The one template all four strategies fill.
+    """The one template every strategy fills.
 
-    batch: axis of the batch dim; fsdp: axis the weights are split on besides the tensor
+    batch: axis (or axes) of the batch dim; fsdp: axis the weights are split on besides the tensor
     parallel split; tp: axis of heads / FFN width / vocab; residual_tp: whether the
     residual stream between blocks is split on M over `tp` (seqax-style, saves activation
-    memory and turns the post-contraction all-reduce into a reduce-scatter).
+    memory and turns the post-contraction all-reduce into a reduce-scatter); expert: axis the
+    MoE experts are split over (tokens then travel to their experts by all-to-all).
     """
     tokens = P(batch, None)
     residual = P(batch, None, tp if residual_tp else None)
@@ -130,6 +146,25 @@ def _lm(
         up=_linear(w_in_ffn, ffn),
         down=_linear(w_out_ffn, residual),
     )
+    # MoE. Router [M, E]: tiny (E columns), so only FSDP-split; its logits stay `B/batch T E`
+    # so routing is local to each token's device. Experts [E, M, F] / [E, F, M]: E over the
+    # expert axis (each device keeps E/expert whole experts: no communication inside an
+    # expert's matmul), F over tp like the dense MLP, M over fsdp and gathered for the compute.
+    moe = MoeSharding(
+        router=LinearSharding(weight=P(fsdp, None), out=P(batch, None, None)),
+        gate=P(expert, fsdp, tp),
+        up=P(expert, fsdp, tp),
+        down=P(expert, tp, fsdp),
+        gate_compute=P(expert, None, tp),
+        up_compute=P(expert, None, tp),
+        down_compute=P(expert, tp, None),
+        tokens=gathered,
+        dispatched=P(expert, None, None),
+        # With a split residual, the partial sums over tp are reduce-scattered into it.
+        out=residual,
+        expert_axis=expert,
+        ffn_axis=tp,
+    )
     block = BlockSharding(
         residual=residual,
         attn_norm=_norm(gathered),
@@ -138,6 +173,7 @@ def _lm(
         mlp_norm=_norm(gathered),
         mlp=mlp,
         post_mlp_norm=_norm(residual),
+        moe=moe,
     )
     # Embedding [V, M]: split on M, never on V, so the row gather needs no communication;
     # over tp the rows land already split like the residual (`M/model`), over fsdp they are
@@ -174,6 +210,10 @@ def _fsdp_tp_model_axis(num_devices: int, num_kv_heads: int) -> int:
     return _largest_model_axis(num_devices, num_kv_heads, cap)
 
 
+def _ep_expert_axis(num_devices: int, num_experts: int) -> int:
+    return _largest_model_axis(num_devices, num_experts, MAX_EXPERT_AXIS)
+
+
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
@@ -206,6 +246,19 @@ STRATEGIES: dict[str, Strategy] = {
             "stream is split on M over `model` between blocks (seqax layout)",
             _build=lambda: _lm(batch=DATA, fsdp=DATA, tp=MODEL, residual_tp=True),
             _default_model_axis=_fsdp_tp_model_axis,
+        ),
+        Strategy(
+            name="fsdp_ep",
+            axes=(DATA, EXPERT),
+            description="expert parallel: MoE experts split over `expert`, tokens sent to "
+            "their experts and back by all-to-all over `expert`; the batch split over "
+            "`data` x `expert`, every other weight FSDP over `data`",
+            # The batch takes both axes so no device repeats another's attention work; the
+            # dense weights are FSDP over `data` only (replicated over `expert`).
+            _build=lambda: _lm(
+                batch=(DATA, EXPERT), fsdp=DATA, tp=None, residual_tp=False, expert=EXPERT
+            ),
+            _default_expert_axis=_ep_expert_axis,
         ),
     )
 }

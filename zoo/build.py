@@ -12,16 +12,20 @@ from zoo.gpt2 import modeling as gpt2
 from zoo.layers.config import DecoderConfig
 from zoo.llama import modeling as llama
 from zoo.mistral import modeling as mistral
+from zoo.mixtral import modeling as mixtral
 from zoo.qwen3 import modeling as qwen3
+from zoo.qwen3_moe import modeling as qwen3_moe
 
 # Config type -> model class; a family registers here by importing its modeling module.
-_MODULES = (llama, qwen3, mistral, gemma3, gpt2)
+_MODULES = (llama, qwen3, mistral, gemma3, gpt2, qwen3_moe, mixtral)
 FAMILIES = {
     llama.LlamaConfig: llama.MODEL_CLASS,
     qwen3.Qwen3Config: qwen3.MODEL_CLASS,
     mistral.MistralConfig: mistral.MODEL_CLASS,
     gemma3.Gemma3Config: gemma3.MODEL_CLASS,
     gpt2.GPT2Config: gpt2.MODEL_CLASS,
+    qwen3_moe.Qwen3MoeConfig: qwen3_moe.MODEL_CLASS,
+    mixtral.MixtralConfig: mixtral.MODEL_CLASS,
 }
 PRESETS = {name: factory for m in _MODULES for name, factory in m.PRESETS.items()}
 
