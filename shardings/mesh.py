@@ -10,6 +10,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from shardings.hybrid import REPLICA, hybrid_device_array, num_granules
+
 
 def parse_mesh_shape(text: str, axes: Sequence[str]) -> tuple[int, ...]:
     """`'data:4,model:2'` (any order, every axis named) or `'4,2'` (in `axes` order)."""
@@ -67,7 +69,9 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if shape is None:
-        shape = strategy.default_mesh_shape(n, num_kv_heads, num_experts)
+        shape = strategy.default_mesh_shape(
+            n, num_kv_heads, num_experts=num_experts, num_slices=num_granules(devices)
+        )
     elif isinstance(shape, str):
         shape = parse_mesh_shape(shape, strategy.axes)
     shape = tuple(int(s) for s in shape)
@@ -81,6 +85,13 @@ def make_mesh(
         raise ValueError(
             f"mesh shape {named} needs {math.prod(shape)} devices but {n} are available; "
             f"the axis sizes must multiply to {n}"
+        )
+    if REPLICA in strategy.axes:
+        # `replica` must cross slices and nothing else may: built granule by granule.
+        return Mesh(
+            hybrid_device_array(shape, strategy.axes, devices),
+            strategy.axes,
+            axis_types=(AxisType.Explicit,) * len(shape),
         )
     return jax.make_mesh(
         shape,

@@ -27,6 +27,10 @@ from shardings.specs import (
 DATA = "data"  # batch, and the FSDP weight shards
 MODEL = "model"  # tensor parallel: heads, FFN width, vocab
 EXPERT = "expert"  # expert parallel: MoE experts; the batch is split over it too
+# Data parallel across slices / hosts (DCN): only the gradient all-reduce crosses it.
+REPLICA = "replica"
+# Sequence split for long context: T of every activation, K/V gathered inside attention.
+CONTEXT = "context"
 
 # Tensor parallelism stays inside one NVLink/ICI domain: 8 devices on a GPU node.
 MAX_MODEL_AXIS = 8
@@ -41,7 +45,6 @@ class Strategy:
     description: str
     _build: Callable[[], LmSharding]
     _default_model_axis: Callable[[int, int], int] | None = None
-    _default_expert_axis: Callable[[int, int], int] | None = None
 
     def lm_sharding(self) -> LmSharding:
         return self._build()
@@ -51,23 +54,38 @@ class Strategy:
         return self.lm_sharding().tokens
 
     def default_mesh_shape(
-        self, num_devices: int, num_kv_heads: int | None = None, num_experts: int | None = None
+        self,
+        num_devices: int,
+        num_kv_heads: int | None = None,
+        num_slices: int = 1,
+        num_experts: int | None = None,
     ) -> tuple:
         """Documented rule: one-axis strategies put every device on `data`.
 
         Two-axis strategies put on `model` the largest divisor of the device count that
         also divides the kv head count (heads are split on `model`, so it must), is at
         most 8, and, for `fsdp_tp`, at most sqrt(devices) so FSDP keeps the larger share;
-        `data` takes the rest. `fsdp_ep` puts on `expert` the largest divisor of the device
-        count that divides the expert count and is at most 8 (1 for a dense model).
+        `data` takes the rest. `replica` (hsdp, hsdp_tp) is the number of slices (TPU
+        slices, else processes; 1 on one host) and the rule above applies within a slice.
+        `context` (fsdp_cp) is the largest divisor of the device count <= sqrt(devices).
+        `expert` (fsdp_ep) is the largest divisor of the device count that divides the expert
+        count and is at most 8 (1 for a dense model).
         """
-        if self._default_expert_axis is not None:
-            expert = self._default_expert_axis(num_devices, num_experts or 1)
-            return (num_devices // expert, expert)
-        if self._default_model_axis is None:
-            return (num_devices,)
-        model = self._default_model_axis(num_devices, num_kv_heads or MAX_MODEL_AXIS)
-        return (num_devices // model, model)
+        sizes = {}
+        if REPLICA in self.axes:
+            sizes[REPLICA] = num_slices
+        inner = num_devices // sizes.get(REPLICA, 1)
+        if MODEL in self.axes:
+            sizes[MODEL] = self._default_model_axis(inner, num_kv_heads or MAX_MODEL_AXIS)
+            inner //= sizes[MODEL]
+        if EXPERT in self.axes:
+            sizes[EXPERT] = _ep_expert_axis(inner, num_experts or 1)
+            inner //= sizes[EXPERT]
+        if CONTEXT in self.axes:
+            sizes[CONTEXT] = _largest_model_axis(inner, inner, math.isqrt(inner))
+            inner //= sizes[CONTEXT]
+        sizes[DATA] = inner
+        return tuple(sizes[a] for a in self.axes)
 
     def make_mesh(self, shape=None, devices=None, config=None):
         """An explicit mesh over `devices` (default: all). Without `shape`, the default rule
@@ -94,29 +112,34 @@ def _norm(out: P) -> NormSharding:
     return NormSharding(weight=P(None), out=out)
 
 
+Axes = str | tuple[str, ...] | None
+
+
 def _lm(
     *,
-    batch: str | tuple[str, ...] | None,
-    fsdp: str | None,
+    batch: Axes,
+    fsdp: Axes,
     tp: str | None,
     residual_tp: bool,
+    seq: str | None = None,
     expert: str | None = None,
 ) -> LmSharding:
     """The one template every strategy fills.
 
-    batch: axis (or axes) of the batch dim; fsdp: axis the weights are split on besides the tensor
-    parallel split; tp: axis of heads / FFN width / vocab; residual_tp: whether the
-    residual stream between blocks is split on M over `tp` (seqax-style, saves activation
-    memory and turns the post-contraction all-reduce into a reduce-scatter); expert: axis the
-    MoE experts are split over (tokens then travel to their experts by all-to-all).
+    batch: axis (or axes) of the batch dim; fsdp: axis (or axes) the weights are split on
+    besides the tensor parallel split; tp: axis of heads / FFN width / vocab; residual_tp:
+    whether the residual stream between blocks is split on M over `tp` (seqax-style, saves
+    activation memory and turns the post-contraction all-reduce into a reduce-scatter);
+    seq: axis of T in every activation (context parallelism), or None; expert: axis the MoE
+    experts are split over (tokens then travel to their experts by all-to-all).
     """
-    tokens = P(batch, None)
-    residual = P(batch, None, tp if residual_tp else None)
+    tokens = P(batch, seq)
+    residual = P(batch, seq, tp if residual_tp else None)
     # Inputs to every matmul are gathered on M: `B/batch T M`. With a split residual this
     # is the all-gather over `model` after each norm (seqax's layout); otherwise a no-op.
-    gathered = P(batch, None, None)
-    heads = P(batch, None, tp, None)  # [B, T, N|K, D]: heads split over tp
-    ffn = P(batch, None, tp)  # [B, T, F]
+    gathered = P(batch, seq, None)
+    heads = P(batch, seq, tp, None)  # [B, T, N|K, D]: heads split over tp
+    ffn = P(batch, seq, tp)  # [B, T, F]
 
     # Kernels reading the residual, [M, *]: FSDP splits M (the contracting dim), so the
     # weight is all-gathered over `fsdp` just before the matmul and freed after; tp splits
@@ -139,6 +162,7 @@ def _lm(
         o=_linear(w_out_heads, residual),
         q_norm=head_norm,
         k_norm=head_norm,
+        # Decoding appends one token at a time: the cache's S is never split.
         kv_cache=P(batch, None, tp, None),
     )
     mlp = MlpSharding(
@@ -182,7 +206,7 @@ def _lm(
     position_embed = EmbeddingSharding(table=P(None, tp or fsdp), out=residual)
     # LM head [M, V]: vocab split over tp keeps logits `V/model` (the loss handles a split
     # vocab); M split over fsdp is gathered before the matmul.
-    lm_head = _linear(P(fsdp, tp), P(batch, None, tp))
+    lm_head = _linear(P(fsdp, tp), P(batch, seq, tp))
     return LmSharding(
         tokens=tokens,
         embed=embed,
@@ -247,6 +271,26 @@ STRATEGIES: dict[str, Strategy] = {
             _build=lambda: _lm(batch=DATA, fsdp=DATA, tp=MODEL, residual_tp=True),
             _default_model_axis=_fsdp_tp_model_axis,
         ),
+        # Hybrid sharded data parallel: the mesh puts `replica` across slices (DCN) and
+        # `data` / `model` inside one (shardings/hybrid.py). Weights are split over `data`
+        # only, so the per-matmul all-gathers and the gradient reduce-scatters stay on the
+        # fast links; the one collective over `replica` is the all-reduce of the already
+        # `data`-sharded gradients. The batch is split over both: `B/(replica,data) T`.
+        Strategy(
+            name="hsdp",
+            axes=(REPLICA, DATA),
+            description="hybrid sharded data parallel: FSDP over `data` inside a slice, "
+            "replicated over `replica` across slices; batch over both",
+            _build=lambda: _lm(batch=(REPLICA, DATA), fsdp=DATA, tp=None, residual_tp=False),
+        ),
+        Strategy(
+            name="hsdp_tp",
+            axes=(REPLICA, DATA, MODEL),
+            description="fsdp_tp inside a slice (`data`, `model`), replicated over `replica` "
+            "across slices; batch over `replica` and `data`",
+            _build=lambda: _lm(batch=(REPLICA, DATA), fsdp=DATA, tp=MODEL, residual_tp=True),
+            _default_model_axis=_fsdp_tp_model_axis,
+        ),
         Strategy(
             name="fsdp_ep",
             axes=(DATA, EXPERT),
@@ -258,7 +302,6 @@ STRATEGIES: dict[str, Strategy] = {
             _build=lambda: _lm(
                 batch=(DATA, EXPERT), fsdp=DATA, tp=None, residual_tp=False, expert=EXPERT
             ),
-            _default_expert_axis=_ep_expert_axis,
         ),
     )
 }

@@ -45,9 +45,7 @@ def train_loss_sum(model, batch: Batch):
     """(the objective summed over counted tokens, (their count, metric sums)).
 
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
-    the config's `router_aux_loss_coef` (per token, so that dividing by the count gives
-    transformers' `loss + coef * aux_loss`). The sums carry the aux loss and the per-expert
-    load (mean over layers), each times the token count.
+    the config's `router_aux_loss_coef`; see `objective_sum`.
     """
     logits_BTV, moe = model(
         batch["tokens"],
@@ -55,12 +53,21 @@ def train_loss_sum(model, batch: Batch):
         positions=batch["positions"],
         router_stats=True,
     )
+    coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
+    return objective_sum(logits_BTV, moe, batch, coef)
+
+
+def objective_sum(logits_BTV, moe, batch: Batch, aux_coef: float):
+    """`train_loss_sum` from the model's outputs. The aux loss is added once per counted
+    token, so that dividing by the count gives transformers' `loss + coef * aux_loss`; the
+    sums carry the aux loss and the per-expert load (mean over layers), each times the count.
+    """
     nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
     count = jnp.sum(mask_BT)
     total = jnp.sum(nll_BT)
     sums = {}
     if moe is not None:
-        total = total + model.cfg.router_aux_loss_coef * moe.aux_loss * count
+        total = total + aux_coef * moe.aux_loss * count
         sums = {"aux_loss": moe.aux_loss * count, "expert_load": jnp.mean(moe.load, 0) * count}
     return total, (count, sums)
 
