@@ -54,24 +54,16 @@ def _positive_int(text: str, whole: str) -> int:
     return value
 
 
-def make_mesh(
-    strategy,
-    shape=None,
-    devices=None,
-    num_kv_heads: int | None = None,
-    num_experts: int | None = None,
-) -> Mesh:
+def make_mesh(strategy, shape=None, devices=None, config=None) -> Mesh:
     """A mesh with the strategy's axes, all `AxisType.Explicit`.
 
-    `shape` is None (the strategy's documented default for these devices), a tuple, or a
-    string for `parse_mesh_shape`. Raises ValueError when it does not fit the devices.
+    `shape` is None (the strategy's documented default for these devices and `config`), a
+    tuple, or a string for `parse_mesh_shape`. Raises ValueError when it does not fit the devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if shape is None:
-        shape = strategy.default_mesh_shape(
-            n, num_kv_heads, num_experts=num_experts, num_slices=num_granules(devices)
-        )
+        shape = strategy.default_mesh_shape(n, config, num_slices=num_granules(devices))
     elif isinstance(shape, str):
         shape = parse_mesh_shape(shape, strategy.axes)
     shape = tuple(int(s) for s in shape)

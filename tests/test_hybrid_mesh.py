@@ -13,6 +13,7 @@ import pytest
 
 from shardings import get_strategy, parse_mesh_shape
 from shardings.hybrid import hybrid_device_array
+from zoo import get_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,5 +63,6 @@ def test_replica_smaller_than_process_count_is_refused():
 
 def test_default_mesh_puts_one_replica_per_slice():
     hsdp_tp = get_strategy("hsdp_tp")
-    assert hsdp_tp.default_mesh_shape(16, num_kv_heads=4, num_slices=2) == (2, 4, 2)
+    tiny = get_config("tiny")  # 4 kv heads
+    assert hsdp_tp.default_mesh_shape(16, tiny, num_slices=2) == (2, 4, 2)
     assert get_strategy("hsdp").default_mesh_shape(8, num_slices=1) == (1, 8)

@@ -1,5 +1,13 @@
-"""Mixtral: Mistral with a mixture of experts in place of every MLP."""
+"""Mixtral. The family registers itself: config, model, presets, Hugging Face format."""
 
-from zoo.mixtral.modeling import Mixtral, MixtralConfig
+from zoo.mixtral.modeling import PRESETS, Mixtral, MixtralConfig
+from zoo.mixtral.params import HF_FORMAT
+from zoo.registry import Family, register
 
-__all__ = ["Mixtral", "MixtralConfig"]
+FAMILY = register(
+    Family(
+        name="mixtral", config_cls=MixtralConfig, model_cls=Mixtral, presets=PRESETS, hf=HF_FORMAT
+    )
+)
+
+__all__ = ["FAMILY", "Mixtral", "MixtralConfig"]

@@ -57,4 +57,3 @@ class Mixtral(DecoderLM):
 
 
 PRESETS = {"mixtral-tiny": MixtralConfig.tiny, "mixtral-8x7b": MixtralConfig.mixtral_8x7b}
-MODEL_CLASS = Mixtral

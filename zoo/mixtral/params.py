@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from zoo.hf_io import Family
+from zoo.hf_mapping import HfFormat
 from zoo.llama.params import decoder_config_from_hf, decoder_config_to_hf
 from zoo.mixtral.modeling import MixtralConfig
 from zoo.qwen3_moe.params import check_all_layers_sparse, moe_rules
@@ -39,9 +39,7 @@ def config_to_hf(cfg: MixtralConfig) -> dict:
     }
 
 
-FAMILY = Family(
-    name="mixtral",
-    config_cls=MixtralConfig,
+HF_FORMAT = HfFormat(
     architectures=("MixtralForCausalLM",),
     model_types=("mixtral",),
     config_from_hf=config_from_hf,

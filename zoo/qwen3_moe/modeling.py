@@ -62,4 +62,3 @@ PRESETS = {
     "qwen3-moe-tiny": Qwen3MoeConfig.tiny,
     "qwen3-30b-a3b": Qwen3MoeConfig.qwen3_30b_a3b,
 }
-MODEL_CLASS = Qwen3Moe

@@ -4,7 +4,7 @@ layout, which transformers 5 still writes and reads."""
 
 from __future__ import annotations
 
-from zoo.hf_io import LINEAR_IN, LINEAR_OUT, Family, rule
+from zoo.hf_mapping import LINEAR_IN, LINEAR_OUT, HfFormat, rule
 from zoo.layers.config import DecoderConfig
 from zoo.llama.params import LAYER, decoder_rules
 from zoo.qwen3 import params as qwen3_params
@@ -68,9 +68,7 @@ def config_to_hf(cfg: Qwen3MoeConfig) -> dict:
     }
 
 
-FAMILY = Family(
-    name="qwen3_moe",
-    config_cls=Qwen3MoeConfig,
+HF_FORMAT = HfFormat(
     architectures=("Qwen3MoeForCausalLM",),
     model_types=("qwen3_moe",),
     config_from_hf=config_from_hf,
