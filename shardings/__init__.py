@@ -11,12 +11,23 @@ from shardings.specs import (
     MoeSharding,
     NormSharding,
 )
-from shardings.strategies import DATA, EXPERT, MODEL, STRATEGIES, Strategy, get_strategy
+from shardings.strategies import (
+    CONTEXT,
+    DATA,
+    EXPERT,
+    MODEL,
+    REPLICA,
+    STRATEGIES,
+    Strategy,
+    get_strategy,
+)
 
 __all__ = [
+    "CONTEXT",
     "DATA",
     "EXPERT",
     "MODEL",
+    "REPLICA",
     "STRATEGIES",
     "AttentionSharding",
     "BlockSharding",

@@ -6,8 +6,10 @@ module stores its dataclass at construction, attaches the weight specs to its va
 here decides a layout; `shardings/strategies.py` fills these for a whole model.
 
 Dims, one set of letters everywhere: B batch, T query positions, S key/value positions,
-M model (residual) width, N query heads, K key/value heads, D head dim, F FFN width,
-V vocab, L layers, E experts, X token-to-expert assignments (tokens * k).
+M model (residual) width, N query heads, K key/value heads, G = N // K query heads per kv
+head, D head dim, R = D / 2 rotary frequencies, F FFN width, V vocab, L layers, P prompt
+positions, O generated (output) tokens, E experts, X token-to-expert assignments
+(tokens * k).
 """
 
 from __future__ import annotations
@@ -107,6 +109,10 @@ class LmSharding:
     block: BlockSharding  # every layer; stacked weights get a leading replicated L dim
     final_norm: NormSharding
     lm_head: LinearSharding  # [M, V] -> logits [B, T, V]
+    # With T split (context parallelism): "balanced" keeps rows inside the model in
+    # load-balanced chunk order (device i holds chunks i and 2c-1-i of 2c), "natural" in
+    # index order. Inputs and logits are always in index order.
+    seq_order: str = "natural"
 
 
 def stacked(spec: P) -> P:

@@ -241,6 +241,9 @@ def _lm(s: Strategy) -> LmSharding:
     table = s.spec(None, "table_embed")
     # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
     return LmSharding(
+        # A split T runs in balanced chunk order inside the model, so that causal attention
+        # gives every device the same work (zoo/layers/context_parallel.py).
+        seq_order="balanced" if s.rules.get("seq") else "natural",
         tokens=tokens,
         embed=EmbeddingSharding(table=table, out=residual),
         position_embed=EmbeddingSharding(table=table, out=residual),
@@ -334,28 +337,53 @@ FSDP_TP = Strategy(
 HSDP = Strategy(
     name="hsdp",
     axes=(REPLICA, DATA),
-    rules={
-        # The batch is split over both: the one collective over `replica` is the all-reduce
-        # of the already `data`-sharded gradients.
-        "batch": (REPLICA, DATA),
-        "embed_fsdp": DATA,  # as fsdp, inside a slice
-        "table_embed": DATA,
-    },
+    # As fsdp inside a slice; the batch is split over both axes, so the one collective over
+    # `replica` is the all-reduce of the already `data`-sharded gradients.
+    rules={**FSDP.rules, "batch": (REPLICA, DATA)},
 )
 
 HSDP_TP = Strategy(
     name="hsdp_tp",
     axes=(REPLICA, DATA, MODEL),
-    axis_caps={MODEL: _at_most_node_and_sqrt},
+    axis_caps=FSDP_TP.axis_caps,
+    rules={**FSDP_TP.rules, "batch": (REPLICA, DATA)},  # as fsdp_tp inside a slice
+)
+
+# Context parallelism: T of every activation split over `context` (tokens, residual, MLP
+# hidden, logits: `B/data T/context ...`); attention all-gathers K/V over `context` and, in the
+# backward pass, reduce-scatters their gradients. The mesh puts `context` inside `data`, on
+# the faster links, since its all-gathers come every layer.
+FSDP_CP = Strategy(
+    name="fsdp_cp",
+    axes=(DATA, CONTEXT),
+    axis_caps={CONTEXT: math.isqrt},
     rules={
-        "batch": (REPLICA, DATA),  # as hsdp
-        "embed_fsdp": DATA,  # as fsdp_tp, inside a slice
-        "heads": MODEL,
+        "batch": DATA,
+        "seq": CONTEXT,
+        "residual_seq": CONTEXT,
+        # The context devices hold different tokens of the same rows, so for the weights
+        # they are data parallel: FSDP over `data` and `context` together (the gradients
+        # must be summed over both anyway, so they are reduce-scattered over both).
+        "embed_fsdp": (DATA, CONTEXT),
+        "table_embed": (DATA, CONTEXT),
+    },
+)
+
+FSDP_TP_CP = Strategy(
+    name="fsdp_tp_cp",
+    axes=(DATA, CONTEXT, MODEL),
+    axis_caps={CONTEXT: math.isqrt, MODEL: _at_most_node_and_sqrt},
+    rules={
+        "batch": DATA,
+        "seq": CONTEXT,  # as fsdp_cp
+        "residual_seq": CONTEXT,
+        "embed_fsdp": (DATA, CONTEXT),
+        "heads": MODEL,  # as fsdp_tp: heads, FFN and vocab over `model`
         "kv_heads": MODEL,
         "ffn": MODEL,
         "expert_ffn": MODEL,  # each expert's F, as the dense MLP's
         "vocab": MODEL,
-        "residual": MODEL,
+        "residual": MODEL,  # residual `B/data T/context M/model`
         "table_embed": MODEL,
     },
 )
@@ -378,7 +406,7 @@ FSDP_EP = Strategy(
 )
 
 STRATEGIES: dict[str, Strategy] = {
-    s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP, FSDP_EP)
+    s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP, FSDP_CP, FSDP_TP_CP, FSDP_EP)
 }
 
 

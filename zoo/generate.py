@@ -116,14 +116,14 @@ def _generate(
     token_B = _sample(_last_logits(logits_BPV, spec), sub, temperature, top_k)
     # Next position of each row: its prompt length (left padding has positions 0).
     position_B = positions_BP[:, -1] + 1
-    out_BN = jnp.full((B, max_new_tokens), -1, jnp.int32, out_sharding=spec)
+    out_BO = jnp.full((B, max_new_tokens), -1, jnp.int32, out_sharding=spec)
     done_B = jnp.zeros((B,), bool, out_sharding=P(spec[0]))
     eos = -2 if eos_id is None else eos_id  # never matches a token when there is no EOS
 
-    def emit(i, token_B, done_B, out_BN):
+    def emit(i, token_B, done_B, out_BO):
         """Write token i (-1 for rows already finished); mark rows that just produced EOS."""
-        out_BN = out_BN.at[:, i].set(jnp.where(done_B, -1, token_B))
-        return done_B | (token_B == eos), out_BN
+        out_BO = out_BO.at[:, i].set(jnp.where(done_B, -1, token_B))
+        return done_B | (token_B == eos), out_BO
 
     # The parameters ride in the carry: an NNX module must be merged at the trace level that
     # uses it (nnx.scan inside the model rejects variables closed over from outside the loop).
@@ -132,8 +132,8 @@ def _generate(
         return (i < max_new_tokens - 1) & ~jnp.all(done_B | (token_B == eos))
 
     def body(carry):
-        i, token_B, cache, position_B, done_B, out_BN, key, state = carry
-        done_B, out_BN = emit(i, token_B, done_B, out_BN)
+        i, token_B, cache, position_B, done_B, out_BO, key, state = carry
+        done_B, out_BO = emit(i, token_B, done_B, out_BO)
         model = nnx.merge(graphdef, state)
         step = lambda x: jax.sharding.reshard(x[:, None], spec)  # noqa: E731
         logits_B1V, cache = model(
@@ -144,12 +144,12 @@ def _generate(
         )
         key, sub = jax.random.split(key)
         token_B = _sample(_last_logits(logits_B1V, spec), sub, temperature, top_k)
-        return i + 1, token_B, cache, position_B + 1, done_B, out_BN, key, state
+        return i + 1, token_B, cache, position_B + 1, done_B, out_BO, key, state
 
-    carry = (jnp.int32(0), token_B, cache, position_B, done_B, out_BN, key, state)
-    i, token_B, _, _, done_B, out_BN, _, _ = jax.lax.while_loop(cond, body, carry)
-    _, out_BN = emit(i, token_B, done_B, out_BN)
-    return out_BN
+    carry = (jnp.int32(0), token_B, cache, position_B, done_B, out_BO, key, state)
+    i, token_B, _, _, done_B, out_BO, _, _ = jax.lax.while_loop(cond, body, carry)
+    _, out_BO = emit(i, token_B, done_B, out_BO)
+    return out_BO
 
 
 def generate(
@@ -192,7 +192,7 @@ def generate(
     arrays = [jax.device_put(a, sharding) for a in left_pad(rows, prompt_len)]
     graphdef, state = nnx.split(model)
     with jax.set_mesh(mesh):
-        out_BN = _generate(
+        out_BO = _generate(
             graphdef,
             state,
             *arrays,
@@ -202,9 +202,9 @@ def generate(
             top_k=top_k,
             eos_id=eos_id,
         )
-    out_BN = np.asarray(jax.device_get(out_BN))[: len(prompts)]
+    out_BO = np.asarray(jax.device_get(out_BO))[: len(prompts)]
     results = []
-    for row in out_BN:
+    for row in out_BO:
         ids = row.tolist()
         stop = ids.index(-1) if -1 in ids else len(ids)
         ids = ids[:stop]

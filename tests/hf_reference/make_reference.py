@@ -5,6 +5,7 @@ writes (config.json, *.safetensors, inputs_and_logits.npz) with numpy and safete
 
   python tests/hf_reference/make_reference.py                 # regenerate every family
   python tests/hf_reference/make_reference.py --family llama  # one family
+  python tests/hf_reference/make_reference.py --layers       # add per-layer outputs to the npz
   python tests/hf_reference/make_reference.py --check-export DIR --family F
       # load DIR (a checkpoint our code exported) with transformers, run the saved input_ids,
       # exit 1 unless its logits equal the reference logits within CHECK_TOL.
@@ -329,6 +330,8 @@ def generate(family):
     # The saved checkpoint must reproduce the logits exactly: validates the --check-export path.
     diff = check_export(out_dir, family)
     assert diff == 0.0, diff
+    if family in LAYER_FAMILIES:
+        add_layer_outputs(family)
 
 
 def check_export(ckpt_dir, family):
@@ -345,6 +348,58 @@ def check_export(ckpt_dir, family):
         raise SystemExit(f"{ckpt_dir}: unexpected tensors {sorted(problems['unexpected_keys'])}")
     logits = logits_of(model.eval(), data["input_ids"])
     return float(np.abs(logits - data["logits"]).max())
+
+
+# Families whose per-layer outputs the parity tests check (Llama-lineage module names).
+LAYER_FAMILIES = ("llama", "qwen3", "mistral", "gemma3")
+# The committed logits were made by another torch build; re-running the committed checkpoint
+# must reproduce them to float32 rounding, or the layer outputs would describe another model.
+LAYERS_RERUN_TOL = 1e-5
+
+
+@torch.no_grad()
+def add_layer_outputs(family):
+    """Run the committed checkpoint on the committed input_ids and add to its npz what layer 0
+    sees and returns: `embed_out` (the hidden state entering layer 0, Gemma's sqrt(M) scale
+    included), `attn0_in` (input_layernorm's output), `attn0_out` (self_attn's output, before
+    any post-norm and the residual add) and `block0_out` (layer 0's output). Arrays already in
+    the npz are written back unchanged (checked bit for bit); weights are not touched."""
+    out_dir = os.path.join(HERE, family)
+    npz_path = os.path.join(out_dir, "inputs_and_logits.npz")
+    with np.load(npz_path) as f:
+        existing = {k: f[k] for k in f.files}
+    cls, _ = build_config(family)
+    model = cls.from_pretrained(out_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    layer = model.model.layers[0]
+    seen = {}
+
+    def first_tensor(value):
+        return value[0] if isinstance(value, tuple) else value
+
+    def keep(name):
+        return lambda module, args, out: seen.__setitem__(name, first_tensor(out).float().numpy())
+
+    def keep_input(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        seen["embed_out"] = hidden.float().numpy()
+
+    hooks = [
+        layer.register_forward_pre_hook(keep_input, with_kwargs=True),
+        layer.input_layernorm.register_forward_hook(keep("attn0_in")),
+        layer.self_attn.register_forward_hook(keep("attn0_out")),
+        layer.register_forward_hook(keep("block0_out")),
+    ]
+    logits = logits_of(model, existing["input_ids"])
+    for h in hooks:
+        h.remove()
+    diff = float(np.abs(logits - existing["logits"]).max())
+    assert diff <= LAYERS_RERUN_TOL, f"{family}: the committed checkpoint now gives logits {diff}"
+    base = {k: v for k, v in existing.items() if k in ("input_ids", "logits")}
+    np.savez(npz_path, **base, **{k: seen[k].astype(np.float32) for k in sorted(seen)})
+    with np.load(npz_path) as f:
+        for k, v in base.items():
+            assert f[k].dtype == v.dtype and f[k].tobytes() == v.tobytes(), (family, k)
+    print(f"== {family}: rerun logits within {diff:.1e}; added {', '.join(sorted(seen))}")
 
 
 def describe(family):
@@ -373,6 +428,7 @@ def main():
     parser.add_argument("--family", choices=FAMILIES, action="append")
     parser.add_argument("--check-export", metavar="DIR", help="compare DIR's logits to the ref")
     parser.add_argument("--describe", action="store_true", help="print tensor names and shapes")
+    parser.add_argument("--layers", action="store_true", help="add per-layer outputs to the npz")
     args = parser.parse_args()
     families = args.family or list(FAMILIES)
 
@@ -385,6 +441,10 @@ def main():
         sys.exit(0 if ok else 1)
     if args.describe:
         print("\n".join(describe(f) for f in families))
+        return
+    if args.layers:
+        for family in args.family or LAYER_FAMILIES:
+            add_layer_outputs(family)
         return
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
