@@ -1,4 +1,4 @@
-"""What the model must do whatever the strategy (issue 2, checks 4-6): causality, packed
+"""What the model must do whatever the strategy: causality, packed
 documents, scanned = unscanned, remat = no remat, KV cache = full recomputation, and one
 clear ValueError for each kind of bad input. Float32 on one device unless stated."""
 
