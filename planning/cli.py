@@ -16,6 +16,7 @@ from planning.search import (
     REMAT_ORDER,
     NoFitError,
     candidate_space,
+    distinct_strategies,
     search,
 )
 
@@ -105,16 +106,14 @@ def _ints(values, what: str) -> tuple[int, ...]:
 def build(request: Request):
     """(run config, target, candidates, auto?) for a request."""
     from shardings import get_strategy
+    from shardings.hybrid import num_granules
 
     target = make_target(request.topology, request.memory_gib)
     n = len(target.devices)
     run, raw = load_run(request, n)
     names, auto = _strategies(request.strategies)
-    if auto:  # on one slice a replica axis has size 1: those are fsdp / fsdp_tp again
-        from shardings.hybrid import REPLICA, num_granules
-
-        single = num_granules(list(target.devices)) == 1
-        names = [s for s in names if not (single and REPLICA in get_strategy(s).axes)]
+    if auto:
+        names = distinct_strategies(names, run.model.decoder_config(), target)
     config_remat = run.model.remat
     remats = tuple(request.remat) if request.remat else (REMAT_ORDER if auto else (config_remat,))
     for r in remats:
@@ -136,7 +135,8 @@ def build(request: Request):
     elif not auto:
         # Each strategy's documented default mesh, as train_main would build it.
         cfg = run.model.decoder_config()
-        mesh_shapes = {s: get_strategy(s).default_mesh_shape(n, cfg.num_kv_heads) for s in names}
+        slices = num_granules(list(target.devices))
+        mesh_shapes = {s: get_strategy(s).default_mesh_shape(n, cfg, slices) for s in names}
     candidates = candidate_space(run, target, names, remats, micro, mesh_shapes)
     if not candidates:
         raise ValueError(
@@ -189,11 +189,7 @@ def resolve_auto(run, log=print):
         name=f"{devices[0].device_kind}:{len(devices)}", devices=tuple(devices), chip=chip
     )
     names, _ = _strategies("auto")
-    from shardings import get_strategy
-    from shardings.hybrid import REPLICA, num_granules
-
-    if num_granules(list(devices)) == 1:
-        names = [s for s in names if REPLICA not in get_strategy(s).axes]
+    names = distinct_strategies(names, run.model.decoder_config(), target)
     candidates = candidate_space(run, target, names, REMAT_ORDER, (1, 2, 4, 8))
     if not candidates:
         raise ValueError(

@@ -64,7 +64,7 @@ def candidate_space(
         if mesh_shapes and name in mesh_shapes:
             shapes = [tuple(mesh_shapes[name])]
         else:
-            shapes = _mesh_shapes(strategy, n, cfg.num_kv_heads, slices)
+            shapes = _mesh_shapes(strategy, n, cfg, slices)
         batch_axes = strategy.batch_spec()[0] or ()
         batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
         for shape in shapes:
@@ -77,22 +77,41 @@ def candidate_space(
     return out
 
 
-def _mesh_shapes(strategy, n: int, num_kv_heads: int, slices: int) -> list[tuple[int, ...]]:
-    """The strategy's default shape, and for tensor-parallel ones every other `model` size
-    that divides the devices and the kv heads, up to the strategies' cap."""
+def _mesh_shapes(strategy, n: int, cfg, slices: int) -> list[tuple[int, ...]]:
+    """The strategy's default shape for this model, and for tensor-parallel ones every other
+    `model` size that divides the devices and the kv heads, up to the strategies' cap."""
     from shardings.strategies import CONTEXT, DATA, MAX_MODEL_AXIS, MODEL
 
-    default = tuple(strategy.default_mesh_shape(n, num_kv_heads, num_slices=slices))
+    default = tuple(strategy.default_mesh_shape(n, cfg, num_slices=slices))
     shapes = [default]
     if MODEL in strategy.axes and CONTEXT not in strategy.axes:
         sizes = dict(zip(strategy.axes, default, strict=True))
         inner = sizes[DATA] * sizes[MODEL]
         for m in range(2, min(inner, MAX_MODEL_AXIS) + 1):
-            if inner % m == 0 and num_kv_heads % m == 0:
+            if inner % m == 0 and cfg.num_kv_heads % m == 0:
                 shape = tuple({**sizes, MODEL: m, DATA: inner // m}[a] for a in strategy.axes)
                 if shape not in shapes:
                     shapes.append(shape)
     return shapes
+
+
+def distinct_strategies(names, cfg, target: Target) -> list[str]:
+    """The strategies worth searching on `target`: those whose default mesh gives every axis
+    but `data` more than one device (else it is a simpler strategy again: hsdp on one slice
+    is fsdp, an expert axis of 1 on a dense model is fsdp)."""
+    from shardings import get_strategy
+    from shardings.hybrid import num_granules
+    from shardings.strategies import DATA
+
+    n, slices = len(target.devices), num_granules(list(target.devices))
+    out = []
+    for name in names:
+        strategy = get_strategy(name)
+        shape = strategy.default_mesh_shape(n, cfg, num_slices=slices)
+        sizes = dict(zip(strategy.axes, shape, strict=True))
+        if all(size > 1 for axis, size in sizes.items() if axis != DATA):
+            out.append(name)
+    return out
 
 
 _CACHE: dict[tuple, Plan] = {}

@@ -209,29 +209,42 @@ def _output_bytes(op: str, is_start: bool, shape_text: str) -> int:
     return _arrays_bytes(shape_text)
 
 
+def _iota(text: str) -> np.ndarray:
+    """HLO's iota list `[2,4]<=[4,2]T(1,0)`: iota over the dims after `<=`, transposed,
+    reshaped to the dims before it (`[8]` alone: 0..7)."""
+    m = re.match(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?", text.strip())
+    shape = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in (m.group(2) or m.group(1)).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(3):
+        ids = np.transpose(ids, [int(x) for x in m.group(3).split(",")])
+    return ids.reshape(shape)
+
+
 def _groups(attrs: str, num_devices: int) -> list[list[int]]:
     """Replica groups (or permute pairs) as lists of device ids in the mesh's flat order."""
     pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-    mesh_form = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    mesh_form = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", attrs
+    )
     if mesh_form:
         dims = [(n, int(s)) for n, s in re.findall(r"'([^']+)'=(\d+)", mesh_form.group(1))]
-        grouped = re.findall(r"'([^']+)'", mesh_form.group(2))
+        grouped = re.findall(r"'([^']+)'", mesh_form.group(3))
         names = [n for n, _ in dims]
-        ids = np.arange(math.prod(s for _, s in dims)).reshape([s for _, s in dims])
+        size = math.prod(s for _, s in dims)
+        # Mesh positions hold device ids in iota order, or as `device_ids=(...)` permutes them.
+        ids = _iota(mesh_form.group(2)) if mesh_form.group(2) else np.arange(size)
+        ids = np.asarray(ids).reshape([s for _, s in dims])
         kept = [i for i, n in enumerate(names) if n not in grouped]
         moved = [names.index(n) for n in grouped]
         size = math.prod(dims[i][1] for i in moved)
         return np.transpose(ids, kept + moved).reshape(-1, size).tolist()
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    iota = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", attrs)
     if iota:
-        group_shape = [int(x) for x in iota.group(1).split(",")]
-        ids = np.arange(math.prod(int(x) for x in iota.group(2).split(",")))
-        ids = ids.reshape([int(x) for x in iota.group(2).split(",")])
-        if iota.group(3):
-            ids = np.transpose(ids, [int(x) for x in iota.group(3).split(",")])
-        return ids.reshape(group_shape[0], -1).tolist()
+        ids = _iota(iota.group(1))
+        return ids.reshape(ids.shape[0], -1).tolist()
     listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
     if listed and listed.group(1):
         return [

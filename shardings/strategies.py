@@ -1,7 +1,12 @@
 """Named strategies: every layout decision of the project, and nowhere else.
 
+A strategy is a table of rules from logical dims (the names below) to mesh axes; `_lm` turns
+the table into the typed dataclasses of shardings/specs.py, so the modules never see it. A
+logical dim the table does not name is replicated. Adding a strategy is a new table; adding a
+kind of split (experts, a context axis) is a new logical dim here and its use in `_lm`.
+
 Notation in comments: dims with `/axis` for a sharded dim (`B/data T M/model`). The
-collectives named are the ones the layouts imply; XLA inserts them, we only declare.
+collectives named are the ones a rule implies; XLA inserts them, we only declare.
 Stacked layer weights get a leading, never-sharded L dim (`specs.stacked`).
 """
 
@@ -9,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from jax.sharding import PartitionSpec as P
 
@@ -20,6 +25,7 @@ from shardings.specs import (
     LinearSharding,
     LmSharding,
     MlpSharding,
+    MoeSharding,
     NormSharding,
 )
 
@@ -29,58 +35,120 @@ MODEL = "model"  # tensor parallel: heads, FFN width, vocab
 REPLICA = "replica"
 # Sequence split for long context: T of every activation, K/V gathered inside attention.
 CONTEXT = "context"
+# Expert parallel: MoE experts split, tokens sent to their experts by all-to-all over it.
+EXPERT = "expert"
+
+# The logical dims a rule may name, each with the config field that gives its size (None:
+# no single field), which the default mesh rule must divide.
+LOGICAL_DIMS: dict[str, str | None] = {
+    "batch": None,  # B of every input and activation
+    "seq": None,  # T of the inputs and of the activations inside a block
+    "residual_seq": None,  # T of the residual stream between blocks (a context split names both)
+    "residual": "hidden_dim",  # M of the residual stream between blocks
+    "embed_fsdp": "hidden_dim",  # M of every weight matrix (the FSDP split)
+    "table_embed": "hidden_dim",  # M of the embedding tables [V, M] and [T_max, M]
+    "heads": "num_heads",  # N of the query projection and query heads
+    "kv_heads": "num_kv_heads",  # K of the key/value projections, heads and cache
+    "ffn": "ffn_dim",  # F of the MLP
+    "vocab": "vocab_size",  # V of the LM head and the logits
+    "expert": "num_experts",  # E of the stacked MoE expert weights
+    "expert_ffn": "moe_ffn_dim",  # F of one MoE expert
+}
+
+Axes = str | tuple[str, ...] | None
 
 # Tensor parallelism stays inside one NVLink/ICI domain: 8 devices on a GPU node.
 MAX_MODEL_AXIS = 8
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Strategy:
+    """A named rule table over the mesh axes `axes` (in mesh order). For the default mesh,
+    each axis other than `data` and `replica` is at most `axis_caps[axis](devices per
+    slice)`."""
+
     name: str
     axes: tuple[str, ...]
-    description: str
-    _build: Callable[[], LmSharding]
-    _default_model_axis: Callable[[int, int], int] | None = None
+    rules: Mapping[str, Axes]
+    axis_caps: Mapping[str, Callable[[int], int]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for dim, axes in self.rules.items():
+            if dim not in LOGICAL_DIMS:
+                raise ValueError(
+                    f"strategy {self.name!r}: unknown logical dim {dim!r}; "
+                    f"valid: {', '.join(LOGICAL_DIMS)}"
+                )
+            for axis in _as_tuple(axes):
+                if axis not in self.axes:
+                    raise ValueError(
+                        f"strategy {self.name!r}: rule {dim!r} -> {axis!r} names an axis "
+                        f"outside its mesh axes {self.axes}"
+                    )
+
+    def spec(self, *dims: str | None) -> P:
+        """The layout of an array whose dims are these logical dims (None: never split)."""
+        return P(*(self.rules.get(d) if d is not None else None for d in dims))
 
     def lm_sharding(self) -> LmSharding:
-        return self._build()
+        return _lm(self)
 
     def batch_spec(self) -> P:
         """Layout of [B, T] inputs (tokens, segment ids, positions)."""
         return self.lm_sharding().tokens
 
-    def default_mesh_shape(
-        self, num_devices: int, num_kv_heads: int | None = None, num_slices: int = 1
-    ) -> tuple:
-        """Documented rule: one-axis strategies put every device on `data`.
-
-        Two-axis strategies put on `model` the largest divisor of the device count that
-        also divides the kv head count (heads are split on `model`, so it must), is at
-        most 8, and, for `fsdp_tp`, at most sqrt(devices) so FSDP keeps the larger share;
-        `data` takes the rest. `replica` (hsdp, hsdp_tp) is the number of slices (TPU
-        slices, else processes; 1 on one host) and the rule above applies within a slice.
-        `context` (fsdp_cp) is the largest divisor of the device count <= sqrt(devices).
+    def default_mesh_shape(self, num_devices: int, config=None, num_slices: int = 1) -> tuple:
+        """Documented rule. `replica` is the number of slices (TPU slices, else processes;
+        1 on one host); the other axes share the devices of one slice. In `axes` order,
+        every axis but `data` gets the largest size that divides the devices left and every
+        `config` size the axis splits (the config fields of the dims its rules name: heads,
+        kv heads, FFN width, vocab, M), at most its cap; `data` takes the rest. Without a
+        config those sizes are unknown, so such an axis gets 1: the one mesh every model
+        accepts (pass `config` to get a split).
         """
         sizes = {}
         if REPLICA in self.axes:
             sizes[REPLICA] = num_slices
-        inner = num_devices // sizes.get(REPLICA, 1)
-        if MODEL in self.axes:
-            sizes[MODEL] = self._default_model_axis(inner, num_kv_heads or MAX_MODEL_AXIS)
-            inner //= sizes[MODEL]
-        if CONTEXT in self.axes:
-            sizes[CONTEXT] = _largest_model_axis(inner, inner, math.isqrt(inner))
-            inner //= sizes[CONTEXT]
-        sizes[DATA] = inner
+        left = num_devices // sizes.get(REPLICA, 1)
+        per_slice = left
+        for axis in self.axes:
+            if axis in (DATA, REPLICA):
+                continue
+            fields = [
+                LOGICAL_DIMS[dim]
+                for dim, axes in self.rules.items()
+                if axis in _as_tuple(axes) and LOGICAL_DIMS[dim] is not None
+            ]
+            if fields and config is None:
+                sizes[axis] = 1
+            else:
+                cap = self.axis_caps.get(axis, lambda n: n)(per_slice)
+                dims = [getattr(config, f) for f in fields]
+                sizes[axis] = _largest_divisor(left, dims, cap)
+            left //= sizes[axis]
+        sizes[DATA] = left
         return tuple(sizes[a] for a in self.axes)
 
     def make_mesh(self, shape=None, devices=None, config=None):
         """An explicit mesh over `devices` (default: all). Without `shape`, the default rule
-        above, taking the kv head count from `config` when given."""
+        above, for `config` when given."""
         from shardings.mesh import make_mesh
 
-        kv_heads = getattr(config, "num_kv_heads", None)
-        return make_mesh(self, shape=shape, devices=devices, num_kv_heads=kv_heads)
+        return make_mesh(self, shape=shape, devices=devices, config=config)
+
+
+def _as_tuple(axes: Axes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def _largest_divisor(num_devices: int, dims: list[int], cap: int) -> int:
+    best = 1
+    for d in range(1, min(num_devices, cap) + 1):
+        if num_devices % d == 0 and all(size % d == 0 for size in dims):
+            best = d
+    return best
 
 
 def _linear(weight: P, out: P, feature_dims: int = 1) -> LinearSharding:
@@ -96,61 +164,67 @@ def _norm(out: P) -> NormSharding:
     return NormSharding(weight=P(None), out=out)
 
 
-Axes = str | tuple[str, ...] | None
-
-
-def _lm(
-    *,
-    batch: Axes,
-    fsdp: Axes,
-    tp: str | None,
-    residual_tp: bool,
-    seq: str | None = None,
-) -> LmSharding:
-    """The one template every strategy fills.
-
-    batch: axis (or axes) of the batch dim; fsdp: axis (or axes) the weights are split on
-    besides the tensor parallel split; tp: axis of heads / FFN width / vocab; residual_tp:
-    whether the residual stream between blocks is split on M over `tp` (seqax-style, saves
-    activation memory and turns the post-contraction all-reduce into a reduce-scatter);
-    seq: axis of T in every activation (context parallelism), or None.
-    """
-    tokens = P(batch, seq)
-    residual = P(batch, seq, tp if residual_tp else None)
-    # Inputs to every matmul are gathered on M: `B/batch T M`. With a split residual this
-    # is the all-gather over `model` after each norm (seqax's layout); otherwise a no-op.
-    gathered = P(batch, seq, None)
-    heads = P(batch, seq, tp, None)  # [B, T, N|K, D]: heads split over tp
-    ffn = P(batch, seq, tp)  # [B, T, F]
+def _lm(s: Strategy) -> LmSharding:
+    """The typed layouts of a whole model, written in logical dims; `s.spec` applies the
+    strategy's table. What no table may change (D, the vocab dim of the embedding table,
+    a matmul input's M) is a plain None, with the reason."""
+    tokens = s.spec("batch", "seq")
+    residual = s.spec("batch", "residual_seq", "residual")
+    # Inputs to every matmul are whole on M, because the weights' M is split only for
+    # storage (FSDP) and gathered: `B T M`. With a split residual this is the all-gather
+    # after each norm (seqax's layout); otherwise a no-op.
+    gathered = s.spec("batch", "seq", None)
+    q_heads = s.spec("batch", "seq", "heads", None)  # [B, T, N, D]
+    kv_heads = s.spec("batch", "seq", "kv_heads", None)  # [B, T, K, D]
+    ffn = s.spec("batch", "seq", "ffn")  # [B, T, F]
 
     # Kernels reading the residual, [M, *]: FSDP splits M (the contracting dim), so the
-    # weight is all-gathered over `fsdp` just before the matmul and freed after; tp splits
-    # the output features, so no communication inside the matmul.
-    w_in_heads = P(fsdp, tp, None)  # [M, N|K, D]
-    w_in_ffn = P(fsdp, tp)  # [M, F]
-    # Kernels writing the residual, [*, M]: tp splits the contracting dim, so each device
-    # holds a partial sum that XLA reduces -- a reduce-scatter over `model` into a split
-    # residual, or an all-reduce into a replicated one. FSDP splits M (gathered first).
-    w_out_heads = P(tp, None, fsdp)  # [N, D, M]
-    w_out_ffn = P(tp, fsdp)  # [F, M]
+    # weight is all-gathered just before the matmul and freed after; heads / F split the
+    # output features, so no communication inside the matmul.
+    w_q = s.spec("embed_fsdp", "heads", None)  # [M, N, D]
+    w_kv = s.spec("embed_fsdp", "kv_heads", None)  # [M, K, D]
+    w_in_ffn = s.spec("embed_fsdp", "ffn")  # [M, F]
+    # Kernels writing the residual, [*, M]: a split N / F is the contracting dim, so each
+    # device holds a partial sum that XLA reduces -- a reduce-scatter into a split residual,
+    # or an all-reduce into a replicated one. FSDP splits M (gathered first).
+    w_o = s.spec("heads", None, "embed_fsdp")  # [N, D, M]
+    w_out_ffn = s.spec("ffn", "embed_fsdp")  # [F, M]
 
-    q = _linear(w_in_heads, heads, feature_dims=2)
-    kv = _linear(w_in_heads, heads, feature_dims=2)
-    head_norm = _norm(heads)
     attention = AttentionSharding(
-        q=q,
-        k=kv,
-        v=kv,
-        o=_linear(w_out_heads, residual),
-        q_norm=head_norm,
-        k_norm=head_norm,
-        # Decoding appends one token at a time: the cache's S is never split.
-        kv_cache=P(batch, None, tp, None),
+        q=_linear(w_q, q_heads, feature_dims=2),
+        k=_linear(w_kv, kv_heads, feature_dims=2),
+        v=_linear(w_kv, kv_heads, feature_dims=2),
+        o=_linear(w_o, residual),
+        q_norm=_norm(q_heads),
+        k_norm=_norm(kv_heads),
+        kv_cache=s.spec("batch", None, "kv_heads", None),  # [B, S, K, D]
     )
     mlp = MlpSharding(
         gate=_linear(w_in_ffn, ffn),
         up=_linear(w_in_ffn, ffn),
         down=_linear(w_out_ffn, residual),
+    )
+    # MoE. Router [M, E]: tiny (E columns), so only FSDP-split; its logits stay `B T E` with
+    # the batch's split, so routing is local to each token's device. Experts [E, M, F] /
+    # [E, F, M]: E over `expert` (each device keeps whole experts: no communication inside
+    # an expert's matmul; tokens travel instead), F as the dense MLP's, M over FSDP and
+    # gathered for the compute like any FSDP weight.
+    expert_axis, expert_ffn_axis = s.rules.get("expert"), s.rules.get("expert_ffn")
+    moe = MoeSharding(
+        router=LinearSharding(weight=s.spec("embed_fsdp", None), out=s.spec("batch", "seq", None)),
+        gate=s.spec("expert", "embed_fsdp", "expert_ffn"),
+        up=s.spec("expert", "embed_fsdp", "expert_ffn"),
+        down=s.spec("expert", "expert_ffn", "embed_fsdp"),
+        gate_compute=s.spec("expert", None, "expert_ffn"),
+        up_compute=s.spec("expert", None, "expert_ffn"),
+        down_compute=s.spec("expert", "expert_ffn", None),
+        tokens=gathered,
+        dispatched=s.spec("expert", None, None),
+        # A split F leaves partial sums of `down`: reduce-scattered into a split residual,
+        # else all-reduced, as the dense MLP's are.
+        out=residual,
+        expert_axis=expert_axis,
+        ffn_axis=expert_ffn_axis,
     )
     block = BlockSharding(
         residual=residual,
@@ -160,96 +234,179 @@ def _lm(
         mlp_norm=_norm(gathered),
         mlp=mlp,
         post_mlp_norm=_norm(residual),
+        moe=moe,
     )
-    # Embedding [V, M]: split on M, never on V, so the row gather needs no communication;
-    # over tp the rows land already split like the residual (`M/model`), over fsdp they are
-    # gathered on M (one all-gather of the table per step).
-    embed = EmbeddingSharding(table=P(None, tp or fsdp), out=residual)
-    position_embed = EmbeddingSharding(table=P(None, tp or fsdp), out=residual)
-    # LM head [M, V]: vocab split over tp keeps logits `V/model` (the loss handles a split
-    # vocab); M split over fsdp is gathered before the matmul.
-    lm_head = _linear(P(fsdp, tp), P(batch, seq, tp))
+    # Embedding tables [V, M] / [T_max, M]: never split on V, so the row gather needs no
+    # communication; their M follows `table_embed`.
+    table = s.spec(None, "table_embed")
+    # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
     return LmSharding(
+        # A split T runs in balanced chunk order inside the model, so that causal attention
+        # gives every device the same work (zoo/layers/context_parallel.py).
+        seq_order="balanced" if s.rules.get("seq") else "natural",
         tokens=tokens,
-        embed=embed,
-        position_embed=position_embed,
+        embed=EmbeddingSharding(table=table, out=residual),
+        position_embed=EmbeddingSharding(table=table, out=residual),
         block=block,
         final_norm=_norm(gathered),
-        lm_head=lm_head,
+        lm_head=_linear(s.spec("embed_fsdp", "vocab"), s.spec("batch", "seq", "vocab")),
     )
 
 
-def _largest_model_axis(num_devices: int, num_kv_heads: int, cap: int) -> int:
-    best = 1
-    for d in range(1, min(num_devices, cap) + 1):
-        if num_devices % d == 0 and num_kv_heads % d == 0:
-            best = d
-    return best
+def _at_most_node(num_devices: int) -> int:
+    return MAX_MODEL_AXIS
 
 
-def _tp_model_axis(num_devices: int, num_kv_heads: int) -> int:
-    return _largest_model_axis(num_devices, num_kv_heads, MAX_MODEL_AXIS)
+def _at_most_node_and_sqrt(num_devices: int) -> int:
+    # FSDP keeps the larger share of the devices: its memory saving grows with its axis.
+    return min(MAX_MODEL_AXIS, math.isqrt(num_devices))
 
 
-def _fsdp_tp_model_axis(num_devices: int, num_kv_heads: int) -> int:
-    cap = min(MAX_MODEL_AXIS, math.isqrt(num_devices))
-    return _largest_model_axis(num_devices, num_kv_heads, cap)
+# -- the strategies ---------------------------------------------------------------------------
 
+DP = Strategy(
+    name="dp",
+    axes=(DATA,),
+    rules={
+        # Each device takes B/data rows and a full copy of the weights; the gradients are
+        # all-reduced over `data` once per step.
+        "batch": DATA,
+    },
+)
+
+FSDP = Strategy(
+    name="fsdp",
+    axes=(DATA,),
+    rules={
+        "batch": DATA,  # as dp: gradients reduce-scattered over `data` onto the shards
+        # ZeRO-3: every matrix is stored split on M over `data` and all-gathered just
+        # before its matmul (freed after).
+        "embed_fsdp": DATA,
+        # The embedding table is split on M too; its rows are gathered on M after the
+        # lookup (one all-gather of the looked-up rows per step).
+        "table_embed": DATA,
+    },
+)
+
+TP = Strategy(
+    name="tp",
+    axes=(DATA, MODEL),
+    axis_caps={MODEL: _at_most_node},
+    rules={
+        "batch": DATA,  # plain data parallel across `data`
+        # Megatron: q/k/v and gate/up split their output features over `model` (no
+        # communication); o and down contract over the split dim, so their output is
+        # all-reduced over `model` into the replicated residual.
+        "heads": MODEL,
+        "kv_heads": MODEL,
+        "ffn": MODEL,
+        "expert_ffn": MODEL,  # each expert's F, as the dense MLP's
+        # Logits stay `V/model`; the loss reduces over the split vocab (an all-reduce of
+        # the log-sum-exp terms).
+        "vocab": MODEL,
+        # The embedding rows land split on M over `model`, then are gathered into the
+        # replicated residual (an all-gather over `model`).
+        "table_embed": MODEL,
+    },
+)
+
+FSDP_TP = Strategy(
+    name="fsdp_tp",
+    axes=(DATA, MODEL),
+    axis_caps={MODEL: _at_most_node_and_sqrt},
+    rules={
+        "batch": DATA,
+        "embed_fsdp": DATA,  # as fsdp: matrices gathered over `data` per matmul
+        "heads": MODEL,  # as tp
+        "kv_heads": MODEL,
+        "ffn": MODEL,
+        "expert_ffn": MODEL,  # each expert's F, as the dense MLP's
+        "vocab": MODEL,
+        # seqax: the residual between blocks is split on M over `model`, so o and down
+        # reduce-scatter into it (instead of all-reducing) and each norm's output is
+        # all-gathered over `model` before the next matmul; activation memory / model.
+        "residual": MODEL,
+        # The embedding rows land already split like the residual: no communication.
+        "table_embed": MODEL,
+    },
+)
+
+# Hybrid sharded data parallel: the mesh puts `replica` across slices (DCN) and `data` /
+# `model` inside one (shardings/hybrid.py). Weights are split over `data` only, so the
+# per-matmul all-gathers and the gradient reduce-scatters stay on the fast links.
+HSDP = Strategy(
+    name="hsdp",
+    axes=(REPLICA, DATA),
+    # As fsdp inside a slice; the batch is split over both axes, so the one collective over
+    # `replica` is the all-reduce of the already `data`-sharded gradients.
+    rules={**FSDP.rules, "batch": (REPLICA, DATA)},
+)
+
+HSDP_TP = Strategy(
+    name="hsdp_tp",
+    axes=(REPLICA, DATA, MODEL),
+    axis_caps=FSDP_TP.axis_caps,
+    rules={**FSDP_TP.rules, "batch": (REPLICA, DATA)},  # as fsdp_tp inside a slice
+)
+
+# Context parallelism: T of every activation split over `context` (tokens, residual, MLP
+# hidden, logits: `B/data T/context ...`); attention all-gathers K/V over `context` and, in the
+# backward pass, reduce-scatters their gradients. The mesh puts `context` inside `data`, on
+# the faster links, since its all-gathers come every layer.
+FSDP_CP = Strategy(
+    name="fsdp_cp",
+    axes=(DATA, CONTEXT),
+    axis_caps={CONTEXT: math.isqrt},
+    rules={
+        "batch": DATA,
+        "seq": CONTEXT,
+        "residual_seq": CONTEXT,
+        # The context devices hold different tokens of the same rows, so for the weights
+        # they are data parallel: FSDP over `data` and `context` together (the gradients
+        # must be summed over both anyway, so they are reduce-scattered over both).
+        "embed_fsdp": (DATA, CONTEXT),
+        "table_embed": (DATA, CONTEXT),
+    },
+)
+
+FSDP_TP_CP = Strategy(
+    name="fsdp_tp_cp",
+    axes=(DATA, CONTEXT, MODEL),
+    axis_caps={CONTEXT: math.isqrt, MODEL: _at_most_node_and_sqrt},
+    rules={
+        "batch": DATA,
+        "seq": CONTEXT,  # as fsdp_cp
+        "residual_seq": CONTEXT,
+        "embed_fsdp": (DATA, CONTEXT),
+        "heads": MODEL,  # as fsdp_tp: heads, FFN and vocab over `model`
+        "kv_heads": MODEL,
+        "ffn": MODEL,
+        "expert_ffn": MODEL,  # each expert's F, as the dense MLP's
+        "vocab": MODEL,
+        "residual": MODEL,  # residual `B/data T/context M/model`
+        "table_embed": MODEL,
+    },
+)
+
+# Expert parallelism for MoE models (as MaxText / torchtitan shard experts). Dense layers are
+# FSDP over `data`; the batch is split over `data` and `expert` alike, so no device repeats
+# another's attention work, and a dense model runs as fsdp with more data parallelism.
+FSDP_EP = Strategy(
+    name="fsdp_ep",
+    axes=(DATA, EXPERT),
+    axis_caps={EXPERT: _at_most_node},  # two all-to-alls per MoE layer: keep them on ICI/NVLink
+    rules={
+        "batch": (DATA, EXPERT),
+        "embed_fsdp": DATA,  # as fsdp, replicated over `expert`; gradients all-reduced over it
+        "table_embed": DATA,
+        # Each device holds E/expert whole experts; after routing, each token's hidden
+        # state goes to the device of each chosen expert and back (all-to-all over `expert`).
+        "expert": EXPERT,
+    },
+)
 
 STRATEGIES: dict[str, Strategy] = {
-    s.name: s
-    for s in (
-        Strategy(
-            name="dp",
-            axes=(DATA,),
-            description="data parallel: batch split over `data`, weights replicated; "
-            "gradients all-reduced over `data`",
-            _build=lambda: _lm(batch=DATA, fsdp=None, tp=None, residual_tp=False),
-        ),
-        Strategy(
-            name="fsdp",
-            axes=(DATA,),
-            description="fully sharded data parallel (ZeRO-3): batch and every matrix split "
-            "over `data`; weights all-gathered per matmul, gradients reduce-scattered",
-            _build=lambda: _lm(batch=DATA, fsdp=DATA, tp=None, residual_tp=False),
-        ),
-        Strategy(
-            name="tp",
-            axes=(DATA, MODEL),
-            description="Megatron tensor parallel over `model` (heads, FFN width, vocab), "
-            "plain data parallel over `data`; residual replicated over `model`",
-            _build=lambda: _lm(batch=DATA, fsdp=None, tp=MODEL, residual_tp=False),
-            _default_model_axis=_tp_model_axis,
-        ),
-        Strategy(
-            name="fsdp_tp",
-            axes=(DATA, MODEL),
-            description="FSDP over `data` and tensor parallel over `model`; the residual "
-            "stream is split on M over `model` between blocks (seqax layout)",
-            _build=lambda: _lm(batch=DATA, fsdp=DATA, tp=MODEL, residual_tp=True),
-            _default_model_axis=_fsdp_tp_model_axis,
-        ),
-        # Hybrid sharded data parallel: the mesh puts `replica` across slices (DCN) and
-        # `data` / `model` inside one (shardings/hybrid.py). Weights are split over `data`
-        # only, so the per-matmul all-gathers and the gradient reduce-scatters stay on the
-        # fast links; the one collective over `replica` is the all-reduce of the already
-        # `data`-sharded gradients. The batch is split over both: `B/(replica,data) T`.
-        Strategy(
-            name="hsdp",
-            axes=(REPLICA, DATA),
-            description="hybrid sharded data parallel: FSDP over `data` inside a slice, "
-            "replicated over `replica` across slices; batch over both",
-            _build=lambda: _lm(batch=(REPLICA, DATA), fsdp=DATA, tp=None, residual_tp=False),
-        ),
-        Strategy(
-            name="hsdp_tp",
-            axes=(REPLICA, DATA, MODEL),
-            description="fsdp_tp inside a slice (`data`, `model`), replicated over `replica` "
-            "across slices; batch over `replica` and `data`",
-            _build=lambda: _lm(batch=(REPLICA, DATA), fsdp=DATA, tp=MODEL, residual_tp=True),
-            _default_model_axis=_fsdp_tp_model_axis,
-        ),
-    )
+    s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP, FSDP_CP, FSDP_TP_CP, FSDP_EP)
 }
 
 

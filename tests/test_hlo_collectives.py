@@ -56,6 +56,10 @@ def test_replica_groups_map_to_the_mesh_axes_they_cross():
     # iota [2,4]<=[4,2]T(1,0): groups {0,2,4,6}, {1,3,5,7}: along data.
     assert ops["all-to-all-start"].axes == ("data",)
     assert ops["all-to-all-start"].group_size == 4
+    # Mesh form with permuted device ids: position (i, j) holds device i + 4j, so the
+    # groups over axis_1 are {i, i+4}: along data, though axis_1 has the size of model.
+    assert ops["all-reduce.5"].axes == ("data",)
+    assert ops["all-reduce.5"].group_size == 2
 
 
 def test_bytes_per_device_follow_the_ring_algorithms():
@@ -70,7 +74,7 @@ def test_count_collectives_counts_each_op_once_in_the_program_text():
     counts = count_collectives(_HLO)
     assert counts["all-gather"] == 1
     assert counts["reduce-scatter"] == 1
-    assert counts["all-reduce"] == 1
+    assert counts["all-reduce"] == 2
     assert counts["all-to-all"] == 1
     assert counts["collective-permute"] == 1
 

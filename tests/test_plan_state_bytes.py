@@ -38,7 +38,7 @@ def _device0_bytes(tree) -> int:
 def test_tiny_state_bytes_equal_the_real_arrays(name):
     run = _run("tiny")
     strategy = get_strategy(name)
-    shape = strategy.default_mesh_shape(8, run.model.decoder_config().num_kv_heads)
+    shape = strategy.default_mesh_shape(8, run.model.decoder_config())
     target = Target("cpu:8", tuple(jax.devices()), CHIPS["cpu"])
     planned = layout_state_bytes(run, Candidate(name, shape, "none", 1), target)
 
@@ -67,7 +67,7 @@ def test_llama_8b_bytes_equal_its_declared_layouts(name):
     run = _run("llama3.1-8b")
     cfg = run.model.decoder_config()
     strategy = STRATEGIES[name]
-    shape = strategy.default_mesh_shape(64, cfg.num_kv_heads)
+    shape = strategy.default_mesh_shape(64, cfg)
     sizes = dict(zip(strategy.axes, shape, strict=True))
     # 64 devices: the abstract mesh never touches them, only their count matters.
     devices = tuple(jax.devices()) * 8

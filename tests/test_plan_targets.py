@@ -25,7 +25,7 @@ def _compile_all(topology):
     cfg = run.model.decoder_config()
     plans = {}
     for name in NAMES:
-        shape = get_strategy(name).default_mesh_shape(8, cfg.num_kv_heads)
+        shape = get_strategy(name).default_mesh_shape(8, cfg)
         plans[name] = compile_plan(run, Candidate(name, shape, "full", 1), target)
     return plans, cfg
 

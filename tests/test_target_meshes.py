@@ -5,17 +5,18 @@ import pytest
 
 from planning import target_devices
 from shardings import STRATEGIES
+from zoo import get_config
 
 
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("topology", ["v5p:4x4x4", "v6e:4x4"])
-@pytest.mark.parametrize("num_kv_heads", [8, 4])
-def test_every_default_mesh_builds_on_the_slice(topology, num_kv_heads):
+@pytest.mark.parametrize("preset", ["llama3.1-8b", "tiny"])
+def test_every_default_mesh_builds_on_the_slice(topology, preset):
     devices = target_devices(topology)
+    cfg = get_config(preset)
     for strategy in STRATEGIES.values():
-        shape = strategy.default_mesh_shape(len(devices), num_kv_heads)
-        mesh = strategy.make_mesh(devices=devices, shape=shape)
-        assert tuple(mesh.shape.values()) == shape
+        mesh = strategy.make_mesh(devices=devices, config=cfg)  # its default shape
         assert mesh.axis_names == strategy.axes
+        assert mesh.size == len(devices)
         # Every chip once: a mesh is a permutation of the slice.
         assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
