@@ -14,9 +14,9 @@ def model_config_from_run_info(run_info: dict):
     and fields), else the run config's model section (`RunConfig.model.decoder_config()`)."""
     recorded = run_info.get("model_config")
     if recorded:
-        from zoo.build import FAMILIES
+        from zoo.registry import config_types
 
-        types = {t.__name__: t for t in FAMILIES}
+        types = config_types()
         fields = dict(recorded)
         name = fields.pop("type", None)
         if name not in types:
@@ -35,11 +35,13 @@ def load_from_hf(hf_dir: str, settings: EvalSettings):
 
     from shardings import get_strategy
     from zoo import from_pretrained
+    from zoo.hf_io import read_config
 
     strategy = get_strategy(settings.strategy)
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"--hf_checkpoint={hf_dir!r} is not a directory")
-    mesh = strategy.make_mesh(shape=settings.mesh_shape)
+    cfg = read_config(hf_dir)
+    mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
     with jax.set_mesh(mesh):
         model = from_pretrained(hf_dir, strategy)
     return model, mesh
