@@ -108,7 +108,7 @@ def main(argv):
         _usage_error("--workdir is required (the run directory; eval.json is written there)")
     if not _EVALUATE.value and _PROMPT.value is None:
         _usage_error("--noevaluate leaves nothing to do without --prompt")
-    from training.workdir import check_writable, expand
+    from training.workdir import check_writable_everywhere, expand
 
     workdir = expand(_WORKDIR.value)
     hf_dir = expand(_HF_CHECKPOINT.value) if _HF_CHECKPOINT.value else None
@@ -122,8 +122,8 @@ def main(argv):
         from training.run import device_hint
         from training.tokenizers import make_tokenizer
 
-        if _EVALUATE.value and jax.process_index() == 0:
-            check_writable(workdir)  # before the work, not after it
+        if _EVALUATE.value:
+            check_writable_everywhere(workdir)  # before the work, not after it
         run_info, step = None, None
         if hf_dir is None:
             step, meta = read_meta(workdir, _STEP.value)

@@ -144,11 +144,10 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         # Orbax logs every save at INFO; keep stderr for the progress bar and errors.
         logging.set_verbosity(logging.WARNING)
-    import jax
 
     from training import distributed
     from training.run import Setup, device_hint, train
-    from training.workdir import check_writable, expand, hold
+    from training.workdir import expand, hold
 
     # Every mistake in what the user gave surfaces while building (before the first step) as
     # one of these; anything raised later is a bug and keeps its stack trace.
@@ -156,9 +155,7 @@ def main(argv):
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         run = _load_config()
         workdir = expand(_WORKDIR.value or os.path.join("runs", run.name))
-        if jax.process_index() == 0:
-            check_writable(workdir)
-        lock = hold(workdir)  # noqa: F841 -- held until the process exits
+        lock = hold(workdir)  # noqa: F841 -- checked writable, and held until the process exits
         init_from = expand(_INIT_FROM.value) if _INIT_FROM.value else None
         setup = Setup(run, workdir, init_from=init_from)
         setup.resume()

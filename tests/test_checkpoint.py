@@ -221,7 +221,10 @@ def test_damaged_latest_fails_in_eval_and_training_falls_back(saved, tmp_path, d
     assert os.listdir(os.path.join(directory, INVALID_SUBDIR))[0].startswith("9-")
     with jax.set_mesh(mesh):
         ckpt.restore(7, model=model, optimizer=optimizer)
+    # The step set aside can be saved again by the resumed run.
+    assert ckpt.save(9, model=model, optimizer=optimizer, data_iter=data_iter())
     ckpt.close()
+    assert complete_steps(directory) == [7, 9]
     for got, want in zip(leaves(model), saved["params"], strict=True):
         np.testing.assert_array_equal(got, want)
 

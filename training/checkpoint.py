@@ -354,6 +354,7 @@ class Checkpointer:
             good = int(multihost_utils.broadcast_one_to_all(np.int64(good)))
         if bad:
             self._set_aside(bad)
+            self._manager.reload()  # it listed the steps set aside; they may be saved again
             _warn(
                 f"falling back to checkpoint step {good}"
                 if good >= 0

@@ -199,6 +199,10 @@ def build_dataset(
     ds = docs.map(_Tokenize(tokenizer)).to_iter_dataset()
     if num_workers > 0:
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+        # Worker outputs arrive in shared memory, freed when the array is dropped; the shuffle
+        # window and the packer keep chunks (views) for many steps, and at exit they would
+        # still hold it. A copy lets each segment go at once.
+        ds = ds.map(np.array)
     ds = grain.experimental.FlatMapIterDataset(ds, _SplitIntoChunks(seq_len))
     if shuffle and shuffle_window > 1:
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)

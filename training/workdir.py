@@ -88,27 +88,50 @@ def _read(fd: int) -> str:
 
 
 def hold(workdir: str) -> WorkdirLock | None:
-    """Take the workdir lock on process 0 and tell every process the outcome: ValueError on
-    all of them if it is held elsewhere. Returns the lock on process 0."""
+    """Check that the workdir can be written and take its lock, on process 0, and tell every
+    process the outcome: ValueError on all of them if either fails. Returns the lock on
+    process 0."""
     import jax
 
     lock, error = None, ""
     if jax.process_index() == 0:
-        lock = WorkdirLock(workdir)
         try:
+            check_writable(workdir)
+            lock = WorkdirLock(workdir)
             warning = lock.acquire()
         except ValueError as e:
             lock, error = None, str(e)
         else:
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
+    _raise_everywhere(error, f"process 0 could not take the workdir {workdir} (see its error)")
+    return lock
+
+
+def check_writable_everywhere(workdir: str, flag: str = "--workdir") -> None:
+    """`check_writable` on process 0; ValueError on every process if it fails."""
+    import jax
+
+    error = ""
+    if jax.process_index() == 0:
+        try:
+            check_writable(workdir, flag)
+        except ValueError as e:
+            error = str(e)
+    _raise_everywhere(error, f"process 0 cannot write {flag}={workdir} (see its error)")
+
+
+def _raise_everywhere(error: str, elsewhere: str) -> None:
+    """Raise ValueError(error) on process 0 and ValueError(elsewhere) on the others when
+    process 0 had an error, so no process waits for a collective the others never reach."""
+    import jax
+
     if jax.process_count() > 1:
         import numpy as np
         from jax.experimental import multihost_utils
 
         failed = multihost_utils.broadcast_one_to_all(np.int32(bool(error)))
         if int(failed) and not error:
-            error = f"process 0 could not lock the workdir {workdir} (see its error)"
+            error = elsewhere
     if error:
         raise ValueError(error)
-    return lock
