@@ -66,7 +66,12 @@ def _unknown_field_message(error: Exception) -> str | None:
 
 def _define_config_flag():
     # config_flags applies `--config.<path>=value` overrides while defining the flag (it reads
-    # sys.argv), so a misspelt field raises here, before absl parses anything.
+    # sys.argv), so a misspelt field raises here, before absl parses anything. It does not
+    # expand `~` (the shell does not either, after `=`): every path flag gets it here.
+    sys.argv[1:] = [
+        f"--config={os.path.expanduser(a.split('=', 1)[1])}" if a.startswith("--config=") else a
+        for a in sys.argv[1:]
+    ]
     try:
         return config_flags.DEFINE_config_file(
             "config", DEFAULT_CONFIG, "Run config file (a get_config() module).", lock_config=True

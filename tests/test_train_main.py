@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 from _train_helpers import (
+    ROOT,
     SMALL_RUN,
     char_tokenizer,
     cli_flags,
@@ -100,6 +101,10 @@ BAD_INPUTS = {
         ["--config=configs/tiny.py", "--config.optimizer.learnig_rate=1"],
         "--config.optimizer.learnig_rate: no such config field 'learnig_rate'; did you mean "
         "'learning_rate'? (valid in optimizer: b1, b2,",
+    ),
+    "workdir that is a file": (
+        [f"--workdir={os.path.join(ROOT, 'README.md')}"],
+        f"--workdir={os.path.join(ROOT, 'README.md')} is a file, not a directory",
     ),
     "field the config file lacks": (
         ["--config=configs/tiny.py", "--config.model.loss_chunk_size=1"],
