@@ -32,7 +32,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
         axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
         multiple = math.prod(mesh.shape[a] for a in axes)
     padded_rows = -(-rows // multiple) * multiple  # same data on every mesh, padding rows added
-    check_batch(padded_rows, batch_spec, mesh, settings.strategy)
+    check_batch(padded_rows, batch_spec, mesh, settings.strategy, seq_len=settings.seq_len)
     dataset = data.build_dataset(
         settings.source,
         settings.split,

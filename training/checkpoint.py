@@ -10,8 +10,8 @@ Layout: `<workdir>/checkpoints/<step>/` with four Orbax items and our manifest,
                   (e.g. the RNG seed/counter)}
   checksums.json  size and CRC-32 of every file above (training/integrity.py)
 
-The model and the optimizer are separate items so evaluation restores the parameters alone (a
-partial StandardRestore of one tree fails on structure).
+The model and the optimizer are separate items so evaluation restores the parameters alone
+(Orbax's StandardRestore of part of one saved tree fails on the structure mismatch).
 
 Restoring onto any strategy and device count: the targets are built from the *live* model's
 arrays (shape, dtype, sharding), so Orbax reads each shard straight into the layout the model

@@ -93,7 +93,7 @@ class Setup:
         batch_spec = strategy.batch_spec()
         self.batch_spec = batch_spec
         micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
-        check_batch(micro_batch, batch_spec, mesh, strategy.name)
+        check_batch(micro_batch, batch_spec, mesh, strategy.name, seq_len=run.data.seq_len)
 
         tokenizer = make_tokenizer(run.data.tokenizer)
         common = dict(
@@ -215,12 +215,8 @@ def _create_model(model_cfg, strategy, seed: int):
 
 
 def _from_pretrained(path: str, strategy, model_section):
-    try:
-        from zoo import from_pretrained
-    except ImportError:
-        raise ValueError(
-            "--init_from needs zoo.from_pretrained, which this checkout does not have yet"
-        ) from None
+    from zoo import from_pretrained
+
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--init_from={path!r} is not a directory")
     # The checkpoint fixes the architecture; the config still chooses how it runs.
