@@ -29,8 +29,8 @@ def device_hint(error: Exception) -> str:
     import jax
 
     text = str(error)
-    wanted = re.search(r"needs (\d+) devices but \d+ are available", text)
-    if wanted and jax.default_backend() == "cpu":
+    wanted = re.search(r"needs (\d+) devices but (\d+) are available", text)
+    if wanted and int(wanted.group(1)) > int(wanted.group(2)) and jax.default_backend() == "cpu":
         n = wanted.group(1)
         text += (
             f"; on CPU, simulate {n} devices by starting with "
