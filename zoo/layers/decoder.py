@@ -125,7 +125,8 @@ class DecoderLM(nnx.Module):
         if balanced:
             if cache is not None:
                 raise ValueError(
-                    "KV-cache decoding does not split T; use a strategy without `context`"
+                    "KV-cache decoding (generation) does not split T over `context`; "
+                    "generate with a strategy without it, e.g. --sharding_strategy=fsdp"
                 )
             tokens_BT, segment_ids, positions = (
                 context_parallel.to_balanced(a, cp_axis)
