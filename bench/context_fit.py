@@ -27,6 +27,7 @@ _MODEL = flags.DEFINE_string("model", "llama3.2-1b", "model preset")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:4x4x4", "TPU topology")
 _CONTEXT = flags.DEFINE_integer("context", 8, "context axis size for fsdp_cp")
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["8192", "16384", "32768", "65536", "131072"], "T")
+_STRATEGIES = flags.DEFINE_list("strategies", ["fsdp", "fsdp_cp"], "fsdp and/or fsdp_cp")
 _HBM_GIB = flags.DEFINE_float("hbm_gib", 95.0, "memory per chip (v5p: 95 GiB)")
 
 
@@ -90,7 +91,9 @@ def main(argv):
     n, c = len(devices), _CONTEXT.value
     cfg = get_config(_MODEL.value, dtype="bfloat16", remat="full", attention_impl="xla")
     budget = _HBM_GIB.value * 2**30
-    for name, shape in (("fsdp", (n,)), ("fsdp_cp", (n // c, c))):
+    shapes = {"fsdp": (n,), "fsdp_cp": (n // c, c)}
+    for name in _STRATEGIES.value:
+        shape = shapes[name]
         best = None
         for seq_len in (int(s) for s in _SEQ_LENS.value):
             start = time.perf_counter()

@@ -348,7 +348,11 @@ FSDP_CP = Strategy(
         # they are data parallel: FSDP over `data` and `context` together (the gradients
         # must be summed over both anyway, so they are reduce-scattered over both).
         "embed_fsdp": (DATA, CONTEXT),
-        "table_embed": (DATA, CONTEXT),
+        # The embedding table only over `data`: looked-up rows `B/data T/context M` come
+        # from a table split on M over `data` by one all-to-all over `data`; split over
+        # `context` too, XLA finds no such move and replicates the rows (and, backward,
+        # the table's gradient) on every device.
+        "table_embed": DATA,
     },
 )
 
