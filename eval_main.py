@@ -26,6 +26,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from training.xla_cpu import set_cpu_flags  # noqa: E402
+
+set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
+
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
