@@ -26,6 +26,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from training.xla_cpu import set_cpu_flags  # noqa: E402
+
+set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
+
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -37,7 +41,7 @@ EVAL_FILE = "eval.json"
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints/ and eval.json).")
 _STRATEGY = flags.DEFINE_string(
-    "sharding_strategy", None, "dp | fsdp | tp | fsdp_tp; default: the run's."
+    "sharding_strategy", None, "dp | fsdp | tp | fsdp_tp | fsdp_ep; default: the run's."
 )
 _MESH_SHAPE = flags.DEFINE_string("mesh_shape", None, "e.g. data:8; default: the strategy's rule.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest complete one.")

@@ -8,11 +8,13 @@ from shardings.specs import (
     LinearSharding,
     LmSharding,
     MlpSharding,
+    MoeSharding,
     NormSharding,
 )
 from shardings.strategies import (
     CONTEXT,
     DATA,
+    EXPERT,
     MODEL,
     REPLICA,
     STRATEGIES,
@@ -23,6 +25,7 @@ from shardings.strategies import (
 __all__ = [
     "CONTEXT",
     "DATA",
+    "EXPERT",
     "MODEL",
     "REPLICA",
     "STRATEGIES",
@@ -32,6 +35,7 @@ __all__ = [
     "LinearSharding",
     "LmSharding",
     "MlpSharding",
+    "MoeSharding",
     "NormSharding",
     "Strategy",
     "check_batch",

@@ -29,6 +29,7 @@ oracle the KV-cache path is tested against.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -88,6 +89,32 @@ def _last_logits(logits_BTV, batch_spec: P):
     return jax.sharding.reshard(logits_BTV[:, -1, :], P(batch_spec[0], None))
 
 
+def _layer_list(model):
+    """(graphdef, state) of `model` with its stacked layers as a list of per-layer weights.
+
+    A decode step runs each layer's matmuls on one row, so it is bound by reading the weights;
+    under the layer scan every step first copies each layer's slice out of the stacked [L, ...]
+    arrays (a dynamic-slice XLA cannot fold into the dot), which triples the memory traffic.
+    Slicing them once, before the decode loop, leaves the loop only the reads. The numbers do
+    not change: same weights, same per-layer computation.
+    """
+    cfg = model.cfg
+    if not cfg.scan_layers:
+        return nnx.split(model)
+    twin_cfg = dataclasses.replace(cfg, scan_layers=False)
+    twin = nnx.eval_shape(lambda: type(model)(twin_cfg, model.sharding, rngs=nnx.Rngs(0)))
+    twin_graphdef, twin_state = nnx.split(twin)
+    stacked = dict(nnx.to_flat_state(nnx.state(model)))
+    leaves = []
+    for path, var in nnx.to_flat_state(twin_state):
+        if path[0] == "blocks":  # ('blocks', i, ...) <- ('blocks', ...)[i]
+            value = stacked[(path[0], *path[2:])][...][path[1]]
+        else:
+            value = stacked[path][...]
+        leaves.append((path, var.replace(value)))
+    return twin_graphdef, nnx.from_flat_state(leaves)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id"),
@@ -114,6 +141,9 @@ def _generate(
     )
     key, sub = jax.random.split(key)
     token_B = _sample(_last_logits(logits_BPV, spec), sub, temperature, top_k)
+    # The prefill above keeps the layer scan (one compiled block; its weight copies are shared
+    # by P tokens); the one-token steps below run the layers as a list.
+    graphdef, state = _layer_list(model)
     # Next position of each row: its prompt length (left padding has positions 0).
     position_B = positions_BP[:, -1] + 1
     out_BO = jnp.full((B, max_new_tokens), -1, jnp.int32, out_sharding=spec)

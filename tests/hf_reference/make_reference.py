@@ -28,7 +28,8 @@ from safetensors.numpy import load_file
 from transformers.pytorch_utils import Conv1D
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2")
+FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # their npz also holds transformers' aux_loss
 BATCH, SEQ_LEN = 2, 24  # T = 3 sliding windows, so the window matters
 WINDOW = 8  # sliding window of mistral and gemma3's local layers
 SEED = 0
@@ -139,6 +140,42 @@ def build_config(family):
             attn_pdrop=0.0,
         )
         return transformers.GPT2LMHeadModel, cfg
+    if family == "qwen3_moe":
+        # 4 experts (expert axes 2 and 4 split them), top 2, top-k weights NOT renormalised
+        # (Mixtral's are): the two families cover both router conventions.
+        cfg = transformers.Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=16,
+            max_position_embeddings=2048,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+        )
+        return transformers.Qwen3MoeForCausalLM, cfg
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(
+            **{**common, "intermediate_size": 32},  # Mixtral's intermediate_size: one expert
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=2048,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            sliding_window=None,
+            router_jitter_noise=0.0,
+            tie_word_embeddings=False,
+        )
+        return transformers.MixtralForCausalLM, cfg
     raise SystemExit(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
 
 
@@ -169,6 +206,10 @@ def randomize(model, seed):
                 normal_(p, p.shape[1] ** -0.5)  # torch Linear weight is [out, in]
             elif isinstance(module, Conv1D) and name == "weight":
                 normal_(p, p.shape[0] ** -0.5)  # GPT-2 Conv1D weight is [in, out]
+            elif p.ndim == 3:  # MoE experts stacked on E, each [out, in] like torch Linear
+                normal_(p, p.shape[2] ** -0.5)
+            elif "Router" in type(module).__name__ and name == "weight":  # MoE router [E, M]
+                normal_(p, p.shape[1] ** -0.5)
             elif p.ndim == 1:  # biases, RMSNorm/LayerNorm scales and LayerNorm biases
                 p.add_(torch.randn(p.shape, generator=gen) * 0.2)
             else:
@@ -179,6 +220,13 @@ def randomize(model, seed):
 def logits_of(model, input_ids):
     out = model(input_ids=torch.from_numpy(input_ids).long())
     return out.logits.float().numpy()
+
+
+@torch.no_grad()
+def aux_loss_of(model, input_ids):
+    """transformers' load-balancing loss (unweighted) over all layers, no padding."""
+    out = model(input_ids=torch.from_numpy(input_ids).long(), output_router_logits=True)
+    return np.float32(out.aux_loss.item())
 
 
 def make_inputs(vocab_size, seed):
@@ -227,6 +275,10 @@ def ablations(family):
                 c, "rope_parameters", dict(rope_type="default", rope_theta=500000.0)
             )
         }
+    if family == "qwen3_moe":
+        return {"norm_topk_prob -> True": lambda c: setattr(c, "norm_topk_prob", True)}
+    if family == "mixtral":
+        return {"num_experts_per_tok -> 1": lambda c: setattr(c, "num_experts_per_tok", 1)}
     if family == "mistral":
         return {"sliding_window -> None": lambda c: setattr(c, "sliding_window", None)}
     if family == "gemma3":
@@ -263,9 +315,14 @@ def generate(family):
     gen_cfg = os.path.join(out_dir, "generation_config.json")
     if os.path.exists(gen_cfg):
         os.remove(gen_cfg)
-    np.savez(os.path.join(out_dir, "inputs_and_logits.npz"), input_ids=input_ids, logits=ref)
+    extra = {"aux_loss": aux_loss_of(model, input_ids)} if family in MOE_FAMILIES else {}
+    np.savez(
+        os.path.join(out_dir, "inputs_and_logits.npz"), input_ids=input_ids, logits=ref, **extra
+    )
 
     print(f"== {family}: {cls.__name__}, logits {ref.shape}, |logits| max {np.abs(ref).max():.3f}")
+    if extra:
+        print(f"   aux_loss {float(extra['aux_loss']):.6f}")
     for what, edit in ablations(family).items():
         diff = ablation_diff(cls, cfg, model, input_ids, ref, edit)
         print(f"   ablation {what}: max logit change {diff:.4f}")

@@ -16,7 +16,9 @@ from zoo.layers import context_parallel, rope
 from zoo.layers.attention import Attention
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
+from zoo.layers.kv_cache import KVCache, LayerCache
 from zoo.layers.mlp import Mlp
+from zoo.layers.moe import Moe, moe_stats
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the block in the backward pass
@@ -36,7 +38,9 @@ class Block(nnx.Module):
         self.attn_norm = Norm(M, sharding.attn_norm, **norm)
         self.attention = Attention(cfg, sharding.attention, rngs=rngs)
         self.mlp_norm = Norm(M, sharding.mlp_norm, **norm)
-        self.mlp = Mlp(cfg, sharding.mlp, rngs=rngs)
+        # An MoE config puts its experts where the dense MLP would be.
+        self.mlp = None if cfg.is_moe else Mlp(cfg, sharding.mlp, rngs=rngs)
+        self.moe = Moe(cfg, sharding.moe, rngs=rngs) if cfg.is_moe else None
         if cfg.post_norms:
             self.post_attn_norm = Norm(M, sharding.post_attn_norm, **norm)
             self.post_mlp_norm = Norm(M, sharding.post_mlp_norm, **norm)
@@ -55,10 +59,14 @@ class Block(nnx.Module):
         if self.post_attn_norm is not None:
             h_BTM = self.post_attn_norm(h_BTM)
         x_BTM = x_BTM + h_BTM
-        h_BTM = self.mlp(self.mlp_norm(x_BTM))
+        router_stats = None
+        if self.moe is None:
+            h_BTM = self.mlp(self.mlp_norm(x_BTM))
+        else:
+            h_BTM, router_stats = self.moe(self.mlp_norm(x_BTM), segment_ids_BT != 0)
         if self.post_mlp_norm is not None:
             h_BTM = self.post_mlp_norm(h_BTM)
-        return x_BTM + h_BTM, kv
+        return x_BTM + h_BTM, (kv, router_stats)
 
 
 class DecoderLM(nnx.Module):
@@ -115,8 +123,11 @@ class DecoderLM(nnx.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None):
-        """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache')."""
+    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None, router_stats=False):
+        """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
+
+        `router_stats=True` (no cache) returns (logits, MoeStats or None for a dense model).
+        """
         cfg = self.cfg
         # Context parallelism: rows run in load-balanced chunk order inside the model
         # (zoo/layers/context_parallel.py); the residual goes back before the LM head.
@@ -138,40 +149,33 @@ class DecoderLM(nnx.Module):
         if self.position_embed is not None:
             x_BTM = x_BTM + self.position_embed(positions)
 
+        # What every layer's cache shares: segment ids and positions with this step's tokens.
         kv_ctx = None
         if cache is not None:
-            index = cache["index"]
             kv_segment_ids = jax.lax.dynamic_update_slice_in_dim(
-                cache["segment_ids"], segment_ids, index, axis=1
+                cache.segment_ids, segment_ids, cache.index, axis=1
             )
             kv_positions = jax.lax.dynamic_update_slice_in_dim(
-                cache["positions"], positions, index, axis=1
+                cache.positions, positions, cache.index, axis=1
             )
-            kv_ctx = (kv_segment_ids, kv_positions, index)
+            kv_ctx = (kv_segment_ids, kv_positions, cache.index)
 
         windows, freqs_LR = self._layer_tables()
-        if cfg.scan_layers:
-            x_BTM, new_kv = self._run_scanned(
-                x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx
-            )
-        else:
-            x_BTM, new_kv = self._run_unscanned(
-                x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx
-            )
+        run = self._run_scanned if cfg.scan_layers else self._run_unscanned
+        x_BTM, (new_kv, stats) = run(
+            x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx
+        )
 
         if balanced:
             x_BTM = context_parallel.from_balanced(x_BTM, cp_axis)
         x_BTM = self.final_norm(x_BTM)
         logits_BTV = self._logits(x_BTM)
+        if router_stats:
+            return logits_BTV, (moe_stats(stats, cfg.num_experts) if cfg.is_moe else None)
         if cache is None:
             return logits_BTV
-        new_cache = {
-            "k": new_kv[0],
-            "v": new_kv[1],
-            "segment_ids": kv_ctx[0],
-            "positions": kv_ctx[1],
-            "index": cache["index"] + tokens_BT.shape[1],
-        }
+        k_LBSKD, v_LBSKD = new_kv
+        new_cache = KVCache(k_LBSKD, v_LBSKD, *kv_ctx[:2], cache.index + tokens_BT.shape[1])
         return logits_BTV, new_cache
 
     def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_R, kv):
@@ -189,33 +193,39 @@ class DecoderLM(nnx.Module):
         static_window = (windows[0] or None) if uniform_window else None
         windows_L = jnp.asarray(windows, jnp.int32)
         freqs_LR = jnp.asarray(freqs_LR)
-        caches = (cache["k"], cache["v"]) if cache is not None else None
+        caches = (cache.k, cache.v) if cache is not None else None
 
         @nnx.scan(
             in_axes=(nnx.Carry, 0, 0, 0, 0),
             out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: None},
         )
-        def run(x, block, window, inv_freq_R, layer_cache):
-            kv = None if layer_cache is None else (*layer_cache, *kv_ctx)
+        def run(x, block, window, inv_freq_R, layer_kv):
+            kv = None if layer_kv is None else LayerCache(*layer_kv, *kv_ctx)
             w = static_window if uniform_window else window
-            x, kv = self._call_block(block, x, segment_ids, positions, w, inv_freq_R, kv)
-            return x, kv
+            x, (kv, layer_stats) = self._call_block(
+                block, x, segment_ids, positions, w, inv_freq_R, kv
+            )
+            # Only keys and values are per layer; the rest is shared, not stacked over L.
+            return x, ((None if kv is None else (kv.k, kv.v)), layer_stats)
 
-        x_BTM, new_kv = run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
-        return x_BTM, new_kv
+        # Per layer: (kv cache, router stats), stacked on L by the scan.
+        return run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
 
     def _run_unscanned(self, x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx):
-        ks, vs = [], []
+        ks, vs, stats = [], [], []
         for i, block in enumerate(self.blocks):
-            kv = None if cache is None else (cache["k"][i], cache["v"][i], *kv_ctx)
-            x_BTM, kv = self._call_block(
+            kv = None if cache is None else LayerCache(cache.k[i], cache.v[i], *kv_ctx)
+            x_BTM, (kv, layer_stats) = self._call_block(
                 block, x_BTM, segment_ids, positions, windows[i] or None, freqs_LR[i], kv
             )
             if kv is not None:
-                ks.append(kv[0])
-                vs.append(kv[1])
-        return x_BTM, ((jnp.stack(ks), jnp.stack(vs)) if cache is not None else None)
+                ks.append(kv.k)
+                vs.append(kv.v)
+            stats.append(layer_stats)
+        new_kv = (jnp.stack(ks), jnp.stack(vs)) if cache is not None else None
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if self.cfg.is_moe else None
+        return x_BTM, (new_kv, stacked)
 
     def _logits(self, x_BTM):
         cfg = self.cfg
@@ -242,10 +252,10 @@ class DecoderLM(nnx.Module):
         kv_spec = jax.sharding.PartitionSpec(None, *self.sharding.block.attention.kv_cache)
         shape = (cfg.num_layers, batch_size, S, cfg.num_kv_heads, cfg.head_dim)
         tokens_spec = self.sharding.tokens
-        return {
-            "k": jnp.zeros(shape, dtype, out_sharding=kv_spec),
-            "v": jnp.zeros(shape, dtype, out_sharding=kv_spec),
-            "segment_ids": jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
-            "positions": jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
-            "index": jnp.zeros((), jnp.int32),
-        }
+        return KVCache(
+            k=jnp.zeros(shape, dtype, out_sharding=kv_spec),
+            v=jnp.zeros(shape, dtype, out_sharding=kv_spec),
+            segment_ids=jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
+            positions=jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
+            index=jnp.zeros((), jnp.int32),
+        )
