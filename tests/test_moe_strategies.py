@@ -28,7 +28,7 @@ from model_utils import (
 from shardings import get_strategy
 from shardings.specs import normalize
 from training.loop import objective_sum
-from zoo import create_model, get_config, param_layouts
+from zoo import check_model_fits, create_model, get_config, param_layouts
 
 # 8 experts of 64, top 2; aux weight raised so its gradient is not lost in the NLL's.
 CFG = get_config("qwen3-moe-tiny", router_aux_loss_coef=0.1)
@@ -141,3 +141,19 @@ def test_aux_loss_reaches_the_router_gradient(reference):
     the gradient of the NLL alone."""
     assert np.abs(reference["grads"]["blocks/moe/router/weight"]).max() > 0
     assert reference["aux"] > 1.0  # E * sum(f * p) >= 1, equality only when balanced
+
+
+def test_default_mesh_and_divisibility_know_the_expert_count():
+    ep = get_strategy("fsdp_ep")
+    assert ep.default_mesh_shape(8, CFG) == (1, 8)  # 8 experts: all 8 devices on `expert`
+    assert ep.default_mesh_shape(8, CFG.replace(num_experts=4)) == (2, 4)
+    assert ep.default_mesh_shape(8, CFG.replace(num_experts=6)) == (4, 2)
+    assert ep.default_mesh_shape(64, get_config("qwen3-30b-a3b")) == (8, 8)  # capped at 8
+    assert ep.default_mesh_shape(8, get_config("tiny")) == (8, 1)  # dense: nothing to split
+    # Dense strategies split each expert's F over `model` as they split the MLP's.
+    assert get_strategy("tp").default_mesh_shape(8, CFG.replace(moe_ffn_dim=66)) == (4, 2)
+    mesh = ep.make_mesh(shape=(1, 8))
+    with pytest.raises(ValueError) as err:
+        check_model_fits(CFG.replace(num_experts=4), ep, mesh)
+    message = str(err.value)
+    assert "\n" not in message and "expert=8" in message and "(size 4)" in message, message
