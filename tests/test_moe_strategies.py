@@ -157,3 +157,21 @@ def test_default_mesh_and_divisibility_know_the_expert_count():
         check_model_fits(CFG.replace(num_experts=4), ep, mesh)
     message = str(err.value)
     assert "\n" not in message and "expert=8" in message and "(size 4)" in message, message
+
+
+def test_flops_count_only_the_active_experts():
+    """Published sizes: Qwen3-30B-A3B 30.5B params, 3.3B active; Mixtral 8x7B 46.7B, 12.9B
+    active (both counting the embedding). FLOPs per token are 6 x the active matmul params
+    plus attention, so a model with all experts active would count E/k times the expert part."""
+    for preset, total, active in (
+        ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+        ("mixtral-8x7b", 46.7e9, 12.9e9),
+    ):
+        cfg = get_config(preset)
+        assert abs(cfg.num_params() / total - 1) < 0.01, preset
+        embedding = cfg.vocab_size * cfg.hidden_dim
+        assert abs((cfg.matmul_params() + embedding) / active - 1) < 0.02, preset
+        all_active = cfg.replace(num_experts_per_tok=cfg.num_experts)
+        expert = 3 * cfg.hidden_dim * cfg.moe_ffn_dim * cfg.num_layers
+        extra = 6 * expert * (cfg.num_experts - cfg.num_experts_per_tok)
+        assert all_active.flops_per_token(128) - cfg.flops_per_token(128) == extra
