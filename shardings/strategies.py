@@ -123,8 +123,11 @@ class Strategy:
                 sizes[axis] = 1
             else:
                 cap = self.axis_caps.get(axis, lambda n: n)(per_slice)
+                # A size of 0 is a dim the model lacks (a dense model's experts): it splits
+                # nothing, so an axis that splits only such dims stays 1.
                 dims = [getattr(config, f) for f in fields]
-                sizes[axis] = _largest_divisor(left, dims, cap)
+                present = [d for d in dims if d]
+                sizes[axis] = _largest_divisor(left, present, cap) if present or not dims else 1
             left //= sizes[axis]
         sizes[DATA] = left
         return tuple(sizes[a] for a in self.axes)
