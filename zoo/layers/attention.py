@@ -33,8 +33,8 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_R, kv=None):
-        """`kv`: None, or this layer's cache (k_BSKD, v_BSKD, segment_ids_BS, positions_BS,
-        index) with this step's entries to be written at `index`. Returns (out_BTM, kv')."""
+        """`kv`: None, or this layer's `LayerCache`, into which this step's keys and values
+        are written at `kv.index`. Returns (out_BTM, kv'), kv' None when kv is."""
         q_BTND, k_BTKD, v_BTKD = self.q(x_BTM), self.k(x_BTM), self.v(x_BTM)
         if self.q_norm is not None:
             q_BTND, k_BTKD = self.q_norm(q_BTND), self.k_norm(k_BTKD)
@@ -43,14 +43,14 @@ class Attention(nnx.Module):
             k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_R)
         kv_segment_ids, kv_positions = segment_ids_BT, positions_BT
         if kv is not None:
-            k_cache, v_cache, kv_segment_ids, kv_positions, index = kv
+            kv_segment_ids, kv_positions = kv.segment_ids, kv.positions
             k_BTKD = jax.lax.dynamic_update_slice_in_dim(
-                k_cache, k_BTKD.astype(k_cache.dtype), index, axis=1
+                kv.k, k_BTKD.astype(kv.k.dtype), kv.index, axis=1
             )
             v_BTKD = jax.lax.dynamic_update_slice_in_dim(
-                v_cache, v_BTKD.astype(v_cache.dtype), index, axis=1
+                kv.v, v_BTKD.astype(kv.v.dtype), kv.index, axis=1
             )
-            kv = (k_BTKD, v_BTKD)
+            kv = kv._replace(k=k_BTKD, v=v_BTKD)
         # --- context-parallel hook: T split over a mesh axis (training / eval forward) ---
         cp_axis = context_parallel.seq_axis(self.sharding.q.out) if kv is None else None
         if cp_axis is not None:
