@@ -223,7 +223,8 @@ def _why(best: Plan, plans: list[Plan], skipped) -> str:
     e = best.estimate
     fit = [p for p in plans if p.fits and p is not best]
     runner = min(fit, key=lambda p: p.estimate.step_seconds) if fit else None
-    bound = "compute" if e.compute_seconds >= e.step_seconds * 0.5 else "communication"
+    # Communication-bound once collectives add to the compute time at all.
+    bound = "compute" if e.step_seconds <= e.compute_seconds * (1 + 1e-9) else "communication"
     parts = [
         f"auto picked {best.candidate.describe()}: predicted {e.step_seconds:.4g} s/step, "
         f"MFU {e.mfu:.1%}, {best.required_bytes / GiB:.1f} of "
