@@ -47,6 +47,12 @@ _DATA = flags.DEFINE_string(
 _EVAL_BATCHES = flags.DEFINE_integer("eval_batches", None, "Batches; default: the run's.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Rows per batch; default: the run's.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per row; default: the run's.")
+_LOSS_CHUNK_SIZE = flags.DEFINE_integer(
+    "loss_chunk_size",
+    None,
+    "Tokens per device per chunk of the LM head fused with the loss; 0: full logits; "
+    "default: the run's.",
+)
 _TOKENIZER = flags.DEFINE_string(
     "tokenizer", None, "'byte', tokenizer.json or .model; default: the run's (or the HF dir's)."
 )
@@ -90,6 +96,7 @@ class EvalSettings:
     seq_len: int
     batch_size: int
     eval_batches: int
+    loss_chunk_size: int
 
 
 def model_config_from_run_info(run_info: dict):
@@ -120,6 +127,12 @@ def _run_config(run_info: dict):
     return RunConfig.from_config_dict(run_info["config"])
 
 
+def _default_loss_chunk_size() -> int:
+    from training.config import TrainingSection
+
+    return TrainingSection().loss_chunk_size
+
+
 def settings_from_flags(run_info: dict | None) -> EvalSettings:
     if run_info is not None:
         run = _run_config(run_info)
@@ -133,6 +146,7 @@ def settings_from_flags(run_info: dict | None) -> EvalSettings:
             seq_len=d.seq_len,
             batch_size=d.global_batch_size,
             eval_batches=run.training.eval_batches,
+            loss_chunk_size=run.training.loss_chunk_size,
         )
     else:
         base = dict(
@@ -144,6 +158,7 @@ def settings_from_flags(run_info: dict | None) -> EvalSettings:
             seq_len=_HF_DEFAULTS["seq_len"],
             batch_size=_HF_DEFAULTS["global_batch_size"],
             eval_batches=_HF_DEFAULTS["eval_batches"],
+            loss_chunk_size=_default_loss_chunk_size(),
         )
     for key, flag in (
         ("strategy", _STRATEGY),
@@ -151,12 +166,17 @@ def settings_from_flags(run_info: dict | None) -> EvalSettings:
         ("seq_len", _SEQ_LEN),
         ("batch_size", _BATCH_SIZE),
         ("eval_batches", _EVAL_BATCHES),
+        ("loss_chunk_size", _LOSS_CHUNK_SIZE),
     ):
         if flag.value is not None:
             base[key] = flag.value
     for key in ("seq_len", "batch_size", "eval_batches"):
         if base[key] < 1:
             raise ValueError(f"--{key}={base[key]} must be >= 1")
+    if base["loss_chunk_size"] < 0:
+        raise ValueError(
+            f"--loss_chunk_size={base['loss_chunk_size']} must be >= 0 (0: full logits)"
+        )
     source = _DATA.value or base.pop("source")
     base.pop("source", None)
     return EvalSettings(
@@ -196,7 +216,9 @@ def load_model(workdir: str, run_info: dict | None, settings: EvalSettings, step
             model = from_pretrained(_HF_CHECKPOINT.value, strategy)
         return model, mesh, None
 
-    cfg = model_config_from_run_info(run_info)
+    # Evaluation takes no gradients: what the backward pass would keep does not matter, and
+    # a policy the evaluating backend lacks (offload, on CPU) must not stop it.
+    cfg = model_config_from_run_info(run_info).replace(remat="none")
     mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
     check_model_fits(cfg, strategy, mesh)
     with jax.set_mesh(mesh):
@@ -223,7 +245,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     from shardings.mesh import check_batch
     from training import data
     from training.distributed import to_global
-    from zoo.loss import target_mask, token_nll
+    from zoo.loss import target_mask
 
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(
@@ -255,10 +277,12 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     @jax.jit
     def nll_sum(state, batch):
         m = nnx.merge(graphdef, state)
-        logits_BTV = m(
-            batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+        nll_BT, mask_BT = m.token_nll(
+            batch["tokens"],
+            segment_ids=batch["segment_ids"],
+            positions=batch["positions"],
+            chunk_size=settings.loss_chunk_size,
         )
-        nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
         return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
     total_nll, total_tokens, total_bytes = 0.0, 0, 0

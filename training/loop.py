@@ -5,13 +5,15 @@ takes and returns with its input buffers donated (so parameters and Adam moments
 in place). The `model` / `optimizer` objects are brought up to date from it (`Trainer.sync`)
 only where something needs them: a checkpoint save, and the end of training.
 
-Nothing here knows a model family: a model is anything called as
-`model(tokens_BT, segment_ids=..., positions=...) -> logits_BTV`.
+Nothing here knows a model family: a model is anything with
+`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=...) -> (nll_BT, mask_BT)`
+(the LM head fused with the loss over chunks of `chunk_size` tokens per device; 0: full logits).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -25,23 +27,24 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from training.optim import accumulate_gradients
-from zoo.loss import token_nll
 
 Batch = Mapping[str, jax.Array]
 
 
-def loss_sum(model, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def loss_sum(model, batch: Batch, chunk_size: int = 0) -> tuple[jax.Array, jax.Array]:
     """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
     needs (sums add across micro-batches; means would not)."""
-    logits_BTV = model(
-        batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+    nll_BT, mask_BT = model.token_nll(
+        batch["tokens"],
+        segment_ids=batch["segment_ids"],
+        positions=batch["positions"],
+        chunk_size=chunk_size,
     )
-    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
     return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
 
-def _loss_and_grad(model, batch: Batch):
-    return nnx.value_and_grad(loss_sum, has_aux=True)(model, batch)
+def _loss_and_grad(model, batch: Batch, chunk_size: int = 0):
+    return nnx.value_and_grad(loss_sum, has_aux=True)(model, batch, chunk_size)
 
 
 class Trainer:
@@ -51,12 +54,23 @@ class Trainer:
       model, optimizer: built under the run's mesh (`nnx.Optimizer(model, tx, wrt=nnx.Param)`).
       micro_batches: k; each step accumulates gradients over k slices of its batch.
       batch_spec: the batch arrays' layout, so micro-batches keep rows on their devices.
+      loss_chunk_size: tokens per device per chunk of the fused LM head + loss (train and
+        eval steps); 0 builds the full logits.
     """
 
-    def __init__(self, model, optimizer, *, micro_batches: int = 1, batch_spec: P | None = None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        *,
+        micro_batches: int = 1,
+        batch_spec: P | None = None,
+        loss_chunk_size: int = 0,
+    ):
         self.model, self.optimizer = model, optimizer
         self.micro_batches = micro_batches
         self.batch_spec = batch_spec
+        self.loss_chunk_size = loss_chunk_size
         self.graphdef, self.state = nnx.split((model, optimizer))
         self._train_jit = jax.jit(self._train_step, donate_argnums=0)
         self._eval_jit = jax.jit(self._eval_step)
@@ -67,8 +81,9 @@ class Trainer:
 
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
+        loss_and_grad = functools.partial(_loss_and_grad, chunk_size=self.loss_chunk_size)
         loss, num_tokens, grads = accumulate_gradients(
-            _loss_and_grad, model, batch, self.micro_batches, batch_spec=self.batch_spec
+            loss_and_grad, model, batch, self.micro_batches, batch_spec=self.batch_spec
         )
         grad_norm = optax.tree.norm(grads)  # before clipping: what the data asked for
         optimizer.update(model, grads)
@@ -77,7 +92,7 @@ class Trainer:
 
     def _eval_step(self, state, batch: Batch):
         model, _ = nnx.merge(self.graphdef, state)
-        return loss_sum(model, batch)
+        return loss_sum(model, batch, self.loss_chunk_size)
 
     def compile(self, batch: Batch) -> float:
         """Compile the train step ahead of time for batches like `batch`; returns seconds.
@@ -117,12 +132,9 @@ class Trainer:
             return {}
         # XLA's own FLOP count is left out: it counts a scanned layer body once, not L times,
         # so it undercounts stacked models; MFU uses the config's formula instead.
-        out = {}
-        memory = self._train_compiled.memory_analysis()
-        if memory is not None:
-            out["temp_bytes_per_device"] = int(memory.temp_size_in_bytes)
-            out["argument_bytes_per_device"] = int(memory.argument_size_in_bytes)
-        return out
+        from training.memory import memory_bytes
+
+        return memory_bytes(self._train_compiled)
 
 
 def evaluate(trainer: Trainer, batches: Iterator[Batch]) -> tuple[float, int]:

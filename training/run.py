@@ -61,11 +61,13 @@ class Setup:
         from training.distributed import to_global
         from training.loop import Trainer
         from training.tokenizers import make_tokenizer
+        from zoo.layers import remat
 
         self.run, self.workdir = run, workdir
         strategy = get_strategy(run.training.sharding_strategy)
         model_cfg = run.model.decoder_config()
         mesh = strategy.make_mesh(shape=run.training.mesh_shape or None, config=model_cfg)
+        remat.check_platform(model_cfg.remat, mesh.devices.flat[0].platform)
         self.strategy, self.mesh = strategy, mesh
         batch_spec = strategy.batch_spec()
         self.batch_spec = batch_spec
@@ -122,7 +124,11 @@ class Setup:
             optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         self.model_cfg, self.model, self.optimizer = model_cfg, model, optimizer
         self.trainer = Trainer(
-            model, optimizer, micro_batches=run.optimizer.micro_batches, batch_spec=batch_spec
+            model,
+            optimizer,
+            micro_batches=run.optimizer.micro_batches,
+            batch_spec=batch_spec,
+            loss_chunk_size=run.training.loss_chunk_size,
         )
         # One formula for model FLOPs: the config's (6 * matmul params + causal attention).
         self.flops_per_token = model_cfg.flops_per_token(run.data.seq_len)
@@ -214,7 +220,11 @@ def train(setup: Setup) -> list[dict]:
             if start_step < run.training.steps:
                 first = next(batches)
                 seconds = trainer.compile(first)
-                _say(f"compiled the train step in {seconds:.1f}s {trainer.compiled_cost()}")
+                memory = trainer.compiled_cost()
+                _say(f"compiled the train step in {seconds:.1f}s; memory per device {memory}")
+                if is_main:
+                    setup.run_info["memory"] = memory
+                    write_json_atomic(os.path.join(workdir, "run_info.json"), setup.run_info)
                 batches = itertools.chain([first], batches)
             options = LoopOptions(
                 total_steps=run.training.steps,

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from shardings.specs import AttentionSharding
-from zoo.layers import attention_ops, rope
+from zoo.layers import attention_ops, remat, rope
 from zoo.layers.basic import Einsum, Norm
 
 
@@ -35,7 +35,10 @@ class Attention(nnx.Module):
     def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
         """`kv`: None, or this layer's cache (k_BSKD, v_BSKD, segment_ids_BS, positions_BS,
         index) with this step's entries to be written at `index`. Returns (out_BTM, kv')."""
-        q_BTND, k_BTKD, v_BTKD = self.q(x_BTM), self.k(x_BTM), self.v(x_BTM)
+        with jax.named_scope("qkv_proj"):
+            q_BTND = remat.tag(self.q(x_BTM), remat.Q_PROJ)
+            k_BTKD = remat.tag(self.k(x_BTM), remat.K_PROJ)
+            v_BTKD = remat.tag(self.v(x_BTM), remat.V_PROJ)
         if self.q_norm is not None:
             q_BTND, k_BTKD = self.q_norm(q_BTND), self.k_norm(k_BTKD)
         if self.use_rope:
@@ -65,4 +68,5 @@ class Attention(nnx.Module):
             sliding_window=window,
             implementation=self.implementation,
         )
-        return self.o(out_BTND), kv
+        with jax.named_scope("out_proj"):
+            return remat.tag(self.o(out_BTND), remat.OUT_PROJ), kv

@@ -11,6 +11,8 @@ import math
 
 import jax.numpy as jnp
 
+from zoo.layers import remat
+
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 
@@ -65,7 +67,9 @@ class DecoderConfig:
 
     dtype: str = "float32"  # compute dtype; parameters stay float32
     scan_layers: bool = True  # stack layers and run them with nnx.scan (one compiled block)
-    remat: str = "none"  # 'none' | 'full' | 'dots' (save matmul outputs)
+    # What the backward pass recomputes, by policy name (zoo/layers/remat.py): 'none' |
+    # 'full' | 'dots' | 'save_qkv_proj' | 'save_out_proj' | 'offload'.
+    remat: str = "none"
     attention_impl: str = "xla"  # 'xla' | 'cudnn' | 'auto'
 
     def __post_init__(self):
@@ -74,8 +78,7 @@ class DecoderConfig:
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads="
                 f"{self.num_kv_heads}; grouped-query attention needs K | N"
             )
-        if self.remat not in ("none", "full", "dots"):
-            raise ValueError(f"remat={self.remat!r}; valid: none, full, dots")
+        remat.check_name(self.remat)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}; valid: float32, bfloat16")
         if self.attention_impl not in ("xla", "cudnn", "auto"):

@@ -12,18 +12,13 @@ import numpy as np
 from flax import nnx
 
 from shardings.specs import BlockSharding, LmSharding
-from zoo.layers import rope
+from zoo import loss
+from zoo.layers import remat, rope
 from zoo.layers.attention import Attention
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.mlp import Mlp
-
-REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the block in the backward pass
-    # Keep projection outputs, recompute the rest; attention scores (dots with batch dims)
-    # are recomputed, so their O(T^2) memory is never kept.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+from zoo.lm_head_loss import chunked_token_nll, head_logits
 
 
 class Block(nnx.Module):
@@ -44,20 +39,23 @@ class Block(nnx.Module):
             self.post_attn_norm = self.post_mlp_norm = None
 
     def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
-        h_BTM, kv = self.attention(
-            self.attn_norm(x_BTM),
-            segment_ids_BT,
-            positions_BT,
-            window=window,
-            inv_freq_H=inv_freq_H,
-            kv=kv,
-        )
-        if self.post_attn_norm is not None:
-            h_BTM = self.post_attn_norm(h_BTM)
-        x_BTM = x_BTM + h_BTM
-        h_BTM = self.mlp(self.mlp_norm(x_BTM))
-        if self.post_mlp_norm is not None:
-            h_BTM = self.post_mlp_norm(h_BTM)
+        x_BTM = remat.tag(x_BTM, remat.RESIDUAL)
+        with jax.named_scope("attention"):
+            h_BTM, kv = self.attention(
+                self.attn_norm(x_BTM),
+                segment_ids_BT,
+                positions_BT,
+                window=window,
+                inv_freq_H=inv_freq_H,
+                kv=kv,
+            )
+            if self.post_attn_norm is not None:
+                h_BTM = self.post_attn_norm(h_BTM)
+        x_BTM = remat.tag(x_BTM + h_BTM, remat.RESIDUAL)
+        with jax.named_scope("mlp"):
+            h_BTM = self.mlp(self.mlp_norm(x_BTM))
+            if self.post_mlp_norm is not None:
+                h_BTM = self.post_mlp_norm(h_BTM)
         return x_BTM + h_BTM, kv
 
 
@@ -117,12 +115,39 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, tokens_BT, *, segment_ids, positions, cache=None):
         """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache')."""
+        x_BTM, new_cache = self.hidden(
+            tokens_BT, segment_ids=segment_ids, positions=positions, cache=cache
+        )
+        logits_BTV = self._logits(x_BTM)
+        return logits_BTV if cache is None else (logits_BTV, new_cache)
+
+    def token_nll(self, tokens_BT, *, segment_ids, positions, chunk_size: int = 0):
+        """(nll_BT, mask_BT): next-token NLL in float32 per position, and which count.
+
+        `chunk_size` > 0 fuses the LM head with the loss over chunks of about that many
+        tokens per device (zoo/lm_head_loss.py), so full `[B, T, V]` logits never exist, in
+        the forward or the backward pass; 0 computes the full logits first
+        (`zoo.loss.token_nll`).
+        """
+        x_BTM, _ = self.hidden(tokens_BT, segment_ids=segment_ids, positions=positions)
+        if not chunk_size:
+            return loss.token_nll(self._logits(x_BTM), tokens_BT, segment_ids)
+        targets_BT, mask_BT = loss.target_mask(tokens_BT, segment_ids)
+        with jax.named_scope("lm_head_loss"):
+            weight, logits_fn = self._head()
+            nll_BT = chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size)
+        return nll_BT, mask_BT
+
+    def hidden(self, tokens_BT, *, segment_ids, positions, cache=None):
+        """(final-normed hidden states x_BTM, updated cache or None): the model up to its
+        LM head."""
         cfg = self.cfg
-        x_BTM = self.embed(tokens_BT)
-        if cfg.embed_scale:
-            x_BTM = x_BTM * jnp.asarray(cfg.hidden_dim**0.5, x_BTM.dtype)
-        if self.position_embed is not None:
-            x_BTM = x_BTM + self.position_embed(positions)
+        with jax.named_scope("embed"):
+            x_BTM = self.embed(tokens_BT)
+            if cfg.embed_scale:
+                x_BTM = x_BTM * jnp.asarray(cfg.hidden_dim**0.5, x_BTM.dtype)
+            if self.position_embed is not None:
+                x_BTM = x_BTM + self.position_embed(positions)
 
         kv_ctx = None
         if cache is not None:
@@ -146,9 +171,8 @@ class DecoderLM(nnx.Module):
             )
 
         x_BTM = self.final_norm(x_BTM)
-        logits_BTV = self._logits(x_BTM)
         if cache is None:
-            return logits_BTV
+            return x_BTM, None
         new_cache = {
             "k": new_kv[0],
             "v": new_kv[1],
@@ -156,7 +180,7 @@ class DecoderLM(nnx.Module):
             "positions": kv_ctx[1],
             "index": cache["index"] + tokens_BT.shape[1],
         }
-        return logits_BTV, new_cache
+        return x_BTM, new_cache
 
     def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_H, kv):
         def call(block, x_BTM):
@@ -165,7 +189,7 @@ class DecoderLM(nnx.Module):
         if self.cfg.remat != "none":
             # Only the block and the residual are arguments; everything else is closed over,
             # so a per-layer window (traced under the scan) needs no static handling.
-            call = nnx.remat(call, policy=REMAT_POLICIES[self.cfg.remat])
+            call = nnx.remat(call, policy=remat.policy(self.cfg.remat))
         return call(block, x_BTM)
 
     def _run_scanned(self, x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx):
@@ -201,20 +225,30 @@ class DecoderLM(nnx.Module):
                 vs.append(kv[1])
         return x_BTM, ((jnp.stack(ks), jnp.stack(vs)) if cache is not None else None)
 
-    def _logits(self, x_BTM):
+    def _head(self):
+        """(weight, logits_fn): the float32 LM head `[M, V]` (or, tied, the embedding table
+        `[V, M]`) and `logits_fn(x_BCM, weight)` -> float32 logits, soft-capped if the
+        family caps them."""
         cfg = self.cfg
-        if self.lm_head is not None:
-            logits_BTV = self.lm_head(x_BTM)
-        else:
-            table_VM = self.embed.table[...].astype(x_BTM.dtype)
-            logits_BTV = jnp.einsum(
-                "BTM,VM->BTV", x_BTM, table_VM, out_sharding=self.sharding.lm_head.out
+        tied = self.lm_head is None
+        weight = self.embed.table[...] if tied else self.lm_head.weight[...]
+
+        def logits_fn(x_BCM, weight):
+            return head_logits(
+                x_BCM,
+                weight,
+                tied=tied,
+                dtype=cfg.compute_dtype,
+                out_spec=self.sharding.lm_head.out,
+                softcap=cfg.final_logit_softcap,
             )
-        logits_BTV = logits_BTV.astype(jnp.float32)
-        if cfg.final_logit_softcap:
-            cap = cfg.final_logit_softcap
-            logits_BTV = cap * jnp.tanh(logits_BTV / cap)
-        return logits_BTV
+
+        return weight, logits_fn
+
+    def _logits(self, x_BTM):
+        with jax.named_scope("lm_head"):
+            weight, logits_fn = self._head()
+            return logits_fn(x_BTM, weight)
 
     # -- generation ----------------------------------------------------------------------
 
