@@ -79,8 +79,9 @@ def activation_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[in
         cfg.ffn_dim,
         cfg.vocab_size,
     )
-    # Batch and sequence are 1 here: the batch is checked where it is made (check_batch).
-    no_batch = lambda spec: P(None, *tuple(spec)[1:])  # noqa: E731
+    # Batch and sequence are 1 here and unsplit: they are checked where the batch is made
+    # (check_batch).
+    no_batch = lambda spec: P(None, None, *tuple(spec)[2:])  # noqa: E731
     return [
         ("residual stream [B, T, M]", (1, 1, M), no_batch(lm.block.residual)),
         ("query heads [B, T, N, D]", (1, 1, N, D), no_batch(lm.block.attention.q.out)),
