@@ -68,6 +68,19 @@ def chunk_positions(x_BTM, chunk_size: int) -> int:
     return max(1, min(T, chunk_size // rows_per_device(x_BTM)))
 
 
+def _unroll(x) -> bool:
+    """Whether to unroll the chunk loop: only on a CPU mesh of several devices.
+
+    There XLA's runtime can deadlock: with collectives inside a loop and independent ones
+    outside it, devices may reach them in different orders (seen with fsdp_tp on 8 CPU
+    devices). Unrolled, the result is the same, but XLA may then schedule the chunks side
+    by side, so the memory saving holds on TPU / GPU and on one CPU device, not there.
+    """
+    mesh = jax.typeof(x).sharding.mesh
+    device = getattr(mesh, "abstract_device", None)
+    return mesh.size > 1 and device is not None and device.platform == "cpu"
+
+
 def chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size: int):
     """Per-position NLL `[B, T]` (0 where `mask_BT` is False), over chunks of about
     `chunk_size` tokens per device.
@@ -94,6 +107,6 @@ def chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size:
     def step(carry, xs):
         return carry, one_chunk(weight, *xs)
 
-    _, nll_nBC = jax.lax.scan(step, None, (x_nBCM, targets_nBC))
+    _, nll_nBC = jax.lax.scan(step, None, (x_nBCM, targets_nBC), unroll=_unroll(x_BTM))
     nll_BT = jnp.moveaxis(nll_nBC, 0, 1).reshape(B, n * C)[:, :T]
     return jnp.where(mask_BT, nll_BT, 0.0)

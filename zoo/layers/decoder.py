@@ -189,6 +189,9 @@ class DecoderLM(nnx.Module):
         if self.cfg.remat != "none":
             # Only the block and the residual are arguments; everything else is closed over,
             # so a per-layer window (traced under the scan) needs no static handling.
+            device = getattr(jax.typeof(x_BTM).sharding.mesh, "abstract_device", None)
+            if device is not None:
+                remat.check_platform(self.cfg.remat, device.platform)
             call = nnx.remat(call, policy=remat.policy(self.cfg.remat))
         return call(block, x_BTM)
 
