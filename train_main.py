@@ -16,6 +16,10 @@ import os
 # Before jax is imported: keep XLA's C++ start-up chatter off stderr, which carries errors.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from training.xla_cpu import set_cpu_flags  # noqa: E402
+
+set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
+
 import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402

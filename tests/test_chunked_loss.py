@@ -30,6 +30,7 @@ ATOL_FRACTION = 1e-5  # absolute tolerance, as a fraction of the largest referen
 LAYOUTS = {
     "dp, 1 device": ("dp", None),
     "fsdp_tp (4,2), V/model": ("fsdp_tp", (4, 2)),
+    "fsdp_cp (4,2), T/context": ("fsdp_cp", (4, 2)),
 }
 HEADS = {
     "untied": dict(tied=False, softcap=None),
@@ -84,9 +85,10 @@ def test_chunked_nll_and_grads_equal_full_logits(layout, head):
             nll, m = token_nll(logits_fn(x, w), b["tokens"], b["segment_ids"])
             return jnp.sum(nll) / jnp.sum(m)
 
-        # 12 positions per chunk whatever the rows per device: 4 chunks, the last padded.
-        chunk_size = 12 * B // mesh.shape["data"]
-        assert chunk_positions(x, chunk_size) == 12
+        # 8 positions per chunk whatever the rows per device: under fsdp_tp 5 chunks; under
+        # fsdp_cp each device walks its 20 positions in 3 chunks, the last padded.
+        chunk_size = 8 * B // mesh.shape["data"]
+        assert chunk_positions(x, chunk_size) == 8
 
         def chunked(x, w):
             nll = chunked_token_nll(x, w, targets, mask, logits_fn, chunk_size)

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from shardings.specs import AttentionSharding
-from zoo.layers import attention_ops, remat, rope
+from zoo.layers import attention_ops, context_parallel, remat, rope
 from zoo.layers.basic import Einsum, Norm
 
 
@@ -32,9 +32,9 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
-        """`kv`: None, or this layer's cache (k_BSKD, v_BSKD, segment_ids_BS, positions_BS,
-        index) with this step's entries to be written at `index`. Returns (out_BTM, kv')."""
+    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_R, kv=None):
+        """`kv`: None, or this layer's `LayerCache`, into which this step's keys and values
+        are written at `kv.index`. Returns (out_BTM, kv'), kv' None when kv is."""
         with jax.named_scope("qkv_proj"):
             q_BTND = remat.tag(self.q(x_BTM), remat.Q_PROJ)
             k_BTKD = remat.tag(self.k(x_BTM), remat.K_PROJ)
@@ -42,18 +42,35 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q_BTND, k_BTKD = self.q_norm(q_BTND), self.k_norm(k_BTKD)
         if self.use_rope:
-            q_BTND = rope.rotate(q_BTND, positions_BT, inv_freq_H)
-            k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_H)
+            q_BTND = rope.rotate(q_BTND, positions_BT, inv_freq_R)
+            k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_R)
         kv_segment_ids, kv_positions = segment_ids_BT, positions_BT
         if kv is not None:
-            k_cache, v_cache, kv_segment_ids, kv_positions, index = kv
+            kv_segment_ids, kv_positions = kv.segment_ids, kv.positions
             k_BTKD = jax.lax.dynamic_update_slice_in_dim(
-                k_cache, k_BTKD.astype(k_cache.dtype), index, axis=1
+                kv.k, k_BTKD.astype(kv.k.dtype), kv.index, axis=1
             )
             v_BTKD = jax.lax.dynamic_update_slice_in_dim(
-                v_cache, v_BTKD.astype(v_cache.dtype), index, axis=1
+                kv.v, v_BTKD.astype(kv.v.dtype), kv.index, axis=1
             )
-            kv = (k_BTKD, v_BTKD)
+            kv = kv._replace(k=k_BTKD, v=v_BTKD)
+        # --- context-parallel hook: T split over a mesh axis (training / eval forward) ---
+        cp_axis = context_parallel.seq_axis(self.sharding.q.out) if kv is None else None
+        if cp_axis is not None:
+            out_BTND = context_parallel.attention(
+                q_BTND,
+                k_BTKD,
+                v_BTKD,
+                segment_ids_BT=segment_ids_BT,
+                positions_BT=positions_BT,
+                axis=cp_axis,
+                scale=self.scale,
+                sliding_window=window,
+                implementation=self.implementation,
+                out_sharding=self.sharding.q.out,
+            )
+            return self._out(out_BTND), kv
+        # --- end of hook ---
         out_BTND = attention_ops.attention(
             q_BTND,
             k_BTKD,
@@ -68,5 +85,8 @@ class Attention(nnx.Module):
             sliding_window=window,
             implementation=self.implementation,
         )
+        return self._out(out_BTND), kv
+
+    def _out(self, out_BTND):
         with jax.named_scope("out_proj"):
-            return remat.tag(self.o(out_BTND), remat.OUT_PROJ), kv
+            return remat.tag(self.o(out_BTND), remat.OUT_PROJ)

@@ -43,8 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-IMPLEMENTATIONS = ("xla", "cudnn", "auto")
-
 # Where a mask excludes a logit. Finite, not -inf: a row with nothing visible then softmaxes
 # to a uniform average instead of NaN, and its gradient stays finite.
 _MASKED_LOGIT = float(np.finfo(np.float32).min)

@@ -13,11 +13,12 @@ from flax import nnx
 
 from shardings.specs import BlockSharding, LmSharding
 from zoo import loss
-from zoo.layers import remat, rope
+from zoo.layers import context_parallel, remat, rope
 from zoo.layers.attention import Attention
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.mlp import Mlp
+from zoo.layers.moe import Moe, moe_stats
 from zoo.lm_head_loss import chunked_token_nll, head_logits
 
 
@@ -31,14 +32,16 @@ class Block(nnx.Module):
         self.attn_norm = Norm(M, sharding.attn_norm, **norm)
         self.attention = Attention(cfg, sharding.attention, rngs=rngs)
         self.mlp_norm = Norm(M, sharding.mlp_norm, **norm)
-        self.mlp = Mlp(cfg, sharding.mlp, rngs=rngs)
+        # An MoE config puts its experts where the dense MLP would be.
+        self.mlp = None if cfg.is_moe else Mlp(cfg, sharding.mlp, rngs=rngs)
+        self.moe = Moe(cfg, sharding.moe, rngs=rngs) if cfg.is_moe else None
         if cfg.post_norms:
             self.post_attn_norm = Norm(M, sharding.post_attn_norm, **norm)
             self.post_mlp_norm = Norm(M, sharding.post_mlp_norm, **norm)
         else:
             self.post_attn_norm = self.post_mlp_norm = None
 
-    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
+    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_R, kv=None):
         x_BTM = remat.tag(x_BTM, remat.RESIDUAL)
         with jax.named_scope("attention"):
             h_BTM, kv = self.attention(
@@ -46,17 +49,21 @@ class Block(nnx.Module):
                 segment_ids_BT,
                 positions_BT,
                 window=window,
-                inv_freq_H=inv_freq_H,
+                inv_freq_R=inv_freq_R,
                 kv=kv,
             )
             if self.post_attn_norm is not None:
                 h_BTM = self.post_attn_norm(h_BTM)
         x_BTM = remat.tag(x_BTM + h_BTM, remat.RESIDUAL)
+        router_stats = None
         with jax.named_scope("mlp"):
-            h_BTM = self.mlp(self.mlp_norm(x_BTM))
+            if self.moe is None:
+                h_BTM = self.mlp(self.mlp_norm(x_BTM))
+            else:
+                h_BTM, router_stats = self.moe(self.mlp_norm(x_BTM), segment_ids_BT != 0)
             if self.post_mlp_norm is not None:
                 h_BTM = self.post_mlp_norm(h_BTM)
-        return x_BTM + h_BTM, kv
+        return x_BTM + h_BTM, (kv, router_stats)
 
 
 class DecoderLM(nnx.Module):
@@ -113,35 +120,59 @@ class DecoderLM(nnx.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None):
-        """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache')."""
-        x_BTM, new_cache = self.hidden(
+    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None, router_stats=False):
+        """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
+
+        `router_stats=True` (no cache) returns (logits, MoeStats or None for a dense model).
+        """
+        x_BTM, new_cache, stats = self.hidden(
             tokens_BT, segment_ids=segment_ids, positions=positions, cache=cache
         )
         logits_BTV = self._logits(x_BTM)
+        if router_stats:
+            return logits_BTV, stats
         return logits_BTV if cache is None else (logits_BTV, new_cache)
 
-    def token_nll(self, tokens_BT, *, segment_ids, positions, chunk_size: int = 0):
-        """(nll_BT, mask_BT): next-token NLL in float32 per position, and which count.
+    def token_nll(
+        self, tokens_BT, *, segment_ids, positions, chunk_size: int = 0, router_stats=False
+    ):
+        """(nll_BT, mask_BT): next-token NLL in float32 per position, and which count; with
+        `router_stats=True`, (nll_BT, mask_BT, MoeStats or None for a dense model).
 
         `chunk_size` > 0 fuses the LM head with the loss over chunks of about that many
         tokens per device (zoo/lm_head_loss.py), so full `[B, T, V]` logits never exist, in
         the forward or the backward pass; 0 computes the full logits first
         (`zoo.loss.token_nll`).
         """
-        x_BTM, _ = self.hidden(tokens_BT, segment_ids=segment_ids, positions=positions)
+        x_BTM, _, stats = self.hidden(tokens_BT, segment_ids=segment_ids, positions=positions)
         if not chunk_size:
-            return loss.token_nll(self._logits(x_BTM), tokens_BT, segment_ids)
-        targets_BT, mask_BT = loss.target_mask(tokens_BT, segment_ids)
-        with jax.named_scope("lm_head_loss"):
-            weight, logits_fn = self._head()
-            nll_BT = chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size)
-        return nll_BT, mask_BT
+            nll_BT, mask_BT = loss.token_nll(self._logits(x_BTM), tokens_BT, segment_ids)
+        else:
+            targets_BT, mask_BT = loss.target_mask(tokens_BT, segment_ids)
+            with jax.named_scope("lm_head_loss"):
+                weight, logits_fn = self._head()
+                nll_BT = chunked_token_nll(
+                    x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size
+                )
+        return (nll_BT, mask_BT, stats) if router_stats else (nll_BT, mask_BT)
 
     def hidden(self, tokens_BT, *, segment_ids, positions, cache=None):
-        """(final-normed hidden states x_BTM, updated cache or None): the model up to its
-        LM head."""
+        """(final-normed hidden states x_BTM, updated cache or None, MoeStats or None): the
+        model up to its LM head."""
         cfg = self.cfg
+        # Context parallelism: rows run in load-balanced chunk order inside the model
+        # (zoo/layers/context_parallel.py); the residual goes back before the LM head.
+        cp_axis = context_parallel.seq_axis(self.sharding.tokens)
+        balanced = cp_axis is not None and self.sharding.seq_order == "balanced"
+        if balanced:
+            if cache is not None:
+                raise ValueError(
+                    "KV-cache decoding does not split T; use a strategy without `context`"
+                )
+            tokens_BT, segment_ids, positions = (
+                context_parallel.to_balanced(a, cp_axis)
+                for a in (tokens_BT, segment_ids, positions)
+            )
         with jax.named_scope("embed"):
             x_BTM = self.embed(tokens_BT)
             if cfg.embed_scale:
@@ -160,19 +191,18 @@ class DecoderLM(nnx.Module):
             )
             kv_ctx = (kv_segment_ids, kv_positions, index)
 
-        windows, freqs_LH = self._layer_tables()
-        if cfg.scan_layers:
-            x_BTM, new_kv = self._run_scanned(
-                x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx
-            )
-        else:
-            x_BTM, new_kv = self._run_unscanned(
-                x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx
-            )
+        windows, freqs_LR = self._layer_tables()
+        run = self._run_scanned if cfg.scan_layers else self._run_unscanned
+        x_BTM, (new_kv, stats) = run(
+            x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx
+        )
 
+        if balanced:
+            x_BTM = context_parallel.from_balanced(x_BTM, cp_axis)
         x_BTM = self.final_norm(x_BTM)
+        stats = moe_stats(stats, cfg.num_experts) if cfg.is_moe else None
         if cache is None:
-            return x_BTM, None
+            return x_BTM, None, stats
         new_cache = {
             "k": new_kv[0],
             "v": new_kv[1],
@@ -180,11 +210,11 @@ class DecoderLM(nnx.Module):
             "positions": kv_ctx[1],
             "index": cache["index"] + tokens_BT.shape[1],
         }
-        return x_BTM, new_cache
+        return x_BTM, new_cache, stats
 
-    def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_H, kv):
+    def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_R, kv):
         def call(block, x_BTM):
-            return block(x_BTM, segment_ids, positions, window=window, inv_freq_H=inv_freq_H, kv=kv)
+            return block(x_BTM, segment_ids, positions, window=window, inv_freq_R=inv_freq_R, kv=kv)
 
         if self.cfg.remat != "none":
             # Only the block and the residual are arguments; everything else is closed over,
@@ -195,11 +225,11 @@ class DecoderLM(nnx.Module):
             call = nnx.remat(call, policy=remat.policy(self.cfg.remat))
         return call(block, x_BTM)
 
-    def _run_scanned(self, x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx):
+    def _run_scanned(self, x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx):
         uniform_window = len(set(windows)) == 1
         static_window = (windows[0] or None) if uniform_window else None
         windows_L = jnp.asarray(windows, jnp.int32)
-        freqs_LH = jnp.asarray(freqs_LH)
+        freqs_LR = jnp.asarray(freqs_LR)
         caches = (cache["k"], cache["v"]) if cache is not None else None
 
         @nnx.scan(
@@ -207,26 +237,28 @@ class DecoderLM(nnx.Module):
             out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: None},
         )
-        def run(x, block, window, inv_freq_H, layer_cache):
+        def run(x, block, window, inv_freq_R, layer_cache):
             kv = None if layer_cache is None else (*layer_cache, *kv_ctx)
             w = static_window if uniform_window else window
-            x, kv = self._call_block(block, x, segment_ids, positions, w, inv_freq_H, kv)
-            return x, kv
+            return self._call_block(block, x, segment_ids, positions, w, inv_freq_R, kv)
 
-        x_BTM, new_kv = run(x_BTM, self.blocks, windows_L, freqs_LH, caches)
-        return x_BTM, new_kv
+        # Per layer: (kv cache, router stats), stacked on L by the scan.
+        return run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
 
-    def _run_unscanned(self, x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx):
-        ks, vs = [], []
+    def _run_unscanned(self, x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx):
+        ks, vs, stats = [], [], []
         for i, block in enumerate(self.blocks):
             kv = None if cache is None else (cache["k"][i], cache["v"][i], *kv_ctx)
-            x_BTM, kv = self._call_block(
-                block, x_BTM, segment_ids, positions, windows[i] or None, freqs_LH[i], kv
+            x_BTM, (kv, layer_stats) = self._call_block(
+                block, x_BTM, segment_ids, positions, windows[i] or None, freqs_LR[i], kv
             )
             if kv is not None:
                 ks.append(kv[0])
                 vs.append(kv[1])
-        return x_BTM, ((jnp.stack(ks), jnp.stack(vs)) if cache is not None else None)
+            stats.append(layer_stats)
+        new_kv = (jnp.stack(ks), jnp.stack(vs)) if cache is not None else None
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if self.cfg.is_moe else None
+        return x_BTM, (new_kv, stacked)
 
     def _head(self):
         """(weight, logits_fn): the float32 LM head `[M, V]` (or, tied, the embedding table
