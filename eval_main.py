@@ -55,6 +55,13 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0: all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_ATTENTION = flags.DEFINE_enum(
+    "attention_impl",
+    None,
+    ["xla", "splash", "cudnn", "auto"],
+    "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); default: the "
+    "run's (a Hugging Face checkpoint: auto).",
+)
 _HF_CHECKPOINT = flags.DEFINE_string(
     "hf_checkpoint", None, "Evaluate a Hugging Face checkpoint directory instead of the run's."
 )
@@ -178,6 +185,7 @@ def load_model(workdir: str, run_info: dict | None, settings: EvalSettings, step
 
     from shardings import get_strategy
     from training.checkpoint import restore_params
+    from training.run import check_attention
     from zoo import create_model
     from zoo.build import check_model_fits, model_class
 
@@ -192,12 +200,18 @@ def load_model(workdir: str, run_info: dict | None, settings: EvalSettings, step
         if not os.path.isdir(_HF_CHECKPOINT.value):
             raise FileNotFoundError(f"--hf_checkpoint={_HF_CHECKPOINT.value!r} is not a directory")
         mesh = strategy.make_mesh(shape=settings.mesh_shape)
+        runtime = {"attention_impl": _ATTENTION.value} if _ATTENTION.value else {}
         with jax.set_mesh(mesh):
-            model = from_pretrained(_HF_CHECKPOINT.value, strategy)
+            model = from_pretrained(_HF_CHECKPOINT.value, strategy, **runtime)
+        check_attention(model.cfg, mesh, settings.seq_len)
         return model, mesh, None
 
     cfg = model_config_from_run_info(run_info)
+    if _ATTENTION.value:
+        cfg = dataclasses.replace(cfg, attention_impl=_ATTENTION.value)
     mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
+    # A backend that cannot run here: one line now, not an error deep in the compile.
+    check_attention(cfg, mesh, settings.seq_len)
     check_model_fits(cfg, strategy, mesh)
     with jax.set_mesh(mesh):
         # Shapes only: the checkpoint's arrays are read straight into the layout, so the model

@@ -58,7 +58,10 @@ _MESH_SHAPE = flags.DEFINE_string(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default ./runs/<config name>.")
 _ATTENTION = flags.DEFINE_enum(
-    "attention_impl", None, ["xla", "cudnn", "auto"], "Attention backend; default: config."
+    "attention_impl",
+    None,
+    ["xla", "splash", "cudnn", "auto"],
+    "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); default: config.",
 )
 _PEAK_TFLOPS = flags.DEFINE_float(
     "peak_tflops", None, "Peak TFLOP/s per device for MFU; default: table, or measured on CPU."

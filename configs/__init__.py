@@ -29,7 +29,11 @@ def base_config() -> ConfigDict:
     m.dtype = "float32"  # compute dtype, float32 | bfloat16 (parameters stay float32)
     m.scan_layers = True  # stack layers and run them with nnx.scan: one compiled block
     m.remat = "none"  # none | full | dots: what the backward pass recomputes
-    m.attention_impl = "xla"  # xla | cudnn | auto (--attention_impl overrides)
+    # xla (einsums, everywhere) | splash (Pallas flash kernel, TPU) | cudnn (fused attention,
+    # NVIDIA GPU, bf16) | auto (splash on TPU, cudnn on GPU, xla on CPU); packed rows on all.
+    # --attention_impl overrides; an explicit backend that cannot run here is an error.
+    m.attention_impl = "xla"
+    m.attention_interpret = False  # run splash in Pallas interpret mode (CPU tests only; slow)
 
     c.data = d = ConfigDict()
     d.source = "default"  # 'default' (stdlib source text, no download) or a path / dir / glob

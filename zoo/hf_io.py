@@ -52,7 +52,7 @@ FAMILY_MODULES = (
     "zoo.gpt2.params",
 )
 # Config fields that say how to run a model, not what it is: never in config.json.
-RUNTIME_FIELDS = ("dtype", "scan_layers", "remat", "attention_impl")
+RUNTIME_FIELDS = ("dtype", "scan_layers", "remat", "attention_impl", "attention_interpret")
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
 
 # --- safetensors, one tensor at a time --------------------------------------------------------

@@ -1,6 +1,7 @@
 """The attention module: q/k/v/o projections, optional q/k norms, RoPE, KV cache.
 
-The attention arithmetic itself (XLA, cuDNN, layout restoring) is `attention_ops.attention`.
+The attention arithmetic itself (xla, splash, cuDNN; layout restoring) is
+`attention_ops.attention`; which documents see which is the `Segments` the decoder passes.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from flax import nnx
 
 from shardings.specs import AttentionSharding
 from zoo.layers import attention_ops, rope
+from zoo.layers.attention_mask import Segments
 from zoo.layers.basic import Einsum, Norm
 
 
@@ -20,6 +22,7 @@ class Attention(nnx.Module):
         self.scale = cfg.softmax_scale
         self.use_rope = cfg.position == "rope"
         self.implementation = cfg.attention_impl
+        self.interpret = cfg.attention_interpret
         common = dict(rngs=rngs, use_bias=cfg.use_bias, dtype=cfg.compute_dtype)
         self.q = Einsum("BTM,MND->BTND", (M, N, D), sharding.q, **common)
         self.k = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.k, **common)
@@ -32,18 +35,18 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
-        """`kv`: None, or this layer's cache (k_BSKD, v_BSKD, segment_ids_BS, positions_BS,
+    def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_H, kv=None):
+        """`segments`: this call's queries and the keys they see (with a cache: the cache's
+        slots, this step's included). `kv`: None, or this layer's cache (k_BSKD, v_BSKD,
         index) with this step's entries to be written at `index`. Returns (out_BTM, kv')."""
         q_BTND, k_BTKD, v_BTKD = self.q(x_BTM), self.k(x_BTM), self.v(x_BTM)
         if self.q_norm is not None:
             q_BTND, k_BTKD = self.q_norm(q_BTND), self.k_norm(k_BTKD)
         if self.use_rope:
-            q_BTND = rope.rotate(q_BTND, positions_BT, inv_freq_H)
-            k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_H)
-        kv_segment_ids, kv_positions = segment_ids_BT, positions_BT
+            q_BTND = rope.rotate(q_BTND, segments.q_positions_BT, inv_freq_H)
+            k_BTKD = rope.rotate(k_BTKD, segments.q_positions_BT, inv_freq_H)
         if kv is not None:
-            k_cache, v_cache, kv_segment_ids, kv_positions, index = kv
+            k_cache, v_cache, index = kv
             k_BTKD = jax.lax.dynamic_update_slice_in_dim(
                 k_cache, k_BTKD.astype(k_cache.dtype), index, axis=1
             )
@@ -55,14 +58,12 @@ class Attention(nnx.Module):
             q_BTND,
             k_BTKD,
             v_BTKD,
-            q_segment_ids_BT=segment_ids_BT,
-            kv_segment_ids_BS=kv_segment_ids,
-            q_positions_BT=positions_BT,
-            kv_positions_BS=kv_positions,
+            segments,
             scale=self.scale,
             out_sharding=self.sharding.q.out,
             causal=True,
             sliding_window=window,
             implementation=self.implementation,
+            interpret=self.interpret,
         )
         return self.o(out_BTND), kv

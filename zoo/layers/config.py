@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
+# attention_impl values: the backends of zoo/layers/attention_ops.py, and the choice between them.
+ATTENTION_IMPLEMENTATIONS = ("xla", "splash", "cudnn", "auto")
 
 
 def causal_keys_per_query(seq_len: int, window: int | None = None) -> float:
@@ -66,7 +68,12 @@ class DecoderConfig:
     dtype: str = "float32"  # compute dtype; parameters stay float32
     scan_layers: bool = True  # stack layers and run them with nnx.scan (one compiled block)
     remat: str = "none"  # 'none' | 'full' | 'dots' (save matmul outputs)
-    attention_impl: str = "xla"  # 'xla' | 'cudnn' | 'auto'
+    # 'xla' | 'splash' (TPU) | 'cudnn' (NVIDIA GPU) | 'auto' (splash on TPU, cudnn on GPU,
+    # xla elsewhere); see zoo/layers/attention_ops.py.
+    attention_impl: str = "xla"
+    # Run Pallas attention kernels (splash) in interpret mode, so they run on CPU: for tests
+    # and debugging only (slow).
+    attention_interpret: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -78,8 +85,11 @@ class DecoderConfig:
             raise ValueError(f"remat={self.remat!r}; valid: none, full, dots")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}; valid: float32, bfloat16")
-        if self.attention_impl not in ("xla", "cudnn", "auto"):
-            raise ValueError(f"attention_impl={self.attention_impl!r}; valid: xla, cudnn, auto")
+        if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention_impl={self.attention_impl!r}; valid: "
+                f"{', '.join(ATTENTION_IMPLEMENTATIONS)}"
+            )
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(

@@ -14,6 +14,7 @@ from flax import nnx
 from shardings.specs import BlockSharding, LmSharding
 from zoo.layers import rope
 from zoo.layers.attention import Attention
+from zoo.layers.attention_mask import Segments
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.mlp import Mlp
@@ -43,11 +44,10 @@ class Block(nnx.Module):
         else:
             self.post_attn_norm = self.post_mlp_norm = None
 
-    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_H, kv=None):
+    def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_H, kv=None):
         h_BTM, kv = self.attention(
             self.attn_norm(x_BTM),
-            segment_ids_BT,
-            positions_BT,
+            segments,
             window=window,
             inv_freq_H=inv_freq_H,
             kv=kv,
@@ -115,8 +115,13 @@ class DecoderLM(nnx.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None):
-        """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache')."""
+    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None, packed: bool = True):
+        """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
+
+        packed: whether a row may hold several documents. False states that each row is one
+        document from index 0, then padding (eval of unpacked data, a full-row reference):
+        attention backends that take sequence lengths (cuDNN) then run without a mask.
+        """
         cfg = self.cfg
         x_BTM = self.embed(tokens_BT)
         if cfg.embed_scale:
@@ -124,6 +129,7 @@ class DecoderLM(nnx.Module):
         if self.position_embed is not None:
             x_BTM = x_BTM + self.position_embed(positions)
 
+        segments = Segments.self_attention(segment_ids, positions, packed=packed)
         kv_ctx = None
         if cache is not None:
             index = cache["index"]
@@ -134,16 +140,14 @@ class DecoderLM(nnx.Module):
                 cache["positions"], positions, index, axis=1
             )
             kv_ctx = (kv_segment_ids, kv_positions, index)
+            # Keys are the cache's slots; earlier prompts sit in it, so rows count as packed.
+            segments = Segments(segment_ids, kv_segment_ids, positions, kv_positions, True)
 
         windows, freqs_LH = self._layer_tables()
         if cfg.scan_layers:
-            x_BTM, new_kv = self._run_scanned(
-                x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx
-            )
+            x_BTM, new_kv = self._run_scanned(x_BTM, segments, windows, freqs_LH, cache, kv_ctx)
         else:
-            x_BTM, new_kv = self._run_unscanned(
-                x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx
-            )
+            x_BTM, new_kv = self._run_unscanned(x_BTM, segments, windows, freqs_LH, cache, kv_ctx)
 
         x_BTM = self.final_norm(x_BTM)
         logits_BTV = self._logits(x_BTM)
@@ -158,9 +162,9 @@ class DecoderLM(nnx.Module):
         }
         return logits_BTV, new_cache
 
-    def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_H, kv):
+    def _call_block(self, block, x_BTM, segments, window, inv_freq_H, kv):
         def call(block, x_BTM):
-            return block(x_BTM, segment_ids, positions, window=window, inv_freq_H=inv_freq_H, kv=kv)
+            return block(x_BTM, segments, window=window, inv_freq_H=inv_freq_H, kv=kv)
 
         if self.cfg.remat != "none":
             # Only the block and the residual are arguments; everything else is closed over,
@@ -168,7 +172,7 @@ class DecoderLM(nnx.Module):
             call = nnx.remat(call, policy=REMAT_POLICIES[self.cfg.remat])
         return call(block, x_BTM)
 
-    def _run_scanned(self, x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx):
+    def _run_scanned(self, x_BTM, segments, windows, freqs_LH, cache, kv_ctx):
         uniform_window = len(set(windows)) == 1
         static_window = (windows[0] or None) if uniform_window else None
         windows_L = jnp.asarray(windows, jnp.int32)
@@ -181,20 +185,20 @@ class DecoderLM(nnx.Module):
             transform_metadata={nnx.PARTITION_NAME: None},
         )
         def run(x, block, window, inv_freq_H, layer_cache):
-            kv = None if layer_cache is None else (*layer_cache, *kv_ctx)
+            kv = None if layer_cache is None else (*layer_cache, kv_ctx[2])
             w = static_window if uniform_window else window
-            x, kv = self._call_block(block, x, segment_ids, positions, w, inv_freq_H, kv)
+            x, kv = self._call_block(block, x, segments, w, inv_freq_H, kv)
             return x, kv
 
         x_BTM, new_kv = run(x_BTM, self.blocks, windows_L, freqs_LH, caches)
         return x_BTM, new_kv
 
-    def _run_unscanned(self, x_BTM, segment_ids, positions, windows, freqs_LH, cache, kv_ctx):
+    def _run_unscanned(self, x_BTM, segments, windows, freqs_LH, cache, kv_ctx):
         ks, vs = [], []
         for i, block in enumerate(self.blocks):
-            kv = None if cache is None else (cache["k"][i], cache["v"][i], *kv_ctx)
+            kv = None if cache is None else (cache["k"][i], cache["v"][i], kv_ctx[2])
             x_BTM, kv = self._call_block(
-                block, x_BTM, segment_ids, positions, windows[i] or None, freqs_LH[i], kv
+                block, x_BTM, segments, windows[i] or None, freqs_LH[i], kv
             )
             if kv is not None:
                 ks.append(kv[0])
