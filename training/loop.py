@@ -12,6 +12,7 @@ Nothing here knows a model family: a model is anything called as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -30,18 +31,22 @@ from zoo.loss import token_nll
 Batch = Mapping[str, jax.Array]
 
 
-def loss_sum(model, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def loss_sum(model, batch: Batch, packed: bool = True) -> tuple[jax.Array, jax.Array]:
     """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
-    needs (sums add across micro-batches; means would not)."""
+    needs (sums add across micro-batches; means would not). `packed=False` states that each
+    row is one document from index 0, then padding (attention then needs no document mask)."""
     logits_BTV = model(
-        batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+        batch["tokens"],
+        segment_ids=batch["segment_ids"],
+        positions=batch["positions"],
+        packed=packed,
     )
     nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
     return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
 
-def _loss_and_grad(model, batch: Batch):
-    return nnx.value_and_grad(loss_sum, has_aux=True)(model, batch)
+def _loss_and_grad(model, batch: Batch, packed: bool = True):
+    return nnx.value_and_grad(loss_sum, has_aux=True)(model, batch, packed)
 
 
 class Trainer:
@@ -51,10 +56,21 @@ class Trainer:
       model, optimizer: built under the run's mesh (`nnx.Optimizer(model, tx, wrt=nnx.Param)`).
       micro_batches: k; each step accumulates gradients over k slices of its batch.
       batch_spec: the batch arrays' layout, so micro-batches keep rows on their devices.
+      packed: whether batch rows may hold several documents (the data pipeline packs them);
+        False states one document per row from index 0, then padding.
     """
 
-    def __init__(self, model, optimizer, *, micro_batches: int = 1, batch_spec: P | None = None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        *,
+        micro_batches: int = 1,
+        batch_spec: P | None = None,
+        packed: bool = True,
+    ):
         self.model, self.optimizer = model, optimizer
+        self.packed = packed
         self.micro_batches = micro_batches
         self.batch_spec = batch_spec
         self.graphdef, self.state = nnx.split((model, optimizer))
@@ -68,7 +84,11 @@ class Trainer:
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads = accumulate_gradients(
-            _loss_and_grad, model, batch, self.micro_batches, batch_spec=self.batch_spec
+            functools.partial(_loss_and_grad, packed=self.packed),
+            model,
+            batch,
+            self.micro_batches,
+            batch_spec=self.batch_spec,
         )
         grad_norm = optax.tree.norm(grads)  # before clipping: what the data asked for
         optimizer.update(model, grads)
@@ -77,7 +97,7 @@ class Trainer:
 
     def _eval_step(self, state, batch: Batch):
         model, _ = nnx.merge(self.graphdef, state)
-        return loss_sum(model, batch)
+        return loss_sum(model, batch, self.packed)
 
     def compile(self, batch: Batch) -> float:
         """Compile the train step ahead of time for batches like `batch`; returns seconds.
@@ -88,6 +108,11 @@ class Trainer:
         self._train_compiled = self._train_jit.lower(self.state, batch).compile()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
+
+    def lower(self, batch: Batch, *, train: bool = True):
+        """The train (or eval) step lowered for batches like `batch` (arrays or shapes), e.g.
+        to compile for a target whose devices this host does not have."""
+        return (self._train_jit if train else self._eval_jit).lower(self.state, batch)
 
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimizer step; returns its metrics as (not yet fetched) device scalars."""

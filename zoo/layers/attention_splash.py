@@ -13,6 +13,7 @@ window (the mask is built at trace time from Python ints).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import jax
@@ -52,10 +53,16 @@ def _block(length: int) -> int:
 def _kernel(heads: int, T: int, S: int, causal: bool, window: int | None, interpret: bool):
     """One kernel per local head count, lengths and mask; built once and reused.
 
-    The kernel holds its block-sparsity tables as arrays it creates when built; it is built on
-    the host outside any trace (lru_cache), so a trace under a mesh of TPU devices this host
-    does not have closes over host constants instead of trying to place them on those devices.
+    The kernel creates its block-sparsity tables as device arrays when it is built. Built in
+    the trace, under a mesh of TPU devices this host does not have (compiling for a target),
+    placing them fails; so it is built on a fresh thread, where jax has no mesh and no trace
+    (both are per thread), and the trace closes over the tables as host constants.
     """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_build_kernel, heads, T, S, causal, window, interpret).result()
+
+
+def _build_kernel(heads, T, S, causal, window, interpret):
     if window is not None:
         # w visible tokens: the query and w-1 before it; with causal nothing after it.
         mask = masks.LocalMask((T, S), (window - 1, 0 if causal else None), offset=0)
@@ -74,14 +81,13 @@ def _kernel(heads: int, T: int, S: int, causal: bool, window: int | None, interp
         block_q_dq=bq,
         block_kv_dq=bkv,
     )
-    with jax.ensure_compile_time_eval():
-        return splash.make_splash_mha(
-            masks.MultiHeadMask([mask] * heads),
-            block_sizes=blocks,
-            head_shards=1,
-            q_seq_shards=1,
-            interpret=interpret,
-        )
+    return splash.make_splash_mha(
+        masks.MultiHeadMask([mask] * heads),
+        block_sizes=blocks,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+    )
 
 
 def splash_attention(
