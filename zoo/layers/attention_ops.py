@@ -247,12 +247,20 @@ def attention(
         platform=compile_platform(),
         interpret=interpret,
     )
-    name = resolve_implementation(implementation, call)
-    backend = _BACKENDS[name]
-    reason = _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window)
+    # What this call asks that a backend's masks cannot say (a decode step, a traced window,
+    # packed rows for a lengths-only backend) is checked before whether the backend can run
+    # here at all: a decode step of a splash model goes to xla rather than fail on its T.
+    name = implementation if implementation in _BACKENDS else None
+    if name is None:
+        name = resolve_implementation(implementation, call)
+    reason = _cannot_express(_BACKENDS[name], q_BTND, k_BSKD, segments, sliding_window)
+    if reason is None:
+        name = resolve_implementation(implementation, call)
+        reason = _cannot_express(_BACKENDS[name], q_BTND, k_BSKD, segments, sliding_window)
     if reason is not None:
         _log_once(name, reason, explicit=implementation != "auto")
-        backend = _BACKENDS["xla"]
+        name = "xla"
+    backend = _BACKENDS[name]
 
     options = dict(scale=scale, causal=causal, interpret=interpret)
     if backend.keeps_layout or not _explicit_axes():
