@@ -104,9 +104,9 @@ def model_config_from_run_info(run_info: dict):
     and fields), else the run config's model section (`RunConfig.model.decoder_config()`)."""
     recorded = run_info.get("model_config")
     if recorded:
-        from zoo.build import FAMILIES
+        from zoo.registry import config_types
 
-        types = {t.__name__: t for t in FAMILIES}
+        types = config_types()
         fields = dict(recorded)
         name = fields.pop("type", None)
         if name not in types:
@@ -191,15 +191,13 @@ def load_model(workdir: str, run_info: dict | None, settings: EvalSettings, step
 
     strategy = get_strategy(settings.strategy)
     if _HF_CHECKPOINT.value:
-        try:
-            from zoo import from_pretrained
-        except ImportError:
-            raise ValueError(
-                "--hf_checkpoint needs zoo.from_pretrained, not in this checkout"
-            ) from None
+        from zoo import from_pretrained
+        from zoo.hf_io import read_config
+
         if not os.path.isdir(_HF_CHECKPOINT.value):
             raise FileNotFoundError(f"--hf_checkpoint={_HF_CHECKPOINT.value!r} is not a directory")
-        mesh = strategy.make_mesh(shape=settings.mesh_shape)
+        cfg = read_config(_HF_CHECKPOINT.value)
+        mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
         runtime = {"attention_impl": _ATTENTION.value} if _ATTENTION.value else {}
         with jax.set_mesh(mesh):
             model = from_pretrained(_HF_CHECKPOINT.value, strategy, **runtime)

@@ -2,6 +2,7 @@
 
     python explain_main.py --model=tiny                      # 8 simulated CPU devices
     python explain_main.py --model=llama3.1-8b --strategies=fsdp,fsdp_tp --devices=64
+    python explain_main.py --write_golden=tests/golden     # regenerate the golden layouts
 
 Layouts come from the declarations alone (nothing is allocated), so real sizes are fine on a
 laptop; `--collectives` also compiles one forward+backward pass on the simulated devices
@@ -11,13 +12,17 @@ laptop; `--collectives` also compiles one forward+backward pass on the simulated
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 
 from absl import app, flags
 
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
-_STRATEGIES = flags.DEFINE_list("strategies", ["dp", "fsdp", "tp", "fsdp_tp"], "strategies")
+_STRATEGIES = flags.DEFINE_list("strategies", None, "strategies; default: all of them")
 _DEVICES = flags.DEFINE_integer("devices", 8, "simulated devices, when running on CPU")
+_WRITE_GOLDEN = flags.DEFINE_string(
+    "write_golden", None, "write DIR/<strategy>.txt, the layout report tests/golden pins, and stop"
+)
 _COLLECTIVES = flags.DEFINE_bool(
     "collectives", False, "also compile forward+backward and count collectives"
 )
@@ -33,20 +38,28 @@ def main(argv):
         )
     import jax
 
-    from shardings import get_strategy
-    from shardings.explain import count_collectives, layout_table
+    from shardings import STRATEGIES, get_strategy
+    from shardings.explain import count_collectives, layout_report, layout_table
     from zoo import get_config, param_layouts
 
     try:
         cfg = get_config(_MODEL.value)
-        strategies = [get_strategy(s) for s in _STRATEGIES.value]
+        strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if _WRITE_GOLDEN.value:
+        out = pathlib.Path(_WRITE_GOLDEN.value)
+        out.mkdir(parents=True, exist_ok=True)
+        for s in strategies:
+            text = layout_report(s.name, param_layouts(cfg, s), s.lm_sharding())
+            (out / f"{s.name}.txt").write_text(text)
+            print(f"wrote {out / f'{s.name}.txt'}")
+        return
     print(cfg.describe())
     print(f"{jax.device_count()} devices; default meshes:")
     for s in strategies:
-        shape = s.default_mesh_shape(jax.device_count(), cfg.num_kv_heads)
+        shape = s.default_mesh_shape(jax.device_count(), cfg)
         print(f"  {s.name}: " + ", ".join(f"{a}={n}" for a, n in zip(s.axes, shape, strict=True)))
     print()
     print(layout_table({s.name: param_layouts(cfg, s) for s in strategies}))

@@ -51,7 +51,7 @@ def _define_config_flag():
 
 _CONFIG = _define_config_flag()
 _STRATEGY = flags.DEFINE_string(
-    "sharding_strategy", None, "dp | fsdp | tp | fsdp_tp; default: config.training."
+    "sharding_strategy", None, "a strategy name (shardings.STRATEGIES); default: config.training."
 )
 _MESH_SHAPE = flags.DEFINE_string(
     "mesh_shape", None, "e.g. data:4,model:2; default: config.training.mesh_shape or the rule."

@@ -6,6 +6,7 @@ family: `explain_main.py` feeds it from the zoo.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 
@@ -58,3 +59,26 @@ def count_collectives(hlo_text: str) -> Counter:
         plain = len(re.findall(rf"\b{op}\(", hlo_text))
         counts[op] = starts + plain
     return counts
+
+
+def declared_specs(sharding, prefix: str = "") -> list[tuple[str, P]]:
+    """Every spec in a sharding dataclass tree, as (dotted field path, spec), in field order."""
+    rows = []
+    for field in dataclasses.fields(sharding):
+        value = getattr(sharding, field.name)
+        path = f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(value):
+            rows.extend(declared_specs(value, f"{path}."))
+        else:
+            rows.append((path, value))
+    return rows
+
+
+def layout_report(name: str, param_rows: list[tuple[str, tuple[int, ...], P]], sharding) -> str:
+    """One strategy's parameter table and every declared spec: the golden-file text, whose
+    diff shows a layout change in review."""
+    specs = declared_specs(sharding)
+    width = max(len(path) for path, _ in specs)
+    lines = [layout_table({name: param_rows}), "", "declared specs:"]
+    lines += [f"{path.ljust(width)}  {spec}" for path, spec in specs]
+    return "\n".join(lines) + "\n"

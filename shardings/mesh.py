@@ -10,6 +10,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from shardings.hybrid import REPLICA, hybrid_device_array, num_granules
+
 
 def parse_mesh_shape(text: str, axes: Sequence[str]) -> tuple[int, ...]:
     """`'data:4,model:2'` (any order, every axis named) or `'4,2'` (in `axes` order)."""
@@ -52,16 +54,16 @@ def _positive_int(text: str, whole: str) -> int:
     return value
 
 
-def make_mesh(strategy, shape=None, devices=None, num_kv_heads: int | None = None) -> Mesh:
+def make_mesh(strategy, shape=None, devices=None, config=None) -> Mesh:
     """A mesh with the strategy's axes, all `AxisType.Explicit`.
 
-    `shape` is None (the strategy's documented default for these devices), a tuple, or a
-    string for `parse_mesh_shape`. Raises ValueError when it does not fit the devices.
+    `shape` is None (the strategy's documented default for these devices and `config`), a
+    tuple, or a string for `parse_mesh_shape`. Raises ValueError when it does not fit the devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if shape is None:
-        shape = strategy.default_mesh_shape(n, num_kv_heads)
+        shape = strategy.default_mesh_shape(n, config, num_slices=num_granules(devices))
     elif isinstance(shape, str):
         shape = parse_mesh_shape(shape, strategy.axes)
     shape = tuple(int(s) for s in shape)
@@ -75,6 +77,13 @@ def make_mesh(strategy, shape=None, devices=None, num_kv_heads: int | None = Non
         raise ValueError(
             f"mesh shape {named} needs {math.prod(shape)} devices but {n} are available; "
             f"the axis sizes must multiply to {n}"
+        )
+    if REPLICA in strategy.axes:
+        # `replica` must cross slices and nothing else may: built granule by granule.
+        return Mesh(
+            hybrid_device_array(shape, strategy.axes, devices),
+            strategy.axes,
+            axis_types=(AxisType.Explicit,) * len(shape),
         )
     return jax.make_mesh(
         shape,

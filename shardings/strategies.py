@@ -1,7 +1,12 @@
 """Named strategies: every layout decision of the project, and nowhere else.
 
+A strategy is a table of rules from logical dims (the names below) to mesh axes; `_lm` turns
+the table into the typed dataclasses of shardings/specs.py, so the modules never see it. A
+logical dim the table does not name is replicated. Adding a strategy is a new table; adding a
+kind of split (experts, a context axis) is a new logical dim here and its use in `_lm`.
+
 Notation in comments: dims with `/axis` for a sharded dim (`B/data T M/model`). The
-collectives named are the ones the layouts imply; XLA inserts them, we only declare.
+collectives named are the ones a rule implies; XLA inserts them, we only declare.
 Stacked layer weights get a leading, never-sharded L dim (`specs.stacked`).
 """
 
@@ -9,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from jax.sharding import PartitionSpec as P
 
@@ -25,46 +30,120 @@ from shardings.specs import (
 
 DATA = "data"  # batch, and the FSDP weight shards
 MODEL = "model"  # tensor parallel: heads, FFN width, vocab
+# Data parallel across slices / hosts (DCN): only the gradient all-reduce crosses it.
+REPLICA = "replica"
+# Sequence split for long context: T of every activation, K/V gathered inside attention.
+CONTEXT = "context"
+
+# The logical dims a rule may name, each with the config field that gives its size (None:
+# no single field), which the default mesh rule must divide.
+LOGICAL_DIMS: dict[str, str | None] = {
+    "batch": None,  # B of every input and activation
+    "seq": None,  # T of the inputs and of the activations inside a block
+    "residual_seq": None,  # T of the residual stream between blocks (a context split names both)
+    "residual": "hidden_dim",  # M of the residual stream between blocks
+    "embed_fsdp": "hidden_dim",  # M of every weight matrix (the FSDP split)
+    "table_embed": "hidden_dim",  # M of the embedding tables [V, M] and [T_max, M]
+    "heads": "num_heads",  # N of the query projection and query heads
+    "kv_heads": "num_kv_heads",  # K of the key/value projections, heads and cache
+    "ffn": "ffn_dim",  # F of the MLP
+    "vocab": "vocab_size",  # V of the LM head and the logits
+}
+
+Axes = str | tuple[str, ...] | None
 
 # Tensor parallelism stays inside one NVLink/ICI domain: 8 devices on a GPU node.
 MAX_MODEL_AXIS = 8
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Strategy:
+    """A named rule table over the mesh axes `axes` (in mesh order). For the default mesh,
+    each axis other than `data` and `replica` is at most `axis_caps[axis](devices per
+    slice)`."""
+
     name: str
     axes: tuple[str, ...]
-    description: str
-    _build: Callable[[], LmSharding]
-    _default_model_axis: Callable[[int, int], int] | None = None
+    rules: Mapping[str, Axes]
+    axis_caps: Mapping[str, Callable[[int], int]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for dim, axes in self.rules.items():
+            if dim not in LOGICAL_DIMS:
+                raise ValueError(
+                    f"strategy {self.name!r}: unknown logical dim {dim!r}; "
+                    f"valid: {', '.join(LOGICAL_DIMS)}"
+                )
+            for axis in _as_tuple(axes):
+                if axis not in self.axes:
+                    raise ValueError(
+                        f"strategy {self.name!r}: rule {dim!r} -> {axis!r} names an axis "
+                        f"outside its mesh axes {self.axes}"
+                    )
+
+    def spec(self, *dims: str | None) -> P:
+        """The layout of an array whose dims are these logical dims (None: never split)."""
+        return P(*(self.rules.get(d) if d is not None else None for d in dims))
 
     def lm_sharding(self) -> LmSharding:
-        return self._build()
+        return _lm(self)
 
     def batch_spec(self) -> P:
         """Layout of [B, T] inputs (tokens, segment ids, positions)."""
         return self.lm_sharding().tokens
 
-    def default_mesh_shape(self, num_devices: int, num_kv_heads: int | None = None) -> tuple:
-        """Documented rule: one-axis strategies put every device on `data`.
-
-        Two-axis strategies put on `model` the largest divisor of the device count that
-        also divides the kv head count (heads are split on `model`, so it must), is at
-        most 8, and, for `fsdp_tp`, at most sqrt(devices) so FSDP keeps the larger share;
-        `data` takes the rest.
+    def default_mesh_shape(self, num_devices: int, config=None, num_slices: int = 1) -> tuple:
+        """Documented rule. `replica` is the number of slices (TPU slices, else processes;
+        1 on one host); the other axes share the devices of one slice. In `axes` order,
+        every axis but `data` gets the largest size that divides the devices left and every
+        `config` size the axis splits (the config fields of the dims its rules name: heads,
+        kv heads, FFN width, vocab, M), at most its cap; `data` takes the rest. Without a
+        config those sizes are unknown, so such an axis gets 1: the one mesh every model
+        accepts (pass `config` to get a split).
         """
-        if self._default_model_axis is None:
-            return (num_devices,)
-        model = self._default_model_axis(num_devices, num_kv_heads or MAX_MODEL_AXIS)
-        return (num_devices // model, model)
+        sizes = {}
+        if REPLICA in self.axes:
+            sizes[REPLICA] = num_slices
+        left = num_devices // sizes.get(REPLICA, 1)
+        per_slice = left
+        for axis in self.axes:
+            if axis in (DATA, REPLICA):
+                continue
+            fields = [
+                LOGICAL_DIMS[dim]
+                for dim, axes in self.rules.items()
+                if axis in _as_tuple(axes) and LOGICAL_DIMS[dim] is not None
+            ]
+            if fields and config is None:
+                sizes[axis] = 1
+            else:
+                cap = self.axis_caps.get(axis, lambda n: n)(per_slice)
+                dims = [getattr(config, f) for f in fields]
+                sizes[axis] = _largest_divisor(left, dims, cap)
+            left //= sizes[axis]
+        sizes[DATA] = left
+        return tuple(sizes[a] for a in self.axes)
 
     def make_mesh(self, shape=None, devices=None, config=None):
         """An explicit mesh over `devices` (default: all). Without `shape`, the default rule
-        above, taking the kv head count from `config` when given."""
+        above, for `config` when given."""
         from shardings.mesh import make_mesh
 
-        kv_heads = getattr(config, "num_kv_heads", None)
-        return make_mesh(self, shape=shape, devices=devices, num_kv_heads=kv_heads)
+        return make_mesh(self, shape=shape, devices=devices, config=config)
+
+
+def _as_tuple(axes: Axes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def _largest_divisor(num_devices: int, dims: list[int], cap: int) -> int:
+    best = 1
+    for d in range(1, min(num_devices, cap) + 1):
+        if num_devices % d == 0 and all(size % d == 0 for size in dims):
+            best = d
+    return best
 
 
 def _linear(weight: P, out: P, feature_dims: int = 1) -> LinearSharding:
@@ -80,50 +159,40 @@ def _norm(out: P) -> NormSharding:
     return NormSharding(weight=P(None), out=out)
 
 
-def _lm(
-    *,
-    batch: str | None,
-    fsdp: str | None,
-    tp: str | None,
-    residual_tp: bool,
-) -> LmSharding:
-    """The one template all four strategies fill.
-
-    batch: axis of the batch dim; fsdp: axis the weights are split on besides the tensor
-    parallel split; tp: axis of heads / FFN width / vocab; residual_tp: whether the
-    residual stream between blocks is split on M over `tp` (seqax-style, saves activation
-    memory and turns the post-contraction all-reduce into a reduce-scatter).
-    """
-    tokens = P(batch, None)
-    residual = P(batch, None, tp if residual_tp else None)
-    # Inputs to every matmul are gathered on M: `B/batch T M`. With a split residual this
-    # is the all-gather over `model` after each norm (seqax's layout); otherwise a no-op.
-    gathered = P(batch, None, None)
-    heads = P(batch, None, tp, None)  # [B, T, N|K, D]: heads split over tp
-    ffn = P(batch, None, tp)  # [B, T, F]
+def _lm(s: Strategy) -> LmSharding:
+    """The typed layouts of a whole model, written in logical dims; `s.spec` applies the
+    strategy's table. What no table may change (D, the vocab dim of the embedding table,
+    a matmul input's M) is a plain None, with the reason."""
+    tokens = s.spec("batch", "seq")
+    residual = s.spec("batch", "residual_seq", "residual")
+    # Inputs to every matmul are whole on M, because the weights' M is split only for
+    # storage (FSDP) and gathered: `B T M`. With a split residual this is the all-gather
+    # after each norm (seqax's layout); otherwise a no-op.
+    gathered = s.spec("batch", "seq", None)
+    q_heads = s.spec("batch", "seq", "heads", None)  # [B, T, N, D]
+    kv_heads = s.spec("batch", "seq", "kv_heads", None)  # [B, T, K, D]
+    ffn = s.spec("batch", "seq", "ffn")  # [B, T, F]
 
     # Kernels reading the residual, [M, *]: FSDP splits M (the contracting dim), so the
-    # weight is all-gathered over `fsdp` just before the matmul and freed after; tp splits
-    # the output features, so no communication inside the matmul.
-    w_in_heads = P(fsdp, tp, None)  # [M, N|K, D]
-    w_in_ffn = P(fsdp, tp)  # [M, F]
-    # Kernels writing the residual, [*, M]: tp splits the contracting dim, so each device
-    # holds a partial sum that XLA reduces -- a reduce-scatter over `model` into a split
-    # residual, or an all-reduce into a replicated one. FSDP splits M (gathered first).
-    w_out_heads = P(tp, None, fsdp)  # [N, D, M]
-    w_out_ffn = P(tp, fsdp)  # [F, M]
+    # weight is all-gathered just before the matmul and freed after; heads / F split the
+    # output features, so no communication inside the matmul.
+    w_q = s.spec("embed_fsdp", "heads", None)  # [M, N, D]
+    w_kv = s.spec("embed_fsdp", "kv_heads", None)  # [M, K, D]
+    w_in_ffn = s.spec("embed_fsdp", "ffn")  # [M, F]
+    # Kernels writing the residual, [*, M]: a split N / F is the contracting dim, so each
+    # device holds a partial sum that XLA reduces -- a reduce-scatter into a split residual,
+    # or an all-reduce into a replicated one. FSDP splits M (gathered first).
+    w_o = s.spec("heads", None, "embed_fsdp")  # [N, D, M]
+    w_out_ffn = s.spec("ffn", "embed_fsdp")  # [F, M]
 
-    q = _linear(w_in_heads, heads, feature_dims=2)
-    kv = _linear(w_in_heads, heads, feature_dims=2)
-    head_norm = _norm(heads)
     attention = AttentionSharding(
-        q=q,
-        k=kv,
-        v=kv,
-        o=_linear(w_out_heads, residual),
-        q_norm=head_norm,
-        k_norm=head_norm,
-        kv_cache=P(batch, None, tp, None),
+        q=_linear(w_q, q_heads, feature_dims=2),
+        k=_linear(w_kv, kv_heads, feature_dims=2),
+        v=_linear(w_kv, kv_heads, feature_dims=2),
+        o=_linear(w_o, residual),
+        q_norm=_norm(q_heads),
+        k_norm=_norm(kv_heads),
+        kv_cache=s.spec("batch", None, "kv_heads", None),  # [B, S, K, D]
     )
     mlp = MlpSharding(
         gate=_linear(w_in_ffn, ffn),
@@ -139,76 +208,128 @@ def _lm(
         mlp=mlp,
         post_mlp_norm=_norm(residual),
     )
-    # Embedding [V, M]: split on M, never on V, so the row gather needs no communication;
-    # over tp the rows land already split like the residual (`M/model`), over fsdp they are
-    # gathered on M (one all-gather of the table per step).
-    embed = EmbeddingSharding(table=P(None, tp or fsdp), out=residual)
-    position_embed = EmbeddingSharding(table=P(None, tp or fsdp), out=residual)
-    # LM head [M, V]: vocab split over tp keeps logits `V/model` (the loss handles a split
-    # vocab); M split over fsdp is gathered before the matmul.
-    lm_head = _linear(P(fsdp, tp), P(batch, None, tp))
+    # Embedding tables [V, M] / [T_max, M]: never split on V, so the row gather needs no
+    # communication; their M follows `table_embed`.
+    table = s.spec(None, "table_embed")
+    # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
     return LmSharding(
         tokens=tokens,
-        embed=embed,
-        position_embed=position_embed,
+        embed=EmbeddingSharding(table=table, out=residual),
+        position_embed=EmbeddingSharding(table=table, out=residual),
         block=block,
         final_norm=_norm(gathered),
-        lm_head=lm_head,
+        lm_head=_linear(s.spec("embed_fsdp", "vocab"), s.spec("batch", "seq", "vocab")),
     )
 
 
-def _largest_model_axis(num_devices: int, num_kv_heads: int, cap: int) -> int:
-    best = 1
-    for d in range(1, min(num_devices, cap) + 1):
-        if num_devices % d == 0 and num_kv_heads % d == 0:
-            best = d
-    return best
+def _at_most_node(num_devices: int) -> int:
+    return MAX_MODEL_AXIS
 
 
-def _tp_model_axis(num_devices: int, num_kv_heads: int) -> int:
-    return _largest_model_axis(num_devices, num_kv_heads, MAX_MODEL_AXIS)
+def _at_most_node_and_sqrt(num_devices: int) -> int:
+    # FSDP keeps the larger share of the devices: its memory saving grows with its axis.
+    return min(MAX_MODEL_AXIS, math.isqrt(num_devices))
 
 
-def _fsdp_tp_model_axis(num_devices: int, num_kv_heads: int) -> int:
-    cap = min(MAX_MODEL_AXIS, math.isqrt(num_devices))
-    return _largest_model_axis(num_devices, num_kv_heads, cap)
+# -- the strategies ---------------------------------------------------------------------------
 
+DP = Strategy(
+    name="dp",
+    axes=(DATA,),
+    rules={
+        # Each device takes B/data rows and a full copy of the weights; the gradients are
+        # all-reduced over `data` once per step.
+        "batch": DATA,
+    },
+)
 
-STRATEGIES: dict[str, Strategy] = {
-    s.name: s
-    for s in (
-        Strategy(
-            name="dp",
-            axes=(DATA,),
-            description="data parallel: batch split over `data`, weights replicated; "
-            "gradients all-reduced over `data`",
-            _build=lambda: _lm(batch=DATA, fsdp=None, tp=None, residual_tp=False),
-        ),
-        Strategy(
-            name="fsdp",
-            axes=(DATA,),
-            description="fully sharded data parallel (ZeRO-3): batch and every matrix split "
-            "over `data`; weights all-gathered per matmul, gradients reduce-scattered",
-            _build=lambda: _lm(batch=DATA, fsdp=DATA, tp=None, residual_tp=False),
-        ),
-        Strategy(
-            name="tp",
-            axes=(DATA, MODEL),
-            description="Megatron tensor parallel over `model` (heads, FFN width, vocab), "
-            "plain data parallel over `data`; residual replicated over `model`",
-            _build=lambda: _lm(batch=DATA, fsdp=None, tp=MODEL, residual_tp=False),
-            _default_model_axis=_tp_model_axis,
-        ),
-        Strategy(
-            name="fsdp_tp",
-            axes=(DATA, MODEL),
-            description="FSDP over `data` and tensor parallel over `model`; the residual "
-            "stream is split on M over `model` between blocks (seqax layout)",
-            _build=lambda: _lm(batch=DATA, fsdp=DATA, tp=MODEL, residual_tp=True),
-            _default_model_axis=_fsdp_tp_model_axis,
-        ),
-    )
-}
+FSDP = Strategy(
+    name="fsdp",
+    axes=(DATA,),
+    rules={
+        "batch": DATA,  # as dp: gradients reduce-scattered over `data` onto the shards
+        # ZeRO-3: every matrix is stored split on M over `data` and all-gathered just
+        # before its matmul (freed after).
+        "embed_fsdp": DATA,
+        # The embedding table is split on M too; its rows are gathered on M after the
+        # lookup (one all-gather of the looked-up rows per step).
+        "table_embed": DATA,
+    },
+)
+
+TP = Strategy(
+    name="tp",
+    axes=(DATA, MODEL),
+    axis_caps={MODEL: _at_most_node},
+    rules={
+        "batch": DATA,  # plain data parallel across `data`
+        # Megatron: q/k/v and gate/up split their output features over `model` (no
+        # communication); o and down contract over the split dim, so their output is
+        # all-reduced over `model` into the replicated residual.
+        "heads": MODEL,
+        "kv_heads": MODEL,
+        "ffn": MODEL,
+        # Logits stay `V/model`; the loss reduces over the split vocab (an all-reduce of
+        # the log-sum-exp terms).
+        "vocab": MODEL,
+        # The embedding rows land split on M over `model`, then are gathered into the
+        # replicated residual (an all-gather over `model`).
+        "table_embed": MODEL,
+    },
+)
+
+FSDP_TP = Strategy(
+    name="fsdp_tp",
+    axes=(DATA, MODEL),
+    axis_caps={MODEL: _at_most_node_and_sqrt},
+    rules={
+        "batch": DATA,
+        "embed_fsdp": DATA,  # as fsdp: matrices gathered over `data` per matmul
+        "heads": MODEL,  # as tp
+        "kv_heads": MODEL,
+        "ffn": MODEL,
+        "vocab": MODEL,
+        # seqax: the residual between blocks is split on M over `model`, so o and down
+        # reduce-scatter into it (instead of all-reducing) and each norm's output is
+        # all-gathered over `model` before the next matmul; activation memory / model.
+        "residual": MODEL,
+        # The embedding rows land already split like the residual: no communication.
+        "table_embed": MODEL,
+    },
+)
+
+# Hybrid sharded data parallel: the mesh puts `replica` across slices (DCN) and `data` /
+# `model` inside one (shardings/hybrid.py). Weights are split over `data` only, so the
+# per-matmul all-gathers and the gradient reduce-scatters stay on the fast links.
+HSDP = Strategy(
+    name="hsdp",
+    axes=(REPLICA, DATA),
+    rules={
+        # The batch is split over both: the one collective over `replica` is the all-reduce
+        # of the already `data`-sharded gradients.
+        "batch": (REPLICA, DATA),
+        "embed_fsdp": DATA,  # as fsdp, inside a slice
+        "table_embed": DATA,
+    },
+)
+
+HSDP_TP = Strategy(
+    name="hsdp_tp",
+    axes=(REPLICA, DATA, MODEL),
+    axis_caps={MODEL: _at_most_node_and_sqrt},
+    rules={
+        "batch": (REPLICA, DATA),  # as hsdp
+        "embed_fsdp": DATA,  # as fsdp_tp, inside a slice
+        "heads": MODEL,
+        "kv_heads": MODEL,
+        "ffn": MODEL,
+        "vocab": MODEL,
+        "residual": MODEL,
+        "table_embed": MODEL,
+    },
+)
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP)}
 
 
 def get_strategy(name: str) -> Strategy:

@@ -196,7 +196,7 @@ def test_bfloat16_compute_tracks_float32(model):
 
 def test_unknown_strategy_lists_valid_names():
     with pytest.raises(
-        ValueError, match=r"unknown sharding strategy 'zero3'.*dp, fsdp, fsdp_tp, tp"
+        ValueError, match=r"unknown sharding strategy 'zero3'.*dp, fsdp, fsdp_tp, hsdp, hsdp_tp, tp"
     ):
         get_strategy("zero3")
 
@@ -243,11 +243,12 @@ def test_mesh_shape_parsing():
 
 
 def test_default_mesh_rule():
+    kv4, kv8 = CFG.replace(num_kv_heads=4), CFG.replace(num_kv_heads=8)
     assert get_strategy("dp").default_mesh_shape(8) == (8,)
-    assert get_strategy("fsdp_tp").default_mesh_shape(8, num_kv_heads=4) == (4, 2)
-    assert get_strategy("fsdp_tp").default_mesh_shape(64, num_kv_heads=8) == (8, 8)
-    assert get_strategy("tp").default_mesh_shape(8, num_kv_heads=4) == (2, 4)
-    assert get_strategy("tp").default_mesh_shape(16, num_kv_heads=8) == (2, 8)
+    assert get_strategy("fsdp_tp").default_mesh_shape(8, kv4) == (4, 2)
+    assert get_strategy("fsdp_tp").default_mesh_shape(64, kv8) == (8, 8)
+    assert get_strategy("tp").default_mesh_shape(8, kv4) == (2, 4)
+    assert get_strategy("tp").default_mesh_shape(16, kv8) == (2, 8)
 
 
 def test_tied_vocab_not_divisible_names_the_logits():

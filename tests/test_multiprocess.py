@@ -1,19 +1,25 @@
-"""Two processes with 4 CPU devices each train the run of one process with 8 (issue 3, check 3).
+"""Two processes with 4 CPU devices each train the run of one process with 8.
 
 The processes meet through `jax.distributed` on localhost (gloo collectives on CPU). Each reads
 its own half of the documents (the pipeline shards by process), so the global batch of step s
 is process 0's local batch followed by process 1's (process 0 owns the first half of the
-`data` axis). The one-process reference feeds exactly those global batches, built here from
+batch axis). The one-process reference feeds exactly those global batches, built here from
 the same two shards, and must give the same losses.
+
+Two layouts: `fsdp_tp` (`data` spans both processes) and `hsdp`, where each process plays
+one slice: the default mesh puts `replica` across the processes and `data` inside each.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
 import numpy as np
 import portpicker
+import pytest
 from _train_helpers import (
     ROOT,
     SMALL_RUN,
@@ -25,18 +31,26 @@ from _train_helpers import (
 )
 
 RUN = {**SMALL_RUN, "training.steps": 10, "training.eval_every": 0}
+# strategy -> (the mesh the two processes choose by default, the mesh the reference is given)
+CASES = {
+    "fsdp_tp": ({"data": 4, "model": 2}, ""),
+    "hsdp": ({"replica": 2, "data": 4}, "replica:2,data:4"),
+}
 
 
-def _reference_losses(workdir: str) -> list[float]:
+def _reference_losses(workdir: str, strategy: str) -> list[float]:
     """The 8-device, one-process run fed the two processes' batches, concatenated."""
     from training import data
     from training import run as train_run
     from training.distributed import to_global
     from training.tokenizers import make_tokenizer
 
-    run = run_config(RUN)
+    mesh, mesh_text = CASES[strategy]
+    run = run_config(
+        {**RUN, "training.sharding_strategy": strategy, "training.mesh_shape": mesh_text}
+    )
     setup = train_run.Setup(run, workdir)
-    assert dict(setup.mesh.shape) == {"data": 4, "model": 2}
+    assert dict(setup.mesh.shape) == mesh
     shards = [
         data.make_dataset(
             run.data.source,
@@ -64,7 +78,8 @@ def _reference_losses(workdir: str) -> list[float]:
     return train_losses(workdir)
 
 
-def test_check3_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize("strategy", list(CASES))
+def test_two_processes_equal_one(tmp_path, strategy):
     port = portpicker.pick_unused_port()
     workdir = str(tmp_path / "two")
     children = [
@@ -76,6 +91,7 @@ def test_check3_two_processes_equal_one(tmp_path):
                 f"--coordinator_address=localhost:{port}",
                 "--num_processes=2",
                 f"--process_id={i}",
+                f"--sharding_strategy={strategy}",
                 *cli_flags(RUN),
             ],
             env=child_env(num_devices=4),
@@ -103,7 +119,13 @@ def test_check3_two_processes_equal_one(tmp_path):
     assert "2 processes" in outputs[0][0] and "done:" in outputs[0][0]
     assert "LlamaConfig" not in outputs[1][0] and "done:" not in outputs[1][0]
 
-    one_process = _reference_losses(str(tmp_path / "one"))
+    with open(os.path.join(workdir, "run_info.json")) as f:
+        info = json.load(f)
+    assert info["mesh_shape"] == CASES[strategy][0]
+    # Only `replica` joins devices of different processes ("slices") under hsdp.
+    assert info["slice_crossing_axes"] == (["replica"] if strategy == "hsdp" else ["data"])
+
+    one_process = _reference_losses(str(tmp_path / "one"), strategy)
     # Same arrays on the same 8 device positions; the cross-process all-reduce (gloo) may add
     # partial sums in another order than the in-process one, so float32 reassociation only.
     np.testing.assert_allclose(two_process, one_process, rtol=1e-5)

@@ -57,6 +57,7 @@ class Setup:
         from flax import nnx
 
         from shardings import check_batch, get_strategy
+        from shardings.hybrid import crossing_axes
         from training import data, flops, optim
         from training.distributed import to_global
         from training.loop import Trainer
@@ -138,6 +139,8 @@ class Setup:
             "mesh_shape": dict(mesh.shape),
             "num_devices": jax.device_count(),
             "num_processes": jax.process_count(),
+            # Axes whose collectives leave a slice (or process): the slow links (DCN).
+            "slice_crossing_axes": list(crossing_axes(mesh)),
             "model": model_cfg.describe(),
             # The architecture actually trained (with --init_from it is the checkpoint's, not
             # the config's preset); eval_main.py rebuilds the model from it.

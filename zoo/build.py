@@ -7,40 +7,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardings.mesh import check_divisible
-from zoo.gemma3 import modeling as gemma3
-from zoo.gpt2 import modeling as gpt2
 from zoo.layers.config import DecoderConfig
-from zoo.llama import modeling as llama
-from zoo.mistral import modeling as mistral
-from zoo.qwen3 import modeling as qwen3
+from zoo.registry import family_for_config, get_config
 
-# Config type -> model class; a family registers here by importing its modeling module.
-_MODULES = (llama, qwen3, mistral, gemma3, gpt2)
-FAMILIES = {
-    llama.LlamaConfig: llama.MODEL_CLASS,
-    qwen3.Qwen3Config: qwen3.MODEL_CLASS,
-    mistral.MistralConfig: mistral.MODEL_CLASS,
-    gemma3.Gemma3Config: gemma3.MODEL_CLASS,
-    gpt2.GPT2Config: gpt2.MODEL_CLASS,
-}
-PRESETS = {name: factory for m in _MODULES for name, factory in m.PRESETS.items()}
-
-
-def get_config(name: str, **overrides) -> DecoderConfig:
-    try:
-        factory = PRESETS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}"
-        ) from None
-    return factory(**overrides)
+__all__ = ["get_config", "model_class", "param_layouts", "check_model_fits", "create_model"]
 
 
 def model_class(cfg: DecoderConfig):
-    for config_type in type(cfg).__mro__:
-        if config_type in FAMILIES:
-            return FAMILIES[config_type]
-    raise ValueError(f"no model family registered for {type(cfg).__name__}")
+    return family_for_config(cfg).model_cls
 
 
 def _abstract(cfg: DecoderConfig, strategy):
@@ -79,8 +53,9 @@ def activation_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[in
         cfg.ffn_dim,
         cfg.vocab_size,
     )
-    # Batch and sequence are 1 here: the batch is checked where it is made (check_batch).
-    no_batch = lambda spec: P(None, *tuple(spec)[1:])  # noqa: E731
+    # Batch and sequence are 1 here and unsplit: they are checked where the batch is made
+    # (check_batch).
+    no_batch = lambda spec: P(None, None, *tuple(spec)[2:])  # noqa: E731
     return [
         ("residual stream [B, T, M]", (1, 1, M), no_batch(lm.block.residual)),
         ("query heads [B, T, N, D]", (1, 1, N, D), no_batch(lm.block.attention.q.out)),

@@ -1,9 +1,10 @@
 """Hugging Face checkpoint directories <-> zoo models, loaded straight into their shardings.
 
 A checkpoint directory holds `config.json` and the weights as `model.safetensors`, or as
-shards listed by `model.safetensors.index.json`. Each family's `params.py` registers a
-`Family`: how its config.json maps to our Config, and a list of `Rule`s, each pairing one
-Hugging Face tensor with the param(s) of ours it holds and the layout change between them.
+shards listed by `model.safetensors.index.json` (zoo/safetensors_io.py reads and writes
+those). Each family declares its `HfFormat` (zoo/hf_mapping.py): how its config.json maps to
+our Config, and a list of `Rule`s, each pairing one Hugging Face tensor with the param(s) of
+ours it holds and the layout change between them.
 
 Loading (`from_pretrained`) checks every name and shape from the safetensors headers first,
 then builds the model abstractly under the target mesh and fills one param at a time: the
@@ -19,394 +20,51 @@ renames it into place: a reader never sees half a checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import math
 import os
 import re
 import shutil
-import struct
 import tempfile
-from collections.abc import Callable, Sequence
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import save_file
 
+from zoo.hf_mapping import (
+    CONFIG_FILE,
+    Rule,
+    config_to_hf,
+    family_and_config,
+    hf_format,
+    read_config,
+    read_hf_config,
+)
 from zoo.layers.config import DecoderConfig
-
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-# Where each family's `FAMILY` lives; imported on first use (they import this module).
-FAMILY_MODULES = (
-    "zoo.llama.params",
-    "zoo.qwen3.params",
-    "zoo.mistral.params",
-    "zoo.gemma3.params",
-    "zoo.gpt2.params",
-)
-# Config fields that say how to run a model, not what it is: never in config.json.
-RUNTIME_FIELDS = ("dtype", "scan_layers", "remat", "attention_impl", "attention_interpret")
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
-
-# --- safetensors, one tensor at a time --------------------------------------------------------
-
-# safetensors' numpy reader rejects BF16 (numpy has no bfloat16), the dtype most hub
-# checkpoints use; the format is a JSON header and raw little-endian bytes, read here directly.
-_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
-
-class SafetensorsFile:
-    """Names, shapes and dtypes from the header; `read(name)` reads that tensor's bytes only."""
-
-    def __init__(self, path: str):
-        self.path = path
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
-        self._data_start = 8 + header_len
-        self._entries = header
-
-    def names(self) -> list[str]:
-        return list(self._entries)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._entries[name]["shape"])
-
-    def dtype(self, name: str) -> str:
-        return self._entries[name]["dtype"]
-
-    def read(self, name: str) -> np.ndarray:
-        entry = self._entries[name]
-        if entry["dtype"] not in _DTYPES:
-            raise ValueError(f"{name}: unsupported safetensors dtype {entry['dtype']}")
-        start, end = entry["data_offsets"]
-        with open(self.path, "rb") as f:
-            f.seek(self._data_start + start)
-            data = f.read(end - start)
-        return np.frombuffer(data, _DTYPES[entry["dtype"]]).reshape(entry["shape"])
-
-
-class CheckpointReader:
-    """Every tensor of a checkpoint directory, single-file or sharded with an index."""
-
-    def __init__(self, directory: str):
-        self.directory = str(directory)
-        index_path = os.path.join(directory, INDEX_FILE)
-        single_path = os.path.join(directory, SINGLE_FILE)
-        if os.path.exists(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = {
-                shard: SafetensorsFile(os.path.join(directory, shard))
-                for shard in sorted(set(weight_map.values()))
-            }
-            self._file_of = {name: files[shard] for name, shard in weight_map.items()}
-        elif os.path.exists(single_path):
-            single = SafetensorsFile(single_path)
-            self._file_of = dict.fromkeys(single.names(), single)
-        else:
-            raise ValueError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
-
-    def __str__(self) -> str:
-        return self.directory
-
-    def names(self) -> list[str]:
-        return list(self._file_of)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._file_of[name].shape(name)
-
-    def dtype(self, name: str) -> str:
-        return self._file_of[name].dtype(name)
-
-    def read(self, name: str) -> np.ndarray:
-        return self._file_of[name].read(name)
-
-
-class ShardWriter:
-    """Adds tensors in order; writes a shard whenever the next one would pass the limit."""
-
-    def __init__(self, directory: str, max_shard_bytes: int):
-        self.directory = directory
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, np.ndarray] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, array: np.ndarray) -> None:
-        if self._pending and self._pending_bytes + array.nbytes > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = np.ascontiguousarray(array)
-        self._pending_bytes += array.nbytes
-        self.total_bytes += array.nbytes
-
-    def _flush(self) -> None:
-        path = os.path.join(self.directory, f"shard-{len(self._shards)}.tmp")
-        # 'pt' is what transformers' loader expects in the metadata of a safetensors file.
-        save_file(self._pending, path, metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
-
-    def finish(self) -> None:
-        if self._pending or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        if n == 1:
-            os.rename(
-                os.path.join(self.directory, "shard-0.tmp"),
-                os.path.join(self.directory, SINGLE_FILE),
-            )
-            return
-        weight_map = {}
-        for k, names in enumerate(self._shards):
-            shard = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            os.rename(
-                os.path.join(self.directory, f"shard-{k}.tmp"), os.path.join(self.directory, shard)
-            )
-            weight_map.update(dict.fromkeys(names, shard))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
-            json.dump(index, f, indent=2)
-
-
-# --- layout changes between a Hugging Face tensor and ours -------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Transform:
-    """load(hf_array, our_shapes) -> our arrays (one layer's); save(*ours) -> the hf array."""
-
-    load: Callable[[np.ndarray, Sequence[tuple[int, ...]]], tuple[np.ndarray, ...]]
-    save: Callable[..., np.ndarray]
-
-
-IDENTITY = Transform(load=lambda w, shapes: (w.reshape(shapes[0]),), save=lambda w: w)
-# torch nn.Linear stores [out, in]. Ours read the residual on their first dim and split the
-# output features into real dims: [M, N, D], [M, F], [M, V].
-LINEAR_IN = Transform(
-    load=lambda w, shapes: (w.T.reshape(shapes[0]),),
-    save=lambda w: w.reshape(w.shape[0], -1).T,
-)
-# ... and ours that write the residual contract their leading dims: [N, D, M], [F, M].
-LINEAR_OUT = Transform(
-    load=lambda w, shapes: (w.T.reshape(shapes[0]),),
-    save=lambda w: w.reshape(-1, w.shape[-1]).T,
+from zoo.registry import Family
+from zoo.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointReader,
+    ShardWriter,
 )
 
-# GPT-2's Conv1D is already [in, out]; a [N*D, M] out-projection only gets its head dims.
-CONV1D_OUT = Transform(
-    load=lambda w, shapes: (w.reshape(shapes[0]),),
-    save=lambda w: w.reshape(-1, w.shape[-1]),
-)
-
-
-def fused_last_dim(lead_dims: int) -> Transform:
-    """One HF tensor whose last dim concatenates several of ours (GPT-2's `c_attn` = q | k | v);
-    the first `lead_dims` dims are shared ([M, 3*N*D] weight: 1, [3*N*D] bias: 0)."""
-
-    def load(w, shapes):
-        sizes = [math.prod(s[lead_dims:]) for s in shapes]
-        parts = np.split(w, np.cumsum(sizes)[:-1], axis=-1)
-        return tuple(p.reshape(s) for p, s in zip(parts, shapes, strict=True))
-
-    def save(*ws):
-        return np.concatenate([w.reshape(*w.shape[:lead_dims], -1) for w in ws], axis=-1)
-
-    return Transform(load=load, save=save)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One Hugging Face tensor <-> the param(s) of ours it holds.
-
-    `hf` contains '{i}' for a per-layer tensor; `ours` are param paths without a layer index
-    ('blocks/attention/q/weight': the stacked param, or layer i's when layers are a list).
-    """
-
-    hf: str
-    ours: tuple[str, ...]
-    transform: Transform = IDENTITY
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.hf
-
-
-def rule(hf: str, *ours: str, transform: Transform = IDENTITY) -> Rule:
-    return Rule(hf=hf, ours=ours, transform=transform)
-
-
-# --- config.json ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    name: str
-    config_cls: type
-    architectures: tuple[str, ...]  # config.json `architectures` we load
-    model_types: tuple[str, ...]  # config.json `model_type`, when `architectures` is absent
-    config_from_hf: Callable[[dict], dict]  # config.json -> our Config's fields
-    config_to_hf: Callable[[DecoderConfig], dict]  # our Config -> config.json
-    rules: Callable[[DecoderConfig], list[Rule]]
-    # Tensors a checkpoint may hold that carry nothing we use (mask buffers, tied heads).
-    ignored: tuple[str, ...] = ()
-    # A prefix some checkpoints of the family omit (hub GPT-2: `h.0...`; v5: `transformer.h.0...`).
-    optional_prefix: str = ""
-
-
-def families() -> list[Family]:
-    return [importlib.import_module(m).FAMILY for m in FAMILY_MODULES]
-
-
-def family_for_hf(hf: dict, where: str) -> Family:
-    archs = hf.get("architectures") or []
-    model_type = hf.get("model_type")
-    for fam in families():
-        if any(a in fam.architectures for a in archs):
-            return fam
-    if not archs:
-        for fam in families():
-            if model_type in fam.model_types:
-                return fam
-    supported = ", ".join(a for fam in families() for a in fam.architectures)
-    found = ", ".join(archs) or f"model_type {model_type!r}"
-    raise ValueError(f"{where}: unsupported architecture {found}; supported: {supported}")
-
-
-def family_for_config(cfg: DecoderConfig) -> Family:
-    by_type = {fam.config_cls: fam for fam in families()}
-    for config_type in type(cfg).__mro__:
-        if config_type in by_type:
-            return by_type[config_type]
-    raise ValueError(f"no Hugging Face format registered for {type(cfg).__name__}")
-
-
-def rope_parameters(hf: dict, layer_type: str | None = None) -> dict:
-    """The RoPE dict of config.json in transformers 5 form ({rope_type, rope_theta, ...}).
-
-    transformers 5 writes `rope_parameters` (per layer type for Gemma 3); 4.x wrote top-level
-    `rope_theta` and `rope_scaling` ({"rope_type"|"type": ..., "factor": ...} or null).
-    """
-    params = hf.get("rope_parameters")
-    if params is not None:
-        if layer_type is not None and isinstance(params.get(layer_type), dict):
-            return dict(params[layer_type])
-        return dict(params)
-    scaling = dict(hf.get("rope_scaling") or {})
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
-    return {"rope_type": rope_type, "rope_theta": hf.get("rope_theta", 10_000.0), **scaling}
-
-
-def rope_scaling(params: dict) -> tuple | None:
-    """Our `rope_scaling` from a RoPE dict: None, (factor,) linear, or Llama 3's 4-tuple."""
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        return None
-    if rope_type == "linear":
-        return (float(params["factor"]),)
-    if rope_type == "llama3":
-        return (
-            float(params["factor"]),
-            float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]),
-            int(params["original_max_position_embeddings"]),
-        )
-    raise ValueError(
-        f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
-    )
-
-
-def rope_to_hf(theta: float, scaling: tuple | None) -> dict:
-    params = {"rope_type": "default", "rope_theta": float(theta)}
-    if scaling is not None and len(scaling) == 1:
-        params.update(rope_type="linear", factor=float(scaling[0]))
-    elif scaling is not None:
-        factor, low, high, original = scaling
-        params.update(
-            rope_type="llama3",
-            factor=float(factor),
-            low_freq_factor=float(low),
-            high_freq_factor=float(high),
-            original_max_position_embeddings=int(original),
-        )
-    return params
-
-
-def rope_to_legacy_hf(theta: float, scaling: tuple | None) -> dict:
-    """transformers 4.x's top-level RoPE fields, written beside `rope_parameters` so that 4.x
-    readers (which ignore `rope_parameters`) do not silently fall back to their defaults."""
-    params = rope_to_hf(theta, scaling)
-    theta = params.pop("rope_theta")
-    return {"rope_theta": theta, "rope_scaling": None if scaling is None else params}
-
-
-def read_hf_config(path: str) -> dict:
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.exists(config_path):
-        raise ValueError(f"{path}: no {CONFIG_FILE}; not a Hugging Face checkpoint directory")
-    with open(config_path) as f:
-        return json.load(f)
-
-
-def read_config(path: str, **overrides) -> DecoderConfig:
-    """Our Config of the checkpoint at `path` (runtime fields such as dtype from `overrides`)."""
-    return _family_and_config(path, overrides)[1]
-
-
-def _family_and_config(path: str, overrides: dict) -> tuple[Family, DecoderConfig]:
-    hf = read_hf_config(path)
-    where = os.path.join(path, CONFIG_FILE)
-    fam = family_for_hf(hf, where)
-    try:
-        fields = fam.config_from_hf(hf)
-    except (KeyError, ValueError) as e:
-        what = f"no field {e}" if isinstance(e, KeyError) else str(e)
-        raise ValueError(f"{where}: {what}") from None
-    fields.update(overrides)
-    return fam, fam.config_cls(**fields)
-
-
-def config_to_hf(cfg: DecoderConfig) -> dict:
-    """config.json for `cfg`; ValueError when its family's format cannot express a field."""
-    fam = family_for_config(cfg)
-    hf = fam.config_to_hf(cfg)
-    back = fam.config_cls(**fam.config_from_hf(hf))
-    for field in dataclasses.fields(cfg):
-        if field.name in (*RUNTIME_FIELDS, "layer_types", "global_every", "sliding_window"):
-            continue
-        if getattr(back, field.name) != getattr(cfg, field.name):
-            raise ValueError(
-                f"{type(cfg).__name__}.{field.name}={getattr(cfg, field.name)!r} cannot be "
-                f"written as a {hf['architectures'][0]} config.json"
-            )
-    if back.layer_windows() != cfg.layer_windows():
-        raise ValueError(
-            f"{type(cfg).__name__}: per-layer windows {cfg.layer_windows()} cannot be written "
-            f"as a {hf['architectures'][0]} config.json"
-        )
-    return hf
-
+# The public surface for checkpoint directories, whichever module implements each part.
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "CheckpointReader",
+    "config_to_hf",
+    "from_pretrained",
+    "read_config",
+    "read_hf_config",
+    "save_pretrained",
+]
 
 # --- the mapping between checkpoint tensors and our params -----------------------------------
 
@@ -452,7 +110,7 @@ def _expected_hf_shape(r: Rule, our_shapes) -> tuple[int, ...]:
 def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dict) -> _Plan:
     """Checks the checkpoint against the model: every tensor present, of the right shape,
     and nothing left over."""
-    rules = fam.rules(cfg)
+    rules = fam.hf.rules(cfg)
     by_key = {}
     for r in rules:
         for j, key in enumerate(r.ours):
@@ -472,7 +130,7 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
         for i in range(cfg.num_layers) if r.per_layer else [None]:
             expected[r.hf.format(i=i)] = shape
 
-    prefix = fam.optional_prefix
+    prefix = fam.hf.optional_prefix
     present = {}
     for name in reader.names():
         canonical = name if not prefix or name.startswith(prefix) else prefix + name
@@ -481,7 +139,7 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"missing tensor {missing[0]}{more} in {fam.name} checkpoint {reader}")
-    ignored = [re.compile(p) for p in fam.ignored]
+    ignored = [re.compile(p) for p in fam.hf.ignored]
     unexpected = [
         actual
         for canonical, actual in present.items()
@@ -545,15 +203,15 @@ def from_pretrained(path: str, strategy, *, mesh=None, **overrides):
     tensors are missing, misshapen or unexpected, before any device memory is used.
     """
     from shardings.strategies import get_strategy
-    from zoo.build import check_model_fits, model_class
+    from zoo.build import check_model_fits
 
     if isinstance(strategy, str):
         strategy = get_strategy(strategy)
-    fam, cfg = _family_and_config(path, overrides)
+    fam, cfg = family_and_config(path, overrides)
     mesh = _concrete_mesh(mesh)
     check_model_fits(cfg, strategy, mesh)
     reader = CheckpointReader(path)
-    cls = model_class(cfg)
+    cls = fam.model_cls
     sharding = strategy.lm_sharding()
     with jax.set_mesh(mesh):
         abstract = nnx.eval_shape(lambda: cls(cfg, sharding, rngs=nnx.Rngs(0)))
@@ -592,7 +250,7 @@ def save_pretrained(model, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHAR
     an existing one at `path` is replaced.
     """
     cfg = model.cfg
-    fam = family_for_config(cfg)
+    fmt = hf_format(cfg)
     hf_config = config_to_hf(cfg)
     params = {}
     for var_path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -607,7 +265,7 @@ def save_pretrained(model, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHAR
         tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
         writer = ShardWriter(tmp, max_shard_bytes)
     try:
-        for r in fam.rules(cfg):
+        for r in fmt.rules(cfg):
             ours = [_gather(params[k]) for k in r.ours]  # per layer: a list, else one array
             if not writer_process:
                 continue

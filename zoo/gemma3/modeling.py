@@ -62,4 +62,3 @@ class Gemma3(DecoderLM):
 
 
 PRESETS = {"gemma3-1b": Gemma3Config.gemma3_1b, "gemma3-4b": Gemma3Config.gemma3_4b}
-MODEL_CLASS = Gemma3

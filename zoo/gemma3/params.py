@@ -4,11 +4,17 @@ block, and a config.json with per-layer-type RoPE and attention kinds."""
 from __future__ import annotations
 
 from zoo.gemma3.modeling import Gemma3Config
-from zoo.hf_io import Family, rope_parameters, rope_scaling, rope_to_hf
+from zoo.hf_mapping import HfFormat, rope_parameters, rope_scaling, rope_to_hf
 from zoo.layers.config import FULL, SLIDING
 from zoo.llama.params import decoder_config_from_hf, decoder_config_to_hf, decoder_rules
 
 ACT = "gelu_pytorch_tanh"
+# Four norms per block; here HF's `post_attention_layernorm` norms the attention's output.
+BLOCK_NORMS = {
+    "post_attention_layernorm": "blocks/post_attn_norm/weight",
+    "pre_feedforward_layernorm": "blocks/mlp_norm/weight",
+    "post_feedforward_layernorm": "blocks/post_mlp_norm/weight",
+}
 
 
 def config_from_hf(hf: dict) -> dict:
@@ -60,13 +66,11 @@ def config_to_hf(cfg: Gemma3Config) -> dict:
     return hf
 
 
-FAMILY = Family(
-    name="gemma3",
-    config_cls=Gemma3Config,
+HF_FORMAT = HfFormat(
     architectures=("Gemma3ForCausalLM",),
     model_types=("gemma3_text",),
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
-    rules=decoder_rules,
+    rules=lambda cfg: decoder_rules(cfg, BLOCK_NORMS),
     ignored=(r"lm_head\.weight",),
 )

@@ -56,4 +56,3 @@ class GPT2(DecoderLM):
 
 
 PRESETS = {"gpt2": GPT2Config.gpt2, "gpt2-medium": GPT2Config.gpt2_medium}
-MODEL_CLASS = GPT2

@@ -7,7 +7,7 @@ Conv1D weights are already [in, out]. `c_attn` fuses q | k | v along its output 
 from __future__ import annotations
 
 from zoo.gpt2.modeling import GPT2Config
-from zoo.hf_io import CONV1D_OUT, LINEAR_IN, Family, fused_last_dim, rule
+from zoo.hf_mapping import CONV1D_OUT, LINEAR_IN, HfFormat, fused_last_dim, rule
 
 H = "transformer.h.{i}."
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -84,9 +84,7 @@ def config_to_hf(cfg: GPT2Config) -> dict:
     }
 
 
-FAMILY = Family(
-    name="gpt2",
-    config_cls=GPT2Config,
+HF_FORMAT = HfFormat(
     architectures=("GPT2LMHeadModel",),
     model_types=("gpt2",),
     config_from_hf=config_from_hf,

@@ -98,4 +98,3 @@ PRESETS = {
     "llama3.2-3b": LlamaConfig.llama3_2_3b,
     "llama3.1-8b": LlamaConfig.llama3_1_8b,
 }
-MODEL_CLASS = Llama

@@ -3,10 +3,10 @@ Mistral and Gemma 3 share (their params.py add only what differs)."""
 
 from __future__ import annotations
 
-from zoo.hf_io import (
+from zoo.hf_mapping import (
     LINEAR_IN,
     LINEAR_OUT,
-    Family,
+    HfFormat,
     rope_parameters,
     rope_scaling,
     rope_to_hf,
@@ -14,14 +14,18 @@ from zoo.hf_io import (
     rule,
 )
 from zoo.layers.config import DecoderConfig
-from zoo.llama.modeling import LlamaConfig
 
 LAYER = "model.layers.{i}."
 
 
-def decoder_rules(cfg: DecoderConfig):
-    """`model.layers.{i}.self_attn.q_proj.weight` etc.; q/k norms and Gemma's four norms per
-    block when the config has them, `lm_head` when it is not tied to the embedding."""
+# Llama's second norm of a block, HF's `post_attention_layernorm`, is the one before the MLP.
+BLOCK_NORMS = {"post_attention_layernorm": "blocks/mlp_norm/weight"}
+
+
+def decoder_rules(cfg: DecoderConfig, block_norms: dict[str, str] = BLOCK_NORMS):
+    """`model.layers.{i}.self_attn.q_proj.weight` etc.; q/k norms when the config has them,
+    `block_norms` (HF name in a layer -> our param) for the norms after the first, `lm_head`
+    when it is not tied to the embedding."""
     rules = [
         rule("model.embed_tokens.weight", "embed/table"),
         rule(LAYER + "input_layernorm.weight", "blocks/attn_norm/weight"),
@@ -40,14 +44,7 @@ def decoder_rules(cfg: DecoderConfig):
             rule(LAYER + "self_attn.q_norm.weight", "blocks/attention/q_norm/weight"),
             rule(LAYER + "self_attn.k_norm.weight", "blocks/attention/k_norm/weight"),
         ]
-    if cfg.post_norms:  # Gemma: post_attention_layernorm is the attention output's norm
-        rules += [
-            rule(LAYER + "post_attention_layernorm.weight", "blocks/post_attn_norm/weight"),
-            rule(LAYER + "pre_feedforward_layernorm.weight", "blocks/mlp_norm/weight"),
-            rule(LAYER + "post_feedforward_layernorm.weight", "blocks/post_mlp_norm/weight"),
-        ]
-    else:
-        rules.append(rule(LAYER + "post_attention_layernorm.weight", "blocks/mlp_norm/weight"))
+    rules += [rule(LAYER + f"{hf}.weight", ours) for hf, ours in block_norms.items()]
     if not cfg.tie_embeddings:
         rules.append(rule("lm_head.weight", "lm_head/weight", transform=LINEAR_IN))
     return rules
@@ -103,9 +100,7 @@ def decoder_config_to_hf(cfg: DecoderConfig, architecture: str, model_type: str)
     }
 
 
-FAMILY = Family(
-    name="llama",
-    config_cls=LlamaConfig,
+HF_FORMAT = HfFormat(
     architectures=("LlamaForCausalLM",),
     model_types=("llama",),
     config_from_hf=lambda hf: decoder_config_from_hf(hf, tie_default=False),

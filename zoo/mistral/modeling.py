@@ -37,4 +37,3 @@ class Mistral(DecoderLM):
 
 
 PRESETS = {"mistral-7b-v0.1": MistralConfig.mistral_7b_v0_1}
-MODEL_CLASS = Mistral

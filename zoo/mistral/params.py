@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from zoo.hf_io import Family
+from zoo.hf_mapping import HfFormat
 from zoo.llama.params import decoder_config_from_hf, decoder_config_to_hf, decoder_rules
-from zoo.mistral.modeling import MistralConfig
 
-FAMILY = Family(
-    name="mistral",
-    config_cls=MistralConfig,
+HF_FORMAT = HfFormat(
     architectures=("MistralForCausalLM",),
     model_types=("mistral",),
     # transformers 5 masks `q - W < kv <= q`: W keys incl. the query, our convention too.

@@ -79,4 +79,3 @@ PRESETS = {
     "qwen3-4b": Qwen3Config.qwen3_4b,
     "qwen3-8b": Qwen3Config.qwen3_8b,
 }
-MODEL_CLASS = Qwen3

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zoo.hf_io import Family
+from zoo.hf_mapping import HfFormat
 from zoo.layers.config import FULL, SLIDING
 from zoo.llama.params import decoder_config_from_hf, decoder_config_to_hf, decoder_rules
 from zoo.qwen3.modeling import Qwen3Config
@@ -28,9 +28,7 @@ def config_to_hf(cfg: Qwen3Config) -> dict:
     }
 
 
-FAMILY = Family(
-    name="qwen3",
-    config_cls=Qwen3Config,
+HF_FORMAT = HfFormat(
     architectures=("Qwen3ForCausalLM",),
     model_types=("qwen3",),
     config_from_hf=config_from_hf,

@@ -1,0 +1,145 @@
+"""Strategies are rule tables: a new one is a few lines, the default mesh fits every model,
+and the declared layouts of the four named strategies are pinned by golden files.
+
+Tolerances as in test_strategies_equal_one_device.py: float32, a split contraction sums in
+another order than one device, so 2e-5 absolute on logits and loss, 1e-5 + 1e-4 relative on
+gradients.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from model_utils import (
+    host_params,
+    load_params,
+    one_device_mesh,
+    packed_batch,
+    put_batch,
+    record_outputs,
+)
+
+from shardings import STRATEGIES, get_strategy
+from shardings.strategies import DATA, MODEL, Strategy
+from zoo import check_model_fits, create_model, get_config
+from zoo.build import PRESETS
+from zoo.loss import lm_loss
+
+CFG = get_config("tiny")
+
+# Megatron sequence parallelism on top of tp: between blocks the residual stream is split
+# on T over `model`, so o and down reduce-scatter into it and each norm's output is
+# all-gathered on T before the next matmul.
+TP_SEQUENCE_RESIDUAL = Strategy(
+    name="tp_sp",
+    axes=(DATA, MODEL),
+    rules={
+        "batch": DATA,
+        "heads": MODEL,
+        "kv_heads": MODEL,
+        "ffn": MODEL,
+        "vocab": MODEL,
+        "table_embed": MODEL,
+        "residual_seq": MODEL,
+    },
+)
+
+
+def _forward_and_grads(strategy, mesh, init_params=None):
+    batch_np = packed_batch(batch=8, seq=32, vocab=CFG.vocab_size)
+    with jax.set_mesh(mesh):
+        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
+        if init_params is not None:
+            load_params(model, init_params)
+        batch = put_batch(batch_np, strategy.batch_spec())
+
+        @nnx.jit
+        def step(model, batch):
+            def loss_fn(model):
+                logits = model(
+                    batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+                )
+                return lm_loss(logits, batch["tokens"], batch["segment_ids"])[0], logits
+
+            return nnx.value_and_grad(loss_fn, has_aux=True)(model)
+
+        with record_outputs() as records:
+            (loss, logits), grads = step(model, batch)
+        return {
+            "params": host_params(model),
+            "records": records,
+            "loss": float(loss),
+            "logits": np.asarray(logits),
+            "grads": host_params(grads),
+        }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _forward_and_grads(get_strategy("dp"), one_device_mesh())
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel(reference):
+    mesh = TP_SEQUENCE_RESIDUAL.make_mesh(shape=(4, 2))
+    return _forward_and_grads(TP_SEQUENCE_RESIDUAL, mesh, init_params=reference["params"])
+
+
+def test_strategy_from_a_table_equals_one_device(sequence_parallel, reference):
+    run = sequence_parallel
+    np.testing.assert_allclose(run["logits"], reference["logits"], atol=2e-5, rtol=0)
+    assert abs(run["loss"] - reference["loss"]) < 2e-5
+    assert set(run["grads"]) == set(reference["grads"])
+    for path, g in reference["grads"].items():
+        np.testing.assert_allclose(run["grads"][path], g, atol=1e-5, rtol=1e-4, err_msg=path)
+
+
+def test_strategy_from_a_table_splits_the_residual_on_seq(sequence_parallel):
+    blocks = [(declared, live) for kind, declared, live in sequence_parallel["records"]]
+    assert blocks, "no module output was recorded"
+    for declared, live in blocks:
+        assert live == declared
+    residual = TP_SEQUENCE_RESIDUAL.lm_sharding().block.residual
+    assert residual == jax.sharding.PartitionSpec(DATA, MODEL, None)
+    block_outs = [live for kind, _, live in sequence_parallel["records"] if kind == "Block"]
+    assert block_outs and all(live == residual for live in block_outs)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_default_mesh_without_config_fits_every_preset(name):
+    # check_model_fits is the check create_model runs first; it is what rejected tp on tiny.
+    strategy = get_strategy(name)
+    mesh = strategy.make_mesh()
+    assert mesh.devices.size == 8
+    for preset in PRESETS:
+        check_model_fits(get_config(preset), strategy, mesh)
+
+
+def test_default_mesh_without_config_builds_tiny_under_tp():
+    strategy = get_strategy("tp")
+    with jax.set_mesh(strategy.make_mesh()):
+        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
+    assert model.embed.table[...].sharding.mesh.devices.size == 8
+
+
+def test_default_mesh_with_config_splits_what_the_model_allows():
+    # tiny: 8 heads, 4 kv heads, F 128, V 512, M 64: `model` up to 4 divides them all.
+    assert get_strategy("tp").default_mesh_shape(8, CFG) == (2, 4)
+    assert get_strategy("fsdp_tp").default_mesh_shape(8, CFG) == (4, 2)
+    one_kv_head = CFG.replace(num_heads=4, num_kv_heads=1)
+    assert get_strategy("tp").default_mesh_shape(8, one_kv_head) == (8, 1)
+    assert get_strategy("fsdp").default_mesh_shape(8, CFG) == (8,)
+
+
+@pytest.mark.parametrize(
+    "rules,message",
+    [
+        ({"batch": DATA, "kv_head": MODEL}, r"unknown logical dim 'kv_head'; valid: batch, seq"),
+        ({"batch": "expert"}, r"rule 'batch' -> 'expert' names an axis outside"),
+    ],
+)
+def test_bad_rule_table_is_rejected(rules, message):
+    with pytest.raises(ValueError, match=message):
+        Strategy(name="bad", axes=(DATA, MODEL), rules=rules)
