@@ -26,6 +26,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
+# start-up lines on stderr (see training/host.py).
+from training.host import import_jax_quietly  # noqa: E402
+
+import_jax_quietly()
+
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402

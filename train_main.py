@@ -16,6 +16,12 @@ import os
 # Before jax is imported: keep XLA's C++ start-up chatter off stderr, which carries errors.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
+# start-up lines on stderr (see training/host.py).
+from training.host import import_jax_quietly  # noqa: E402
+
+import_jax_quietly()
+
 import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
