@@ -26,6 +26,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from training.xla_cpu import set_cpu_flags  # noqa: E402
+
+set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
+
 # Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
 # start-up lines on stderr (see training/host.py).
 from training.host import import_jax_quietly  # noqa: E402
@@ -43,7 +47,7 @@ EVAL_FILE = "eval.json"
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints/ and eval.json).")
 _STRATEGY = flags.DEFINE_string(
-    "sharding_strategy", None, "dp | fsdp | tp | fsdp_tp; default: the run's."
+    "sharding_strategy", None, "dp | fsdp | tp | fsdp_tp | fsdp_ep; default: the run's."
 )
 _MESH_SHAPE = flags.DEFINE_string("mesh_shape", None, "e.g. data:8; default: the strategy's rule.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest complete one.")
@@ -255,7 +259,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
         axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
         multiple = math.prod(mesh.shape[a] for a in axes)
     padded_rows = -(-rows // multiple) * multiple  # same data on every mesh, padding rows added
-    check_batch(padded_rows, batch_spec, mesh, settings.strategy)
+    check_batch(padded_rows, batch_spec, mesh, settings.strategy, seq_len=settings.seq_len)
     dataset = data.build_dataset(
         settings.source,
         settings.split,

@@ -23,6 +23,9 @@ _DEVICES = flags.DEFINE_integer("devices", 8, "simulated devices, when running o
 _WRITE_GOLDEN = flags.DEFINE_string(
     "write_golden", None, "write DIR/<strategy>.txt, the layout report tests/golden pins, and stop"
 )
+_SLICES = flags.DEFINE_integer(
+    "slices", 1, "slices the devices stand for (the default `replica` size of hsdp / hsdp_tp)"
+)
 _COLLECTIVES = flags.DEFINE_bool(
     "collectives", False, "also compile forward+backward and count collectives"
 )
@@ -39,7 +42,12 @@ def main(argv):
     import jax
 
     from shardings import STRATEGIES, get_strategy
-    from shardings.explain import count_collectives, layout_report, layout_table
+    from shardings.explain import (
+        count_collectives,
+        count_collectives_by_link,
+        layout_report,
+        layout_table,
+    )
     from zoo import get_config, param_layouts
 
     try:
@@ -59,14 +67,19 @@ def main(argv):
     print(cfg.describe())
     print(f"{jax.device_count()} devices; default meshes:")
     for s in strategies:
-        shape = s.default_mesh_shape(jax.device_count(), cfg)
+        shape = s.default_mesh_shape(jax.device_count(), cfg, num_slices=_SLICES.value)
         print(f"  {s.name}: " + ", ".join(f"{a}={n}" for a, n in zip(s.axes, shape, strict=True)))
     print()
     print(layout_table({s.name: param_layouts(cfg, s) for s in strategies}))
     if _COLLECTIVES.value:
         print()
+        print("collectives of one forward+backward pass (dcn: crosses slices)")
         for s in strategies:
-            print(f"{s.name}: {dict(count_collectives(_compiled_text(cfg, s)))}")
+            text, slice_of = _compiled_text(cfg, s)
+            by_link = count_collectives_by_link(text, slice_of)
+            dcn = {op: n for (op, link), n in by_link.items() if link == "dcn"}
+            total = {k: v for k, v in count_collectives(text).items() if v}
+            print(f"{s.name}: {total}" + (f"; over dcn: {dcn}" if dcn else ""))
 
 
 def _compiled_text(cfg, strategy):
@@ -74,13 +87,17 @@ def _compiled_text(cfg, strategy):
     import numpy as np
     from flax import nnx
 
+    from shardings.hybrid import partition_slices
     from zoo import create_model
     from zoo.loss import lm_loss
 
-    mesh = strategy.make_mesh(config=cfg)
+    shape = strategy.default_mesh_shape(jax.device_count(), cfg, num_slices=_SLICES.value)
+    mesh = strategy.make_mesh(shape=shape, config=cfg)
     with jax.set_mesh(mesh):
         model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
-        B = int(np.prod([mesh.shape[a] for a in strategy.axes if a == "data"])) * 2
+        batch_axes = strategy.batch_spec()[0] or ()
+        batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
+        B = int(np.prod([mesh.shape[a] for a in batch_axes])) * 2
         tokens = jax.device_put(np.zeros((B, 64), np.int32), strategy.batch_spec())
 
         def loss(model, tokens):
@@ -89,7 +106,7 @@ def _compiled_text(cfg, strategy):
 
         graphdef, state = nnx.split(model)
         fn = jax.jit(lambda s, t: jax.grad(lambda s: loss(nnx.merge(graphdef, s), t))(s))
-        return fn.lower(state, tokens).compile().as_text()
+        return fn.lower(state, tokens).compile().as_text(), partition_slices(mesh)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ import os
 # Before jax is imported: keep XLA's C++ start-up chatter off stderr, which carries errors.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from training.xla_cpu import set_cpu_flags  # noqa: E402
+
+set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
+
 # Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
 # start-up lines on stderr (see training/host.py).
 from training.host import import_jax_quietly  # noqa: E402

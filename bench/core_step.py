@@ -30,6 +30,10 @@ def main(argv):
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={_DEVICES.value}"
         )
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from training.xla_cpu import set_cpu_flags
+
+        set_cpu_flags()
     import jax
     import numpy as np
     import optax

@@ -99,12 +99,16 @@ def main() -> None:
         _child(args)
         return
 
+    sys.path.insert(0, ROOT)
+    from training.xla_cpu import set_cpu_flags
+
     rows = []
     for devices in [int(d) for d in args.devices.split(",")]:
         env = dict(os.environ)
         if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+            set_cpu_flags(env)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         # One device: the strategies coincide (every mesh axis has size 1); run one.
         strategies = "fsdp_tp" if devices == 1 else args.strategies

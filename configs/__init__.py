@@ -61,7 +61,9 @@ def base_config() -> ConfigDict:
     c.training = t = ConfigDict()
     t.steps = 100  # optimizer steps in the run
     t.seed = 0  # parameter initialisation seed
-    t.sharding_strategy = "fsdp_tp"  # dp | fsdp | tp | fsdp_tp (--sharding_strategy overrides)
+    t.sharding_strategy = (
+        "fsdp_tp"  # dp | fsdp | tp | fsdp_tp | fsdp_ep (--sharding_strategy overrides)
+    )
     t.mesh_shape = ""  # e.g. 'data:4,model:2'; '' = the strategy's default (--mesh_shape overrides)
     t.eval_every = 0  # validation loss every N steps (and at the end); 0: only at the end
     t.eval_batches = 4  # global batches of validation data per evaluation

@@ -8,13 +8,26 @@ from shardings.specs import (
     LinearSharding,
     LmSharding,
     MlpSharding,
+    MoeSharding,
     NormSharding,
 )
-from shardings.strategies import DATA, MODEL, STRATEGIES, Strategy, get_strategy
+from shardings.strategies import (
+    CONTEXT,
+    DATA,
+    EXPERT,
+    MODEL,
+    REPLICA,
+    STRATEGIES,
+    Strategy,
+    get_strategy,
+)
 
 __all__ = [
+    "CONTEXT",
     "DATA",
+    "EXPERT",
     "MODEL",
+    "REPLICA",
     "STRATEGIES",
     "AttentionSharding",
     "BlockSharding",
@@ -22,6 +35,7 @@ __all__ = [
     "LinearSharding",
     "LmSharding",
     "MlpSharding",
+    "MoeSharding",
     "NormSharding",
     "Strategy",
     "check_batch",

@@ -72,3 +72,17 @@ def crossing_axes(mesh) -> tuple[str, ...]:
         if np.any(np.diff(ids, axis=axis) != 0):
             out.append(name)
     return tuple(out)
+
+
+def partition_slices(mesh) -> list[int]:
+    """The slice of each device of `mesh` in order (`mesh.devices.flat`, the partition ids of
+    compiled HLO). One host standing in for several slices (a simulated CPU run, or a plan)
+    counts the `replica` coordinate as the slice, which is what the hybrid mesh makes it."""
+    flat = list(mesh.devices.flat)
+    if num_granules(flat) > 1:
+        group_of = {d.id: i for i, grp in enumerate(granules(flat)) for d in grp}
+        return [group_of[d.id] for d in flat]
+    if REPLICA in mesh.axis_names:
+        coords = np.indices(mesh.devices.shape)[mesh.axis_names.index(REPLICA)]
+        return [int(c) for c in coords.reshape(-1)]
+    return [0] * len(flat)

@@ -115,8 +115,21 @@ def check_divisible(
                 )
 
 
-def check_batch(batch_size: int, batch_spec: P, mesh: Mesh, strategy_name: str) -> None:
-    """The batch dim of [B, T] inputs divides by the mesh axes it is split over."""
+def check_batch(
+    batch_size: int, batch_spec: P, mesh: Mesh, strategy_name: str, seq_len: int | None = None
+) -> None:
+    """The batch dim of [B, T] inputs divides by the mesh axes it is split over, and so
+    does T (into 2 load-balanced chunks per device) when it is split."""
+    if seq_len is not None and len(batch_spec) > 1 and batch_spec[1] is not None:
+        seq_axes = batch_spec[1] if isinstance(batch_spec[1], tuple) else (batch_spec[1],)
+        chunks = 2 * math.prod(mesh.shape[a] for a in seq_axes)
+        if seq_len % chunks:
+            axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in seq_axes)
+            raise ValueError(
+                f"{strategy_name}: sequence length {seq_len} is split over mesh axis "
+                f"{axis_text} in 2 load-balanced chunks per device; use a sequence length "
+                f"that is a multiple of {chunks}"
+            )
     axes = batch_spec[0] if len(batch_spec) else None
     if axes is None:
         return

@@ -6,8 +6,10 @@ module stores its dataclass at construction, attaches the weight specs to its va
 here decides a layout; `shardings/strategies.py` fills these for a whole model.
 
 Dims, one set of letters everywhere: B batch, T query positions, S key/value positions,
-M model (residual) width, N query heads, K key/value heads, D head dim, F FFN width,
-V vocab, L layers.
+M model (residual) width, N query heads, K key/value heads, G = N // K query heads per kv
+head, D head dim, R = D / 2 rotary frequencies, F FFN width, V vocab, L layers, P prompt
+positions, O generated (output) tokens, E experts, X token-to-expert assignments
+(tokens * k).
 """
 
 from __future__ import annotations
@@ -63,6 +65,31 @@ class MlpSharding:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeSharding:
+    """A mixture-of-experts feed-forward: router, experts stacked on E, and where tokens go.
+
+    The expert compute runs inside `jax.shard_map` over the mesh axes named here, so each
+    device sorts only its own tokens; `*_compute` are the expert weights' layouts inside it
+    (the stored layouts' FSDP split gathered).
+    """
+
+    router: LinearSharding  # [M, E] -> router logits [B, T, E]
+    gate: P  # [E, M, F] stored
+    up: P  # [E, M, F]
+    down: P  # [E, F, M]
+    gate_compute: P  # [E, M, F] as the expert matmuls read it
+    up_compute: P
+    down_compute: P
+    tokens: P  # [B, T, M] tokens entering the expert compute; [B, T, k] routing likewise
+    # [E, X, M]: tokens after dispatch, grouped by the expert shard that computes them (the
+    # all-to-all's result); E's entry is the expert axis.
+    dispatched: P
+    out: P  # [B, T, M] the block's output, back in token order
+    expert_axis: str | None  # mesh axis the experts are split over; tokens all-to-all over it
+    ffn_axis: str | None  # mesh axis F is split over; partial sums of `down` reduced over it
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockSharding:
     residual: P  # [B, T, M], the stream between blocks
     attn_norm: NormSharding
@@ -71,6 +98,7 @@ class BlockSharding:
     mlp_norm: NormSharding
     mlp: MlpSharding
     post_mlp_norm: NormSharding
+    moe: MoeSharding  # used instead of `mlp` by MoE configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +109,10 @@ class LmSharding:
     block: BlockSharding  # every layer; stacked weights get a leading replicated L dim
     final_norm: NormSharding
     lm_head: LinearSharding  # [M, V] -> logits [B, T, V]
+    # With T split (context parallelism): "balanced" keeps rows inside the model in
+    # load-balanced chunk order (device i holds chunks i and 2c-1-i of 2c), "natural" in
+    # index order. Inputs and logits are always in index order.
+    seq_order: str = "natural"
 
 
 def stacked(spec: P) -> P:

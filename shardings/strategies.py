@@ -25,6 +25,7 @@ from shardings.specs import (
     LinearSharding,
     LmSharding,
     MlpSharding,
+    MoeSharding,
     NormSharding,
 )
 
@@ -34,6 +35,8 @@ MODEL = "model"  # tensor parallel: heads, FFN width, vocab
 REPLICA = "replica"
 # Sequence split for long context: T of every activation, K/V gathered inside attention.
 CONTEXT = "context"
+# Expert parallel: MoE experts split, tokens sent to their experts by all-to-all over it.
+EXPERT = "expert"
 
 # The logical dims a rule may name, each with the config field that gives its size (None:
 # no single field), which the default mesh rule must divide.
@@ -48,6 +51,8 @@ LOGICAL_DIMS: dict[str, str | None] = {
     "kv_heads": "num_kv_heads",  # K of the key/value projections, heads and cache
     "ffn": "ffn_dim",  # F of the MLP
     "vocab": "vocab_size",  # V of the LM head and the logits
+    "expert": "num_experts",  # E of the stacked MoE expert weights
+    "expert_ffn": "moe_ffn_dim",  # F of one MoE expert
 }
 
 Axes = str | tuple[str, ...] | None
@@ -199,6 +204,28 @@ def _lm(s: Strategy) -> LmSharding:
         up=_linear(w_in_ffn, ffn),
         down=_linear(w_out_ffn, residual),
     )
+    # MoE. Router [M, E]: tiny (E columns), so only FSDP-split; its logits stay `B T E` with
+    # the batch's split, so routing is local to each token's device. Experts [E, M, F] /
+    # [E, F, M]: E over `expert` (each device keeps whole experts: no communication inside
+    # an expert's matmul; tokens travel instead), F as the dense MLP's, M over FSDP and
+    # gathered for the compute like any FSDP weight.
+    expert_axis, expert_ffn_axis = s.rules.get("expert"), s.rules.get("expert_ffn")
+    moe = MoeSharding(
+        router=LinearSharding(weight=s.spec("embed_fsdp", None), out=s.spec("batch", "seq", None)),
+        gate=s.spec("expert", "embed_fsdp", "expert_ffn"),
+        up=s.spec("expert", "embed_fsdp", "expert_ffn"),
+        down=s.spec("expert", "expert_ffn", "embed_fsdp"),
+        gate_compute=s.spec("expert", None, "expert_ffn"),
+        up_compute=s.spec("expert", None, "expert_ffn"),
+        down_compute=s.spec("expert", "expert_ffn", None),
+        tokens=gathered,
+        dispatched=s.spec("expert", None, None),
+        # A split F leaves partial sums of `down`: reduce-scattered into a split residual,
+        # else all-reduced, as the dense MLP's are.
+        out=residual,
+        expert_axis=expert_axis,
+        ffn_axis=expert_ffn_axis,
+    )
     block = BlockSharding(
         residual=residual,
         attn_norm=_norm(gathered),
@@ -207,12 +234,16 @@ def _lm(s: Strategy) -> LmSharding:
         mlp_norm=_norm(gathered),
         mlp=mlp,
         post_mlp_norm=_norm(residual),
+        moe=moe,
     )
     # Embedding tables [V, M] / [T_max, M]: never split on V, so the row gather needs no
     # communication; their M follows `table_embed`.
     table = s.spec(None, "table_embed")
     # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
     return LmSharding(
+        # A split T runs in balanced chunk order inside the model, so that causal attention
+        # gives every device the same work (zoo/layers/context_parallel.py).
+        seq_order="balanced" if s.rules.get("seq") else "natural",
         tokens=tokens,
         embed=EmbeddingSharding(table=table, out=residual),
         position_embed=EmbeddingSharding(table=table, out=residual),
@@ -269,6 +300,7 @@ TP = Strategy(
         "heads": MODEL,
         "kv_heads": MODEL,
         "ffn": MODEL,
+        "expert_ffn": MODEL,  # each expert's F, as the dense MLP's
         # Logits stay `V/model`; the loss reduces over the split vocab (an all-reduce of
         # the log-sum-exp terms).
         "vocab": MODEL,
@@ -288,6 +320,7 @@ FSDP_TP = Strategy(
         "heads": MODEL,  # as tp
         "kv_heads": MODEL,
         "ffn": MODEL,
+        "expert_ffn": MODEL,  # each expert's F, as the dense MLP's
         "vocab": MODEL,
         # seqax: the residual between blocks is split on M over `model`, so o and down
         # reduce-scatter into it (instead of all-reducing) and each norm's output is
@@ -304,32 +337,77 @@ FSDP_TP = Strategy(
 HSDP = Strategy(
     name="hsdp",
     axes=(REPLICA, DATA),
-    rules={
-        # The batch is split over both: the one collective over `replica` is the all-reduce
-        # of the already `data`-sharded gradients.
-        "batch": (REPLICA, DATA),
-        "embed_fsdp": DATA,  # as fsdp, inside a slice
-        "table_embed": DATA,
-    },
+    # As fsdp inside a slice; the batch is split over both axes, so the one collective over
+    # `replica` is the all-reduce of the already `data`-sharded gradients.
+    rules={**FSDP.rules, "batch": (REPLICA, DATA)},
 )
 
 HSDP_TP = Strategy(
     name="hsdp_tp",
     axes=(REPLICA, DATA, MODEL),
-    axis_caps={MODEL: _at_most_node_and_sqrt},
+    axis_caps=FSDP_TP.axis_caps,
+    rules={**FSDP_TP.rules, "batch": (REPLICA, DATA)},  # as fsdp_tp inside a slice
+)
+
+# Context parallelism: T of every activation split over `context` (tokens, residual, MLP
+# hidden, logits: `B/data T/context ...`); attention all-gathers K/V over `context` and, in the
+# backward pass, reduce-scatters their gradients. The mesh puts `context` inside `data`, on
+# the faster links, since its all-gathers come every layer.
+FSDP_CP = Strategy(
+    name="fsdp_cp",
+    axes=(DATA, CONTEXT),
+    axis_caps={CONTEXT: math.isqrt},
     rules={
-        "batch": (REPLICA, DATA),  # as hsdp
-        "embed_fsdp": DATA,  # as fsdp_tp, inside a slice
-        "heads": MODEL,
+        "batch": DATA,
+        "seq": CONTEXT,
+        "residual_seq": CONTEXT,
+        # The context devices hold different tokens of the same rows, so for the weights
+        # they are data parallel: FSDP over `data` and `context` together (the gradients
+        # must be summed over both anyway, so they are reduce-scattered over both).
+        "embed_fsdp": (DATA, CONTEXT),
+        "table_embed": (DATA, CONTEXT),
+    },
+)
+
+FSDP_TP_CP = Strategy(
+    name="fsdp_tp_cp",
+    axes=(DATA, CONTEXT, MODEL),
+    axis_caps={CONTEXT: math.isqrt, MODEL: _at_most_node_and_sqrt},
+    rules={
+        "batch": DATA,
+        "seq": CONTEXT,  # as fsdp_cp
+        "residual_seq": CONTEXT,
+        "embed_fsdp": (DATA, CONTEXT),
+        "heads": MODEL,  # as fsdp_tp: heads, FFN and vocab over `model`
         "kv_heads": MODEL,
         "ffn": MODEL,
+        "expert_ffn": MODEL,  # each expert's F, as the dense MLP's
         "vocab": MODEL,
-        "residual": MODEL,
+        "residual": MODEL,  # residual `B/data T/context M/model`
         "table_embed": MODEL,
     },
 )
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP)}
+# Expert parallelism for MoE models (as MaxText / torchtitan shard experts). Dense layers are
+# FSDP over `data`; the batch is split over `data` and `expert` alike, so no device repeats
+# another's attention work, and a dense model runs as fsdp with more data parallelism.
+FSDP_EP = Strategy(
+    name="fsdp_ep",
+    axes=(DATA, EXPERT),
+    axis_caps={EXPERT: _at_most_node},  # two all-to-alls per MoE layer: keep them on ICI/NVLink
+    rules={
+        "batch": (DATA, EXPERT),
+        "embed_fsdp": DATA,  # as fsdp, replicated over `expert`; gradients all-reduced over it
+        "table_embed": DATA,
+        # Each device holds E/expert whole experts; after routing, each token's hidden
+        # state goes to the device of each chosen expert and back (all-to-all over `expert`).
+        "expert": EXPERT,
+    },
+)
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP, FSDP_CP, FSDP_TP_CP, FSDP_EP)
+}
 
 
 def get_strategy(name: str) -> Strategy:

@@ -12,7 +12,7 @@ from flax import nnx
 from shardings import get_strategy
 from shardings.specs import normalize
 from zoo.layers import attention as attention_mod
-from zoo.layers import basic, decoder, mlp
+from zoo.layers import basic, decoder, mlp, moe
 
 
 def packed_batch(batch=8, seq=32, vocab=512, seed=0, docs_per_row=3):
@@ -77,7 +77,7 @@ def record_outputs():
     inside the layer scan, where outputs are traced but carry their sharding type."""
     records = []
     classes = [basic.Einsum, basic.Embed, basic.Norm, attention_mod.Attention, mlp.Mlp]
-    classes.append(decoder.Block)
+    classes += [moe.Moe, decoder.Block]
     originals = {cls: cls.__call__ for cls in classes}
 
     def wrap(cls, fn):

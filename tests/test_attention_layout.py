@@ -1,6 +1,6 @@
-"""The layout fix for black-box attention backends, through an fsdp_tp train step (issue 5,
-check 2): with it the step compiles, the numbers equal the xla run and the attention
-output has its declared layout; without it the same step raises.
+"""The layout fix for black-box attention backends, through an fsdp_tp train step: with it
+the step compiles, the numbers equal the xla run and the attention output has its declared
+layout; without it the same step raises.
 
 No GPU here, so a stand-in plays cuDNN: jax's cuDNN primitive (jax 0.10.2,
 `_attention_out_aval` in jax/_src/cudnn/fused_attention_stablehlo.py) types its output

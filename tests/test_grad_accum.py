@@ -1,4 +1,4 @@
-"""Gradient accumulation through the real train step (issue 3, check 5).
+"""Gradient accumulation through the real train step.
 
 tests/test_optim.py checks `accumulate_gradients` on its own; this checks the step train_main
 runs (Llama model, fsdp_tp on 8 devices, clipping and AdamW): k micro-batches of B/k rows give
@@ -49,7 +49,7 @@ def _losses(num_micro_batches: int) -> tuple[list[float], list[float]]:
     return losses, grad_norms
 
 
-def test_check5_micro_batches_equal_one_big_batch():
+def test_micro_batches_equal_one_big_batch():
     # B=16 rows, k=4: 4 rows per micro-batch, one per device of the data axis (size 4).
     one_loss, one_norm = _losses(1)
     acc_loss, acc_norm = _losses(4)

@@ -66,3 +66,31 @@ def test_default_mesh_puts_one_replica_per_slice():
     tiny = get_config("tiny")  # 4 kv heads
     assert hsdp_tp.default_mesh_shape(16, tiny, num_slices=2) == (2, 4, 2)
     assert get_strategy("hsdp").default_mesh_shape(8, num_slices=1) == (1, 8)
+
+
+def test_only_the_replica_reduction_crosses_slices_in_compiled_hsdp():
+    """A data-parallel matmul's gradient under hsdp on replica:2 x data:4, as XLA compiles it:
+    the FSDP all-gather and the reduction over `data` stay in a slice; the reduction over
+    `replica` is the collective that crosses (counted from the HLO's device groups)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from shardings.explain import count_collectives_by_link
+    from shardings.hybrid import partition_slices
+
+    strategy = get_strategy("hsdp")
+    mesh = strategy.make_mesh(shape="replica:2,data:4")
+    assert partition_slices(mesh) == [0, 0, 0, 0, 1, 1, 1, 1]
+    with jax.set_mesh(mesh):
+        x_BM = jax.device_put(np.ones((8, 16), np.float32), strategy.batch_spec())
+        w_MF = jax.device_put(np.ones((16, 32), np.float32), P("data", None))
+        grad = jax.grad(lambda w, x: jnp.sin(jnp.einsum("bm,mf->bf", x, w)).sum())
+        hlo = jax.jit(grad).lower(w_MF, x_BM).compile().as_text()
+    by_link = count_collectives_by_link(hlo, partition_slices(mesh))
+    assert by_link[("all-gather", "ici")] >= 1 and by_link[("all-gather", "dcn")] == 0
+    assert by_link[("all-reduce", "dcn")] >= 1
+    assert (
+        sum(n for (_, link), n in by_link.items() if link == "dcn")
+        == by_link[("all-reduce", "dcn")]
+    )

@@ -24,8 +24,8 @@ from model_utils import (
 from shardings import STRATEGIES, get_strategy
 from shardings.strategies import DATA, MODEL, Strategy
 from zoo import check_model_fits, create_model, get_config
-from zoo.build import PRESETS
 from zoo.loss import lm_loss
+from zoo.registry import presets
 
 CFG = get_config("tiny")
 
@@ -113,7 +113,7 @@ def test_default_mesh_without_config_fits_every_preset(name):
     strategy = get_strategy(name)
     mesh = strategy.make_mesh()
     assert mesh.devices.size == 8
-    for preset in PRESETS:
+    for preset in presets():
         check_model_fits(get_config(preset), strategy, mesh)
 
 

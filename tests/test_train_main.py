@@ -1,4 +1,5 @@
-"""train_main.py end to end on 8 simulated CPU devices (issue 3, checks 1, 2 and 6)."""
+"""train_main.py end to end on 8 simulated CPU devices: the loss falls and the files exist,
+every strategy gives the same losses, bad input exits 2 with one line."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def fsdp_tp_run(tmp_path_factory):
     return workdir
 
 
-def test_check1_loss_falls_and_files_exist(fsdp_tp_run):
+def test_loss_falls_and_files_exist(fsdp_tp_run):
     losses = train_losses(fsdp_tp_run)
     assert len(losses) == SMALL_RUN["training.steps"]
     # Untrained: ln(512) = 6.24 nats (uniform over the model's vocab). After 40 steps on
@@ -69,13 +70,19 @@ def test_check1_loss_falls_and_files_exist(fsdp_tp_run):
 STRATEGY_RTOL = 1e-5
 
 
-@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-def test_check2_strategies_give_the_same_losses(strategy, fsdp_tp_run, tmp_path):
+# strategy -> its default mesh on 8 devices for this model; fsdp_cp splits T (64) over
+# `context` in the train step, the eval step and the loss's shift.
+DEFAULT_MESHES = {"dp": {"data": 8}, "fsdp": {"data": 8}, "fsdp_cp": {"data": 4, "context": 2}}
+
+
+@pytest.mark.parametrize("strategy", list(DEFAULT_MESHES))
+def test_strategies_give_the_same_losses(strategy, fsdp_tp_run, tmp_path):
     from training import run as train_run
 
     run = run_config({**SMALL_RUN, "training.sharding_strategy": strategy})
     setup = train_run.Setup(run, str(tmp_path))
-    assert setup.strategy.name == strategy and dict(setup.mesh.shape) == {"data": 8}
+    assert setup.strategy.name == strategy
+    assert dict(setup.mesh.shape) == DEFAULT_MESHES[strategy]
     train_run.train(setup)
     losses = train_losses(str(tmp_path))
     reference = train_losses(fsdp_tp_run)
@@ -88,6 +95,14 @@ BAD_INPUTS = {
     "unknown strategy": (["--sharding_strategy=zigzag"], "unknown sharding strategy 'zigzag'"),
     "bad mesh shape": (["--mesh_shape=data:four,model:2"], "'four' is not an integer"),
     "mesh not matching devices": (["--mesh_shape=data:4,model:4"], "needs 16 devices"),
+    "sequence not splitting over context": (
+        [
+            "--sharding_strategy=fsdp_cp",
+            "--mesh_shape=data:2,context:4",
+            "--config.data.seq_len=60",
+        ],
+        "use a sequence length that is a multiple of 8",
+    ),
     "missing data path": (
         ["--config.data.source=/nonexistent/corpus/*.txt"],
         "matches no files",
@@ -100,7 +115,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_check6_bad_input_exits_2_with_one_line(case, tmp_path):
+def test_bad_input_exits_2_with_one_line(case, tmp_path):
     args, expected = BAD_INPUTS[case]
     result = run_train_main([f"--workdir={tmp_path}", *args], timeout=120)
     lines = result.stderr.strip().splitlines()

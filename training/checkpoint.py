@@ -9,7 +9,7 @@ Layout: `<workdir>/checkpoints/<step>/` with four Orbax items,
              (e.g. the RNG seed/counter)}
 
 The model and the optimizer are separate items so evaluation restores the parameters alone
-(JAX_NOTES.md, Orbax: a partial StandardRestore of one tree fails on structure).
+(Orbax's StandardRestore of part of one saved tree fails on the structure mismatch).
 
 Restoring onto any strategy and device count: the targets are built from the *live* model's
 arrays (shape, dtype, sharding), so Orbax reads each shard straight into the layout the model

@@ -27,7 +27,7 @@ Pipeline, in this order and why:
                   pass in file order.
   tokenize        text -> ids + EOS (in Grain's read threads).
   mp_prefetch     optional worker processes. Placed before anything stateful so the output does
-                  not depend on the number of workers (see JAX_NOTES.md, Grain).
+                  not depend on the number of workers (after packing, it would).
   chunk           documents longer than seq_len become several documents of <= seq_len tokens.
   window shuffle  (when shuffling) mixes the chunks of `shuffle_window` consecutive chunks, so
                   one long file does not fill a whole batch with its consecutive pieces.

@@ -6,7 +6,8 @@ in place). The `model` / `optimizer` objects are brought up to date from it (`Tr
 only where something needs them: a checkpoint save, and the end of training.
 
 Nothing here knows a model family: a model is anything called as
-`model(tokens_BT, segment_ids=..., positions=...) -> logits_BTV`.
+`model(tokens_BT, segment_ids=..., positions=...) -> logits_BTV` that, given
+`router_stats=True`, also returns its MoE routing statistics (None for a dense model).
 """
 
 from __future__ import annotations
@@ -45,8 +46,40 @@ def loss_sum(model, batch: Batch, packed: bool = True) -> tuple[jax.Array, jax.A
     return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
 
+def train_loss_sum(model, batch: Batch, packed: bool = True):
+    """(the objective summed over counted tokens, (their count, metric sums)).
+
+    The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
+    the config's `router_aux_loss_coef`; see `objective_sum`.
+    """
+    logits_BTV, moe = model(
+        batch["tokens"],
+        segment_ids=batch["segment_ids"],
+        positions=batch["positions"],
+        router_stats=True,
+        packed=packed,
+    )
+    coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
+    return objective_sum(logits_BTV, moe, batch, coef)
+
+
+def objective_sum(logits_BTV, moe, batch: Batch, aux_coef: float):
+    """`train_loss_sum` from the model's outputs. The aux loss is added once per counted
+    token, so that dividing by the count gives transformers' `loss + coef * aux_loss`; the
+    sums carry the aux loss and the per-expert load (mean over layers), each times the count.
+    """
+    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
+    count = jnp.sum(mask_BT)
+    total = jnp.sum(nll_BT)
+    sums = {}
+    if moe is not None:
+        total = total + aux_coef * moe.aux_loss * count
+        sums = {"aux_loss": moe.aux_loss * count, "expert_load": jnp.mean(moe.load, 0) * count}
+    return total, (count, sums)
+
+
 def _loss_and_grad(model, batch: Batch, packed: bool = True):
-    return nnx.value_and_grad(loss_sum, has_aux=True)(model, batch, packed)
+    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch, packed)
 
 
 class Trainer:
@@ -83,16 +116,17 @@ class Trainer:
 
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
-        loss, num_tokens, grads = accumulate_gradients(
+        loss, num_tokens, grads, means = accumulate_gradients(
             functools.partial(_loss_and_grad, packed=self.packed),
             model,
             batch,
             self.micro_batches,
             batch_spec=self.batch_spec,
+            with_sums=True,
         )
         grad_norm = optax.tree.norm(grads)  # before clipping: what the data asked for
         optimizer.update(model, grads)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": num_tokens}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": num_tokens, **means}
         return nnx.state((model, optimizer)), metrics
 
     def _eval_step(self, state, batch: Batch):
@@ -239,6 +273,10 @@ def run(
                 "loss_tokens": int(fetched["loss_tokens"]),
                 "tokens_seen": tokens_seen,
             }
+            # MoE: the load-balancing loss, and each expert's share of the routed tokens.
+            if "aux_loss" in fetched:
+                record["aux_loss"] = float(fetched["aux_loss"])
+                record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
             writer.write(step, record)
             records.append({"step": step, **record})
             if not np.isfinite(record["loss"]):

@@ -160,7 +160,8 @@ def accumulate_gradients(
     num_micro_batches: int,
     *,
     batch_spec: P | None = None,
-) -> tuple[jax.Array, jax.Array, Any]:
+    with_sums: bool = False,
+) -> tuple:
     """Token-weighted mean loss and gradients over `num_micro_batches` slices of `batch`.
 
     `loss_and_grad_fn(params, micro_batch) -> ((loss_sum, num_tokens), grads_of_loss_sum)`
@@ -181,14 +182,26 @@ def accumulate_gradients(
       batch_spec: the batch arrays' PartitionSpec (e.g. `P('data', None)`) under an explicit
         mesh; each micro-batch then keeps the batch sharding on its leading dim.
 
+      with_sums: the function returns `((loss_sum, (num_tokens, sums)), grads)` instead, `sums`
+        a dict of arrays summed over micro-batches (token-weighted metrics such as an MoE
+        load-balancing loss times the token count); they come back divided by the count.
+
     Returns:
       (mean_loss, num_tokens, grads): loss_sum / tokens, the total token count, and the
-      gradient of the mean loss (a pytree like `loss_and_grad_fn`'s gradients).
+      gradient of the mean loss (a pytree like `loss_and_grad_fn`'s gradients); with
+      `with_sums`, a fourth element: the sums divided by the token count.
     """
+    if not with_sums:
+        inner = loss_and_grad_fn
+
+        def loss_and_grad_fn(p, b):
+            (loss, tokens), grads = inner(p, b)
+            return (loss, (tokens, {})), grads
+
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
     if num_micro_batches == 1:
-        (loss_sum, num_tokens), grads_sum = loss_and_grad_fn(params, batch)
+        (loss_sum, (num_tokens, sums)), grads_sum = loss_and_grad_fn(params, batch)
     else:
         micro_batches = {
             name: _split_micro_batches(x, num_micro_batches, batch_spec)
@@ -201,24 +214,30 @@ def accumulate_gradients(
         param_leaves, param_treedef = jax.tree.flatten(params)
 
         def body(carry, micro_batch):
-            loss_sum, num_tokens, grads_sum = carry
+            loss_sum, num_tokens, sums, grads_sum = carry
             params_here = jax.tree.unflatten(param_treedef, param_leaves)
-            (loss, tokens), grads = loss_and_grad_fn(params_here, micro_batch)
+            (loss, (tokens, more)), grads = loss_and_grad_fn(params_here, micro_batch)
             grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
-            return (loss_sum + loss, num_tokens + tokens, grads_sum), None
+            sums = jax.tree.map(jnp.add, sums, more)
+            return (loss_sum + loss, num_tokens + tokens, sums, grads_sum), None
 
         # Zeros with the gradients' shapes, dtypes and (explicit-mesh) shardings, so the scan
         # carry has one type throughout; eval_shape traces the function but computes nothing.
         first = jax.tree.map(lambda x: x[0], micro_batches)
-        (loss_shape, tokens_shape), grads_shape = jax.eval_shape(loss_and_grad_fn, params, first)
+        (loss_shape, (tokens_shape, sums_shape)), grads_shape = jax.eval_shape(
+            loss_and_grad_fn, params, first
+        )
         init = (
             jnp.zeros(loss_shape.shape, loss_shape.dtype),
             jnp.zeros(tokens_shape.shape, tokens_shape.dtype),
+            jax.tree.map(jnp.zeros_like, sums_shape),
             jax.tree.map(jnp.zeros_like, grads_shape),
         )
-        (loss_sum, num_tokens, grads_sum), _ = jax.lax.scan(body, init, micro_batches)
+        (loss_sum, num_tokens, sums, grads_sum), _ = jax.lax.scan(body, init, micro_batches)
     # max(., 1): a batch of padding only has no tokens; its loss and gradients are then 0.
     denom = jnp.maximum(num_tokens, 1).astype(jnp.float32)
     mean_loss = loss_sum / denom
     grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads_sum)
+    if with_sums:
+        return mean_loss, num_tokens, grads, jax.tree.map(lambda x: x / denom, sums)
     return mean_loss, num_tokens, grads

@@ -24,11 +24,9 @@ def _say(text: str) -> None:
 def _make_checkpointer(run, workdir: str, run_info: dict):
     if not run.checkpoint.enabled:
         return None, None
-    try:
-        from training.checkpoint import Checkpointer
-    except ImportError:
-        _say("note: training/checkpoint.py is not in this checkout; running without checkpoints")
-        return None, None
+    from training.checkpoint import Checkpointer
+    from training.preemption import PreemptionWatcher
+
     ckpt = Checkpointer(
         workdir,
         save_every=run.checkpoint.every,
@@ -36,10 +34,6 @@ def _make_checkpointer(run, workdir: str, run_info: dict):
         run_info=run_info,
         async_save=run.checkpoint.async_save,
     )
-    try:
-        from training.preemption import PreemptionWatcher
-    except ImportError:
-        return ckpt, None
     import jax
 
     # With several processes every check is a host all-gather, a sync point: check only at
@@ -71,7 +65,7 @@ class Setup:
         batch_spec = strategy.batch_spec()
         self.batch_spec = batch_spec
         micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
-        check_batch(micro_batch, batch_spec, mesh, strategy.name)
+        check_batch(micro_batch, batch_spec, mesh, strategy.name, seq_len=run.data.seq_len)
 
         tokenizer = make_tokenizer(run.data.tokenizer)
         common = dict(
@@ -174,12 +168,8 @@ def _create_model(model_cfg, strategy, seed: int):
 
 
 def _from_pretrained(path: str, strategy, model_section):
-    try:
-        from zoo import from_pretrained
-    except ImportError:
-        raise ValueError(
-            "--init_from needs zoo.from_pretrained, which this checkout does not have yet"
-        ) from None
+    from zoo import from_pretrained
+
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--init_from={path!r} is not a directory")
     # The checkpoint fixes the architecture; the config still chooses how it runs.

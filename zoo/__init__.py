@@ -1,7 +1,7 @@
 """The model zoo: families built from zoo/layers/, sharded by the strategies in shardings/."""
 
 # Each family package registers itself on import (zoo/registry.py); this is the one list.
-from zoo import gemma3, gpt2, llama, mistral, qwen3  # noqa: F401  (registration)
+from zoo import gemma3, gpt2, llama, mistral, mixtral, qwen3, qwen3_moe  # noqa: F401
 from zoo.build import check_model_fits, create_model, get_config, param_layouts
 from zoo.hf_io import from_pretrained, save_pretrained
 from zoo.layers.config import DecoderConfig

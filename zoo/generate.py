@@ -29,6 +29,7 @@ oracle the KV-cache path is tested against.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -88,6 +89,32 @@ def _last_logits(logits_BTV, batch_spec: P):
     return jax.sharding.reshard(logits_BTV[:, -1, :], P(batch_spec[0], None))
 
 
+def _layer_list(model):
+    """(graphdef, state) of `model` with its stacked layers as a list of per-layer weights.
+
+    A decode step runs each layer's matmuls on one row, so it is bound by reading the weights;
+    under the layer scan every step first copies each layer's slice out of the stacked [L, ...]
+    arrays (a dynamic-slice XLA cannot fold into the dot), which triples the memory traffic.
+    Slicing them once, before the decode loop, leaves the loop only the reads. The numbers do
+    not change: same weights, same per-layer computation.
+    """
+    cfg = model.cfg
+    if not cfg.scan_layers:
+        return nnx.split(model)
+    twin_cfg = dataclasses.replace(cfg, scan_layers=False)
+    twin = nnx.eval_shape(lambda: type(model)(twin_cfg, model.sharding, rngs=nnx.Rngs(0)))
+    twin_graphdef, twin_state = nnx.split(twin)
+    stacked = dict(nnx.to_flat_state(nnx.state(model)))
+    leaves = []
+    for path, var in nnx.to_flat_state(twin_state):
+        if path[0] == "blocks":  # ('blocks', i, ...) <- ('blocks', ...)[i]
+            value = stacked[(path[0], *path[2:])][...][path[1]]
+        else:
+            value = stacked[path][...]
+        leaves.append((path, var.replace(value)))
+    return twin_graphdef, nnx.from_flat_state(leaves)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id"),
@@ -114,16 +141,19 @@ def _generate(
     )
     key, sub = jax.random.split(key)
     token_B = _sample(_last_logits(logits_BPV, spec), sub, temperature, top_k)
+    # The prefill above keeps the layer scan (one compiled block; its weight copies are shared
+    # by P tokens); the one-token steps below run the layers as a list.
+    graphdef, state = _layer_list(model)
     # Next position of each row: its prompt length (left padding has positions 0).
     position_B = positions_BP[:, -1] + 1
-    out_BN = jnp.full((B, max_new_tokens), -1, jnp.int32, out_sharding=spec)
+    out_BO = jnp.full((B, max_new_tokens), -1, jnp.int32, out_sharding=spec)
     done_B = jnp.zeros((B,), bool, out_sharding=P(spec[0]))
     eos = -2 if eos_id is None else eos_id  # never matches a token when there is no EOS
 
-    def emit(i, token_B, done_B, out_BN):
+    def emit(i, token_B, done_B, out_BO):
         """Write token i (-1 for rows already finished); mark rows that just produced EOS."""
-        out_BN = out_BN.at[:, i].set(jnp.where(done_B, -1, token_B))
-        return done_B | (token_B == eos), out_BN
+        out_BO = out_BO.at[:, i].set(jnp.where(done_B, -1, token_B))
+        return done_B | (token_B == eos), out_BO
 
     # The parameters ride in the carry: an NNX module must be merged at the trace level that
     # uses it (nnx.scan inside the model rejects variables closed over from outside the loop).
@@ -132,8 +162,8 @@ def _generate(
         return (i < max_new_tokens - 1) & ~jnp.all(done_B | (token_B == eos))
 
     def body(carry):
-        i, token_B, cache, position_B, done_B, out_BN, key, state = carry
-        done_B, out_BN = emit(i, token_B, done_B, out_BN)
+        i, token_B, cache, position_B, done_B, out_BO, key, state = carry
+        done_B, out_BO = emit(i, token_B, done_B, out_BO)
         model = nnx.merge(graphdef, state)
         step = lambda x: jax.sharding.reshard(x[:, None], spec)  # noqa: E731
         logits_B1V, cache = model(
@@ -144,12 +174,12 @@ def _generate(
         )
         key, sub = jax.random.split(key)
         token_B = _sample(_last_logits(logits_B1V, spec), sub, temperature, top_k)
-        return i + 1, token_B, cache, position_B + 1, done_B, out_BN, key, state
+        return i + 1, token_B, cache, position_B + 1, done_B, out_BO, key, state
 
-    carry = (jnp.int32(0), token_B, cache, position_B, done_B, out_BN, key, state)
-    i, token_B, _, _, done_B, out_BN, _, _ = jax.lax.while_loop(cond, body, carry)
-    _, out_BN = emit(i, token_B, done_B, out_BN)
-    return out_BN
+    carry = (jnp.int32(0), token_B, cache, position_B, done_B, out_BO, key, state)
+    i, token_B, _, _, done_B, out_BO, _, _ = jax.lax.while_loop(cond, body, carry)
+    _, out_BO = emit(i, token_B, done_B, out_BO)
+    return out_BO
 
 
 def generate(
@@ -192,7 +222,7 @@ def generate(
     arrays = [jax.device_put(a, sharding) for a in left_pad(rows, prompt_len)]
     graphdef, state = nnx.split(model)
     with jax.set_mesh(mesh):
-        out_BN = _generate(
+        out_BO = _generate(
             graphdef,
             state,
             *arrays,
@@ -202,9 +232,9 @@ def generate(
             top_k=top_k,
             eos_id=eos_id,
         )
-    out_BN = np.asarray(jax.device_get(out_BN))[: len(prompts)]
+    out_BO = np.asarray(jax.device_get(out_BO))[: len(prompts)]
     results = []
-    for row in out_BN:
+    for row in out_BO:
         ids = row.tolist()
         stop = ids.index(-1) if -1 in ids else len(ids)
         ids = ids[:stop]

@@ -10,7 +10,10 @@ Loading (`from_pretrained`) checks every name and shape from the safetensors hea
 then builds the model abstractly under the target mesh and fills one param at a time: the
 host reads that param's tensors (one layer's tensor at a time, stacked over layers), and
 `jax.make_array_from_callback` hands each device only its slice of the declared layout. So the
-host holds one param and no device ever holds more than its shard.
+host holds one param and no device ever holds more than its shard. Mixture-of-experts
+weights, one tensor per expert in the checkpoint and stacked on an E dim here, are read per
+shard instead: each device's callback reads only the layers and experts of its slice, so with
+experts split over devices no host ever holds all of them.
 
 Saving (`save_pretrained`) gathers one param at a time to the host, writes shards of at most
 `max_shard_bytes` (with an index when there are several) into a temporary directory, and
@@ -86,7 +89,9 @@ class _Plan:
     names: dict[str, str]  # canonical HF name -> name in the checkpoint
     num_layers: int
 
-    def hf_name(self, r: Rule, layer: int | None) -> str:
+    def hf_name(self, r: Rule, layer: int | None, expert: int | None = None) -> str:
+        if r.per_expert:
+            return self.names[r.hf.format(i=layer, e=expert)]
         return self.names[r.hf.format(i=layer)] if r.per_layer else self.names[r.hf]
 
 
@@ -126,6 +131,14 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
 
     expected = {}  # canonical HF name -> expected shape
     for r in rules:
+        if r.per_expert:
+            num_experts = shapes[r.ours[0]][0]
+            shape = _expected_hf_shape(r, [shapes[k][1:] for k in r.ours])
+            _check_expert_count(r, reader, num_experts, fam.name)
+            for i in range(cfg.num_layers):
+                for e in range(num_experts):
+                    expected[r.hf.format(i=i, e=e)] = shape
+            continue
         shape = _expected_hf_shape(r, [shapes[k] for k in r.ours])
         for i in range(cfg.num_layers) if r.per_layer else [None]:
             expected[r.hf.format(i=i)] = shape
@@ -159,6 +172,54 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
         if dtype not in ("F64", "F32", "F16", "BF16"):
             raise ValueError(f"{actual}: expected a floating-point tensor, found {dtype}")
     return _Plan(rules=by_key, shapes=shapes, names=present, num_layers=cfg.num_layers)
+
+
+def _check_expert_count(r: Rule, reader: CheckpointReader, num_experts: int, family: str):
+    """One line when the checkpoint's layer 0 holds another number of experts than the config."""
+    pattern = re.compile(re.escape(r.hf.format(i=0, e="@")).replace("@", r"(\d+)"))
+    found = {int(m.group(1)) for n in reader.names() if (m := pattern.fullmatch(n))}
+    if found and len(found) != num_experts:
+        raise ValueError(
+            f"{family} checkpoint {reader}: layer 0 has {len(found)} experts "
+            f"({r.hf.format(i=0, e='*')}) but its config says num_experts={num_experts}"
+        )
+
+
+def _expert_shard_reader(plan: _Plan, reader: CheckpointReader, key, layer, shape):
+    """index -> that slice of an expert param, reading only the layers and experts in it.
+
+    Devices holding the same slice (replicated layouts) share one read."""
+    r, j = plan.rules[key]
+    one_expert = [plan.shapes[k][1:] for k in r.ours]
+    stacked = layer is None
+    e_dim = 1 if stacked else 0
+    cache = {}
+
+    def read(index):
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        memo = tuple((s.start, s.stop, s.step) for s in index)
+        if memo not in cache:
+            layers = range(*index[0].indices(shape[0])) if stacked else [layer]
+            experts = range(*index[e_dim].indices(shape[e_dim]))
+            block = np.stack(
+                [
+                    np.stack(
+                        [
+                            r.transform.load(
+                                reader.read(plan.hf_name(r, i, e)).astype(np.float32), one_expert
+                            )[j]
+                            for e in experts
+                        ]
+                    )
+                    for i in layers
+                ]
+            )
+            block = block if stacked else block[0]
+            rest = (slice(None),) * (e_dim + 1) + index[e_dim + 1 :]
+            cache[memo] = np.ascontiguousarray(block[rest], np.float32)
+        return cache[memo]
+
+    return read
 
 
 def _host_param(plan: _Plan, reader: CheckpointReader, key, layer, shape) -> np.ndarray:
@@ -227,12 +288,14 @@ def from_pretrained(path: str, strategy, *, mesh=None, **overrides):
         key, layer = _param_key(var_path)
         shape = tuple(var.get_value().shape)
         spec = P(*(var.get_metadata().get("out_sharding") or ()))
-        host = _host_param(plan, reader, key, layer, shape)
-        array = jax.make_array_from_callback(
-            shape, NamedSharding(mesh, spec), lambda index, host=host: host[index]
-        )
+        if plan.rules[key][0].per_expert:
+            callback = _expert_shard_reader(plan, reader, key, layer, shape)
+        else:
+            host = _host_param(plan, reader, key, layer, shape)
+            callback = lambda index, host=host: host[index]  # noqa: E731
+        array = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), callback)
         var.set_value(array)
-        del host
+        del callback
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -266,6 +329,10 @@ def save_pretrained(model, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHAR
         writer = ShardWriter(tmp, max_shard_bytes)
     try:
         for r in fmt.rules(cfg):
+            if r.per_expert:
+                experts = [params[k] for k in r.ours]
+                _save_experts(r, experts, cfg.num_layers, writer_process and writer)
+                continue
             ours = [_gather(params[k]) for k in r.ours]  # per layer: a list, else one array
             if not writer_process:
                 continue
@@ -286,6 +353,51 @@ def save_pretrained(model, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHAR
             shutil.rmtree(tmp, ignore_errors=True)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"save_pretrained {path}")
+
+
+def _save_experts(r: Rule, ours: list[dict], num_layers: int, writer) -> None:
+    """One tensor per layer and expert, each assembled on the host from this process's
+    shards (a stacked expert param may not fit one host; with experts split over processes
+    each host holds only its own)."""
+    blocks = [_LocalBlocks(o[None]) if None in o else None for o in ours]
+    for i in range(num_layers):
+        for e in range(next(iter(ours[0].values())).shape[-3]):
+            expert = [
+                b.get((i, e)) if b is not None else _LocalBlocks(o[i]).get((e,))
+                for b, o in zip(blocks, ours, strict=True)
+            ]
+            if writer:
+                writer.add(r.hf.format(i=i, e=e), r.transform.save(*expert))
+
+
+class _LocalBlocks:
+    """`x[lead]` on the host, read from x's addressable shards, each copied over once.
+
+    An array spread over processes is gathered whole instead (a collective every process
+    joins), as `_to_host` does."""
+
+    def __init__(self, x):
+        self.x = x
+        self.host = None if x.is_fully_addressable else _to_host(x)
+        self._copies = {}
+
+    def get(self, lead: tuple[int, ...]) -> np.ndarray:
+        if self.host is not None:
+            return self.host[lead]
+        n = len(lead)
+        out = np.empty(self.x.shape[n:], self.x.dtype)
+        for shard in self.x.addressable_shards:
+            index = shard.index
+            starts = [index[d].indices(self.x.shape[d])[0] for d in range(n)]
+            stops = [index[d].indices(self.x.shape[d])[1] for d in range(n)]
+            if not all(a <= v < b for a, v, b in zip(starts, lead, stops, strict=True)):
+                continue
+            key = tuple(index[d].indices(self.x.shape[d]) for d in range(self.x.ndim))
+            if key not in self._copies:
+                self._copies[key] = np.asarray(shard.data)
+            local = tuple(v - a for v, a in zip(lead, starts, strict=True))
+            out[index[n:]] = self._copies[key][local]
+        return out
 
 
 def _gather(by_layer: dict):

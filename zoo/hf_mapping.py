@@ -74,6 +74,8 @@ class Rule:
 
     `hf` contains '{i}' for a per-layer tensor; `ours` are param paths without a layer index
     ('blocks/attention/q/weight': the stacked param, or layer i's when layers are a list).
+    '{e}' as well: one tensor per expert, of a param whose (per-layer) leading dim is E, and
+    `transform` maps one expert's slice.
     """
 
     hf: str
@@ -83,6 +85,10 @@ class Rule:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf
 
 
 def rule(hf: str, *ours: str, transform: Transform = IDENTITY) -> Rule:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 def target_mask(tokens_BT, segment_ids_BT):
@@ -12,11 +13,23 @@ def target_mask(tokens_BT, segment_ids_BT):
     Padding (segment 0) and each document's last token (whose successor belongs to the next
     document, or is padding, or is past the row's end) carry no loss.
     """
-    targets_BT = jnp.roll(tokens_BT, -1, axis=1)
-    next_segment_BT = jnp.roll(segment_ids_BT, -1, axis=1)
+    targets_BT = _next_along_t(tokens_BT)
+    next_segment_BT = _next_along_t(segment_ids_BT)
     last_column = jnp.arange(tokens_BT.shape[1]) == tokens_BT.shape[1] - 1
     mask_BT = (segment_ids_BT != 0) & (next_segment_BT == segment_ids_BT) & ~last_column
     return targets_BT, mask_BT
+
+
+def _next_along_t(x_BT):
+    """x[:, t + 1] at t (wrapping round), also when T is split over a mesh axis (context
+    parallelism): then a device's last position needs the next device's first token, which
+    a sliced roll cannot express under sharding types; the [B, T] ids are gathered on T
+    (a few bytes per token), rolled, and split again."""
+    spec = tuple(jax.typeof(x_BT).sharding.spec) + (None, None)
+    if spec[1] is None:
+        return jnp.roll(x_BT, -1, axis=1)
+    whole_BT = jax.sharding.reshard(x_BT, P(spec[0], None))
+    return jax.sharding.reshard(jnp.roll(whole_BT, -1, axis=1), P(*spec[:2]))
 
 
 def token_nll(logits_BTV, tokens_BT, segment_ids_BT):

@@ -5,6 +5,7 @@ writes (config.json, *.safetensors, inputs_and_logits.npz) with numpy and safete
 
   python tests/hf_reference/make_reference.py                 # regenerate every family
   python tests/hf_reference/make_reference.py --family llama  # one family
+  python tests/hf_reference/make_reference.py --layers       # add per-layer outputs to the npz
   python tests/hf_reference/make_reference.py --check-export DIR --family F
       # load DIR (a checkpoint our code exported) with transformers, run the saved input_ids,
       # exit 1 unless its logits equal the reference logits within CHECK_TOL.
@@ -27,7 +28,8 @@ from safetensors.numpy import load_file
 from transformers.pytorch_utils import Conv1D
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2")
+FAMILIES = ("llama", "qwen3", "mistral", "gemma3", "gpt2", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # their npz also holds transformers' aux_loss
 BATCH, SEQ_LEN = 2, 24  # T = 3 sliding windows, so the window matters
 WINDOW = 8  # sliding window of mistral and gemma3's local layers
 SEED = 0
@@ -138,6 +140,42 @@ def build_config(family):
             attn_pdrop=0.0,
         )
         return transformers.GPT2LMHeadModel, cfg
+    if family == "qwen3_moe":
+        # 4 experts (expert axes 2 and 4 split them), top 2, top-k weights NOT renormalised
+        # (Mixtral's are): the two families cover both router conventions.
+        cfg = transformers.Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=16,
+            max_position_embeddings=2048,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+        )
+        return transformers.Qwen3MoeForCausalLM, cfg
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(
+            **{**common, "intermediate_size": 32},  # Mixtral's intermediate_size: one expert
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=2048,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            sliding_window=None,
+            router_jitter_noise=0.0,
+            tie_word_embeddings=False,
+        )
+        return transformers.MixtralForCausalLM, cfg
     raise SystemExit(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
 
 
@@ -168,6 +206,10 @@ def randomize(model, seed):
                 normal_(p, p.shape[1] ** -0.5)  # torch Linear weight is [out, in]
             elif isinstance(module, Conv1D) and name == "weight":
                 normal_(p, p.shape[0] ** -0.5)  # GPT-2 Conv1D weight is [in, out]
+            elif p.ndim == 3:  # MoE experts stacked on E, each [out, in] like torch Linear
+                normal_(p, p.shape[2] ** -0.5)
+            elif "Router" in type(module).__name__ and name == "weight":  # MoE router [E, M]
+                normal_(p, p.shape[1] ** -0.5)
             elif p.ndim == 1:  # biases, RMSNorm/LayerNorm scales and LayerNorm biases
                 p.add_(torch.randn(p.shape, generator=gen) * 0.2)
             else:
@@ -178,6 +220,13 @@ def randomize(model, seed):
 def logits_of(model, input_ids):
     out = model(input_ids=torch.from_numpy(input_ids).long())
     return out.logits.float().numpy()
+
+
+@torch.no_grad()
+def aux_loss_of(model, input_ids):
+    """transformers' load-balancing loss (unweighted) over all layers, no padding."""
+    out = model(input_ids=torch.from_numpy(input_ids).long(), output_router_logits=True)
+    return np.float32(out.aux_loss.item())
 
 
 def make_inputs(vocab_size, seed):
@@ -226,6 +275,10 @@ def ablations(family):
                 c, "rope_parameters", dict(rope_type="default", rope_theta=500000.0)
             )
         }
+    if family == "qwen3_moe":
+        return {"norm_topk_prob -> True": lambda c: setattr(c, "norm_topk_prob", True)}
+    if family == "mixtral":
+        return {"num_experts_per_tok -> 1": lambda c: setattr(c, "num_experts_per_tok", 1)}
     if family == "mistral":
         return {"sliding_window -> None": lambda c: setattr(c, "sliding_window", None)}
     if family == "gemma3":
@@ -262,9 +315,14 @@ def generate(family):
     gen_cfg = os.path.join(out_dir, "generation_config.json")
     if os.path.exists(gen_cfg):
         os.remove(gen_cfg)
-    np.savez(os.path.join(out_dir, "inputs_and_logits.npz"), input_ids=input_ids, logits=ref)
+    extra = {"aux_loss": aux_loss_of(model, input_ids)} if family in MOE_FAMILIES else {}
+    np.savez(
+        os.path.join(out_dir, "inputs_and_logits.npz"), input_ids=input_ids, logits=ref, **extra
+    )
 
     print(f"== {family}: {cls.__name__}, logits {ref.shape}, |logits| max {np.abs(ref).max():.3f}")
+    if extra:
+        print(f"   aux_loss {float(extra['aux_loss']):.6f}")
     for what, edit in ablations(family).items():
         diff = ablation_diff(cls, cfg, model, input_ids, ref, edit)
         print(f"   ablation {what}: max logit change {diff:.4f}")
@@ -272,6 +330,8 @@ def generate(family):
     # The saved checkpoint must reproduce the logits exactly: validates the --check-export path.
     diff = check_export(out_dir, family)
     assert diff == 0.0, diff
+    if family in LAYER_FAMILIES:
+        add_layer_outputs(family)
 
 
 def check_export(ckpt_dir, family):
@@ -288,6 +348,58 @@ def check_export(ckpt_dir, family):
         raise SystemExit(f"{ckpt_dir}: unexpected tensors {sorted(problems['unexpected_keys'])}")
     logits = logits_of(model.eval(), data["input_ids"])
     return float(np.abs(logits - data["logits"]).max())
+
+
+# Families whose per-layer outputs the parity tests check (Llama-lineage module names).
+LAYER_FAMILIES = ("llama", "qwen3", "mistral", "gemma3")
+# The committed logits were made by another torch build; re-running the committed checkpoint
+# must reproduce them to float32 rounding, or the layer outputs would describe another model.
+LAYERS_RERUN_TOL = 1e-5
+
+
+@torch.no_grad()
+def add_layer_outputs(family):
+    """Run the committed checkpoint on the committed input_ids and add to its npz what layer 0
+    sees and returns: `embed_out` (the hidden state entering layer 0, Gemma's sqrt(M) scale
+    included), `attn0_in` (input_layernorm's output), `attn0_out` (self_attn's output, before
+    any post-norm and the residual add) and `block0_out` (layer 0's output). Arrays already in
+    the npz are written back unchanged (checked bit for bit); weights are not touched."""
+    out_dir = os.path.join(HERE, family)
+    npz_path = os.path.join(out_dir, "inputs_and_logits.npz")
+    with np.load(npz_path) as f:
+        existing = {k: f[k] for k in f.files}
+    cls, _ = build_config(family)
+    model = cls.from_pretrained(out_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    layer = model.model.layers[0]
+    seen = {}
+
+    def first_tensor(value):
+        return value[0] if isinstance(value, tuple) else value
+
+    def keep(name):
+        return lambda module, args, out: seen.__setitem__(name, first_tensor(out).float().numpy())
+
+    def keep_input(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        seen["embed_out"] = hidden.float().numpy()
+
+    hooks = [
+        layer.register_forward_pre_hook(keep_input, with_kwargs=True),
+        layer.input_layernorm.register_forward_hook(keep("attn0_in")),
+        layer.self_attn.register_forward_hook(keep("attn0_out")),
+        layer.register_forward_hook(keep("block0_out")),
+    ]
+    logits = logits_of(model, existing["input_ids"])
+    for h in hooks:
+        h.remove()
+    diff = float(np.abs(logits - existing["logits"]).max())
+    assert diff <= LAYERS_RERUN_TOL, f"{family}: the committed checkpoint now gives logits {diff}"
+    base = {k: v for k, v in existing.items() if k in ("input_ids", "logits")}
+    np.savez(npz_path, **base, **{k: seen[k].astype(np.float32) for k in sorted(seen)})
+    with np.load(npz_path) as f:
+        for k, v in base.items():
+            assert f[k].dtype == v.dtype and f[k].tobytes() == v.tobytes(), (family, k)
+    print(f"== {family}: rerun logits within {diff:.1e}; added {', '.join(sorted(seen))}")
 
 
 def describe(family):
@@ -316,6 +428,7 @@ def main():
     parser.add_argument("--family", choices=FAMILIES, action="append")
     parser.add_argument("--check-export", metavar="DIR", help="compare DIR's logits to the ref")
     parser.add_argument("--describe", action="store_true", help="print tensor names and shapes")
+    parser.add_argument("--layers", action="store_true", help="add per-layer outputs to the npz")
     args = parser.parse_args()
     families = args.family or list(FAMILIES)
 
@@ -328,6 +441,10 @@ def main():
         sys.exit(0 if ok else 1)
     if args.describe:
         print("\n".join(describe(f) for f in families))
+        return
+    if args.layers:
+        for family in args.family or LAYER_FAMILIES:
+            add_layer_outputs(family)
         return
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")

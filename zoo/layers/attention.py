@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from shardings.specs import AttentionSharding
-from zoo.layers import attention_ops, rope
+from zoo.layers import attention_ops, context_parallel, rope
 from zoo.layers.attention_mask import Segments
 from zoo.layers.basic import Einsum, Norm
 
@@ -35,7 +35,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_H, kv=None):
+    def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_R, kv=None):
         """`segments`: this call's queries and the keys they see (with a cache: the cache's
         slots, this step's included). `kv`: None, or this layer's cache (k_BSKD, v_BSKD,
         index) with this step's entries to be written at `index`. Returns (out_BTM, kv')."""
@@ -43,8 +43,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q_BTND, k_BTKD = self.q_norm(q_BTND), self.k_norm(k_BTKD)
         if self.use_rope:
-            q_BTND = rope.rotate(q_BTND, segments.q_positions_BT, inv_freq_H)
-            k_BTKD = rope.rotate(k_BTKD, segments.q_positions_BT, inv_freq_H)
+            q_BTND = rope.rotate(q_BTND, segments.q_positions_BT, inv_freq_R)
+            k_BTKD = rope.rotate(k_BTKD, segments.q_positions_BT, inv_freq_R)
         if kv is not None:
             k_cache, v_cache, index = kv
             k_BTKD = jax.lax.dynamic_update_slice_in_dim(
@@ -54,6 +54,23 @@ class Attention(nnx.Module):
                 v_cache, v_BTKD.astype(v_cache.dtype), index, axis=1
             )
             kv = (k_BTKD, v_BTKD)
+        # --- context-parallel hook: T split over a mesh axis (training / eval forward) ---
+        cp_axis = context_parallel.seq_axis(self.sharding.q.out) if kv is None else None
+        if cp_axis is not None:
+            out_BTND = context_parallel.attention(
+                q_BTND,
+                k_BTKD,
+                v_BTKD,
+                segment_ids_BT=segments.q_ids_BT,
+                positions_BT=segments.q_positions_BT,
+                axis=cp_axis,
+                scale=self.scale,
+                sliding_window=window,
+                implementation=self.implementation,
+                out_sharding=self.sharding.q.out,
+            )
+            return self.o(out_BTND), kv
+        # --- end of hook ---
         out_BTND = attention_ops.attention(
             q_BTND,
             k_BTKD,

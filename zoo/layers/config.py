@@ -65,6 +65,18 @@ class DecoderConfig:
     final_logit_softcap: float | None = None
     tie_embeddings: bool = False
 
+    # Mixture of experts (0 experts: every block has the dense MLP above). Each token goes to
+    # its top `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_ffn_dim`.
+    num_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # k, experts per token
+    moe_ffn_dim: int = 0  # F of one expert
+    # Renormalise the top-k router probabilities to sum to 1 (Mixtral always; Qwen3-MoE's
+    # `norm_topk_prob`); False keeps them as softmax-over-all-experts values.
+    norm_topk_prob: bool = True
+    # Weight of the load-balancing loss (Switch Transformer form, as transformers computes it)
+    # added to the training loss.
+    router_aux_loss_coef: float = 0.0
+
     dtype: str = "float32"  # compute dtype; parameters stay float32
     scan_layers: bool = True  # stack layers and run them with nnx.scan (one compiled block)
     remat: str = "none"  # 'none' | 'full' | 'dots' (save matmul outputs)
@@ -90,6 +102,13 @@ class DecoderConfig:
                 f"attention_impl={self.attention_impl!r}; valid: "
                 f"{', '.join(ATTENTION_IMPLEMENTATIONS)}"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                f"{self.num_experts}"
+            )
+        if self.num_experts and self.moe_ffn_dim < 1:
+            raise ValueError(f"moe_ffn_dim={self.moe_ffn_dim}; an MoE config needs it >= 1")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(
@@ -122,6 +141,17 @@ class DecoderConfig:
             for i in range(self.num_layers)
         ]
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def _ffn_params(self, experts: int) -> int:
+        """Per-layer feed-forward weights: the dense MLP, or `experts` experts and the router."""
+        M = self.hidden_dim
+        if not self.is_moe:
+            return M * self.ffn_dim * (3 if self.glu else 2)
+        return experts * 3 * M * self.moe_ffn_dim + M * self.num_experts
+
     def replace(self, **changes) -> DecoderConfig:
         return dataclasses.replace(self, **changes)
 
@@ -135,7 +165,7 @@ class DecoderConfig:
             self.vocab_size,
         )
         attn = M * N * D * 2 + M * K * D * 2
-        mlp = M * F * (3 if self.glu else 2)
+        mlp = self._ffn_params(self.num_experts)
         # LayerNorm carries a bias beside its scale.
         norm_size = M * (2 if self.norm == "layer" else 1)
         norms = norm_size * (4 if self.post_norms else 2) + (2 * D if self.qk_norm else 0)
@@ -149,15 +179,10 @@ class DecoderConfig:
         return total
 
     def matmul_params(self) -> int:
-        """Weights that enter a matmul per token: every layer's, plus the LM head."""
-        M, N, K, D, F = (
-            self.hidden_dim,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.ffn_dim,
-        )
-        per_layer = M * N * D * 2 + M * K * D * 2 + M * F * (3 if self.glu else 2)
+        """Weights that enter a matmul per token: every layer's, plus the LM head. Of an MoE
+        layer only the router and the k experts a token is sent to count (active params)."""
+        M, N, K, D = self.hidden_dim, self.num_heads, self.num_kv_heads, self.head_dim
+        per_layer = M * N * D * 2 + M * K * D * 2 + self._ffn_params(self.num_experts_per_tok)
         return self.num_layers * per_layer + M * self.vocab_size
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -182,4 +207,9 @@ class DecoderConfig:
             f"{type(self).__name__}: {n / scale:.{1 if math.log10(n) > 7 else 2}f}{unit} params,"
             f" L={self.num_layers} M={self.hidden_dim} N={self.num_heads} K={self.num_kv_heads}"
             f" D={self.head_dim} F={self.ffn_dim} V={self.vocab_size}"
+            + (
+                f" E={self.num_experts} k={self.num_experts_per_tok} F_expert={self.moe_ffn_dim}"
+                if self.is_moe
+                else ""
+            )
         )

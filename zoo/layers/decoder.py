@@ -12,12 +12,13 @@ import numpy as np
 from flax import nnx
 
 from shardings.specs import BlockSharding, LmSharding
-from zoo.layers import rope
+from zoo.layers import context_parallel, rope
 from zoo.layers.attention import Attention
 from zoo.layers.attention_mask import Segments
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.mlp import Mlp
+from zoo.layers.moe import Moe, moe_stats
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the block in the backward pass
@@ -37,28 +38,34 @@ class Block(nnx.Module):
         self.attn_norm = Norm(M, sharding.attn_norm, **norm)
         self.attention = Attention(cfg, sharding.attention, rngs=rngs)
         self.mlp_norm = Norm(M, sharding.mlp_norm, **norm)
-        self.mlp = Mlp(cfg, sharding.mlp, rngs=rngs)
+        # An MoE config puts its experts where the dense MLP would be.
+        self.mlp = None if cfg.is_moe else Mlp(cfg, sharding.mlp, rngs=rngs)
+        self.moe = Moe(cfg, sharding.moe, rngs=rngs) if cfg.is_moe else None
         if cfg.post_norms:
             self.post_attn_norm = Norm(M, sharding.post_attn_norm, **norm)
             self.post_mlp_norm = Norm(M, sharding.post_mlp_norm, **norm)
         else:
             self.post_attn_norm = self.post_mlp_norm = None
 
-    def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_H, kv=None):
+    def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_R, kv=None):
         h_BTM, kv = self.attention(
             self.attn_norm(x_BTM),
             segments,
             window=window,
-            inv_freq_H=inv_freq_H,
+            inv_freq_R=inv_freq_R,
             kv=kv,
         )
         if self.post_attn_norm is not None:
             h_BTM = self.post_attn_norm(h_BTM)
         x_BTM = x_BTM + h_BTM
-        h_BTM = self.mlp(self.mlp_norm(x_BTM))
+        router_stats = None
+        if self.moe is None:
+            h_BTM = self.mlp(self.mlp_norm(x_BTM))
+        else:
+            h_BTM, router_stats = self.moe(self.mlp_norm(x_BTM), segments.q_ids_BT != 0)
         if self.post_mlp_norm is not None:
             h_BTM = self.post_mlp_norm(h_BTM)
-        return x_BTM + h_BTM, kv
+        return x_BTM + h_BTM, (kv, router_stats)
 
 
 class DecoderLM(nnx.Module):
@@ -115,14 +122,30 @@ class DecoderLM(nnx.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None, packed: bool = True):
+    def __call__(
+        self, tokens_BT, *, segment_ids, positions, cache=None, router_stats=False, packed=True
+    ):
         """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
 
-        packed: whether a row may hold several documents. False states that each row is one
-        document from index 0, then padding (eval of unpacked data, a full-row reference):
+        `router_stats=True` (no cache) returns (logits, MoeStats or None for a dense model).
+        `packed`: whether a row may hold several documents. False states that each row is one
+        document from index 0, then padding (a full-row reference, unpacked eval data):
         attention backends that take sequence lengths (cuDNN) then run without a mask.
         """
         cfg = self.cfg
+        # Context parallelism: rows run in load-balanced chunk order inside the model
+        # (zoo/layers/context_parallel.py); the residual goes back before the LM head.
+        cp_axis = context_parallel.seq_axis(self.sharding.tokens)
+        balanced = cp_axis is not None and self.sharding.seq_order == "balanced"
+        if balanced:
+            if cache is not None:
+                raise ValueError(
+                    "KV-cache decoding does not split T; use a strategy without `context`"
+                )
+            tokens_BT, segment_ids, positions = (
+                context_parallel.to_balanced(a, cp_axis)
+                for a in (tokens_BT, segment_ids, positions)
+            )
         x_BTM = self.embed(tokens_BT)
         if cfg.embed_scale:
             x_BTM = x_BTM * jnp.asarray(cfg.hidden_dim**0.5, x_BTM.dtype)
@@ -143,14 +166,16 @@ class DecoderLM(nnx.Module):
             # Keys are the cache's slots; earlier prompts sit in it, so rows count as packed.
             segments = Segments(segment_ids, kv_segment_ids, positions, kv_positions, True)
 
-        windows, freqs_LH = self._layer_tables()
-        if cfg.scan_layers:
-            x_BTM, new_kv = self._run_scanned(x_BTM, segments, windows, freqs_LH, cache, kv_ctx)
-        else:
-            x_BTM, new_kv = self._run_unscanned(x_BTM, segments, windows, freqs_LH, cache, kv_ctx)
+        windows, freqs_LR = self._layer_tables()
+        run = self._run_scanned if cfg.scan_layers else self._run_unscanned
+        x_BTM, (new_kv, stats) = run(x_BTM, segments, windows, freqs_LR, cache, kv_ctx)
 
+        if balanced:
+            x_BTM = context_parallel.from_balanced(x_BTM, cp_axis)
         x_BTM = self.final_norm(x_BTM)
         logits_BTV = self._logits(x_BTM)
+        if router_stats:
+            return logits_BTV, (moe_stats(stats, cfg.num_experts) if cfg.is_moe else None)
         if cache is None:
             return logits_BTV
         new_cache = {
@@ -162,9 +187,9 @@ class DecoderLM(nnx.Module):
         }
         return logits_BTV, new_cache
 
-    def _call_block(self, block, x_BTM, segments, window, inv_freq_H, kv):
+    def _call_block(self, block, x_BTM, segments, window, inv_freq_R, kv):
         def call(block, x_BTM):
-            return block(x_BTM, segments, window=window, inv_freq_H=inv_freq_H, kv=kv)
+            return block(x_BTM, segments, window=window, inv_freq_R=inv_freq_R, kv=kv)
 
         if self.cfg.remat != "none":
             # Only the block and the residual are arguments; everything else is closed over,
@@ -172,11 +197,11 @@ class DecoderLM(nnx.Module):
             call = nnx.remat(call, policy=REMAT_POLICIES[self.cfg.remat])
         return call(block, x_BTM)
 
-    def _run_scanned(self, x_BTM, segments, windows, freqs_LH, cache, kv_ctx):
+    def _run_scanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
         uniform_window = len(set(windows)) == 1
         static_window = (windows[0] or None) if uniform_window else None
         windows_L = jnp.asarray(windows, jnp.int32)
-        freqs_LH = jnp.asarray(freqs_LH)
+        freqs_LR = jnp.asarray(freqs_LR)
         caches = (cache["k"], cache["v"]) if cache is not None else None
 
         @nnx.scan(
@@ -184,26 +209,28 @@ class DecoderLM(nnx.Module):
             out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: None},
         )
-        def run(x, block, window, inv_freq_H, layer_cache):
+        def run(x, block, window, inv_freq_R, layer_cache):
             kv = None if layer_cache is None else (*layer_cache, kv_ctx[2])
             w = static_window if uniform_window else window
-            x, kv = self._call_block(block, x, segments, w, inv_freq_H, kv)
-            return x, kv
+            return self._call_block(block, x, segments, w, inv_freq_R, kv)
 
-        x_BTM, new_kv = run(x_BTM, self.blocks, windows_L, freqs_LH, caches)
-        return x_BTM, new_kv
+        # Per layer: (kv cache, router stats), stacked on L by the scan.
+        return run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
 
-    def _run_unscanned(self, x_BTM, segments, windows, freqs_LH, cache, kv_ctx):
-        ks, vs = [], []
+    def _run_unscanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
+        ks, vs, stats = [], [], []
         for i, block in enumerate(self.blocks):
             kv = None if cache is None else (cache["k"][i], cache["v"][i], kv_ctx[2])
-            x_BTM, kv = self._call_block(
-                block, x_BTM, segments, windows[i] or None, freqs_LH[i], kv
+            x_BTM, (kv, layer_stats) = self._call_block(
+                block, x_BTM, segments, windows[i] or None, freqs_LR[i], kv
             )
             if kv is not None:
                 ks.append(kv[0])
                 vs.append(kv[1])
-        return x_BTM, ((jnp.stack(ks), jnp.stack(vs)) if cache is not None else None)
+            stats.append(layer_stats)
+        new_kv = (jnp.stack(ks), jnp.stack(vs)) if cache is not None else None
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if self.cfg.is_moe else None
+        return x_BTM, (new_kv, stacked)
 
     def _logits(self, x_BTM):
         cfg = self.cfg

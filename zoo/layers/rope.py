@@ -32,13 +32,14 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: tuple | None = Non
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rotate(x_BTHD, positions_BT, inv_freq_H):
-    """Rotate q or k ([B, T, heads, D]) by `positions`; math in float32."""
-    angles_BTH = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_H)
-    cos = jnp.cos(angles_BTH)[:, :, None, :]
-    sin = jnp.sin(angles_BTH)[:, :, None, :]
-    x = x_BTHD.astype(jnp.float32)
+def rotate(x_BTND, positions_BT, inv_freq_R):
+    """Rotate q or k ([B, T, N or K, D]) by `positions`; math in float32. `inv_freq_R`: the
+    D/2 rotary frequencies."""
+    angles_BTR = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_R)
+    cos = jnp.cos(angles_BTR)[:, :, None, :]
+    sin = jnp.sin(angles_BTR)[:, :, None, :]
+    x = x_BTND.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_BTHD.dtype)
+    return rotated.astype(x_BTND.dtype)

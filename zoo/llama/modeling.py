@@ -40,51 +40,48 @@ class LlamaConfig(DecoderConfig):
         return cls(**{**base, **overrides})
 
     @classmethod
+    def _llama3(cls, overrides, **base) -> LlamaConfig:
+        # Every Llama 3.x: the 128K tokenizer, 8 kv heads and a 128K context.
+        common = dict(vocab_size=128_256, num_kv_heads=8, max_seq_len=131_072)
+        return cls(**{**common, **base, **overrides})
+
+    @classmethod
     def llama3_2_1b(cls, **overrides) -> LlamaConfig:
-        base = dict(
-            vocab_size=128_256,
+        return cls._llama3(
+            overrides,
             hidden_dim=2048,
             num_layers=16,
             num_heads=32,
-            num_kv_heads=8,
             head_dim=64,
             ffn_dim=8192,
-            max_seq_len=131_072,
             rope_scaling=LLAMA32_SCALING,
             tie_embeddings=True,
         )
-        return cls(**{**base, **overrides})
 
     @classmethod
     def llama3_2_3b(cls, **overrides) -> LlamaConfig:
-        base = dict(
-            vocab_size=128_256,
+        return cls._llama3(
+            overrides,
             hidden_dim=3072,
             num_layers=28,
             num_heads=24,
-            num_kv_heads=8,
             head_dim=128,
             ffn_dim=8192,
-            max_seq_len=131_072,
             rope_scaling=LLAMA32_SCALING,
             tie_embeddings=True,
         )
-        return cls(**{**base, **overrides})
 
     @classmethod
     def llama3_1_8b(cls, **overrides) -> LlamaConfig:
-        base = dict(
-            vocab_size=128_256,
+        return cls._llama3(
+            overrides,
             hidden_dim=4096,
             num_layers=32,
             num_heads=32,
-            num_kv_heads=8,
             head_dim=128,
             ffn_dim=14_336,
-            max_seq_len=131_072,
             rope_scaling=LLAMA31_SCALING,
         )
-        return cls(**{**base, **overrides})
 
 
 class Llama(DecoderLM):

@@ -1,0 +1,57 @@
+"""The CPU flags the entry points add: the user's XLA_FLAGS win, and XLA takes ours."""
+
+import os
+import subprocess
+import sys
+
+from training.xla_cpu import CPU_FLAGS, DISABLE_ENV, cpu_flags, set_cpu_flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS = [f"--{name}={value}" for name, value, _ in CPU_FLAGS]
+
+
+def test_flags_are_added_after_the_users():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    assert set_cpu_flags(env).split() == ["--xla_force_host_platform_device_count=8", *OURS]
+    assert env["XLA_FLAGS"].split()[1:] == OURS
+
+
+def test_a_flag_the_user_set_is_kept():
+    name = CPU_FLAGS[0][0]
+    flags = cpu_flags(f"--{name}=eltwise")
+    assert f"--{name}=eltwise" in flags.split()
+    assert not any(f.startswith(f"--{name}=") and f != f"--{name}=eltwise" for f in flags.split())
+
+
+def test_the_defaults_can_be_turned_off():
+    env = {"XLA_FLAGS": "--a=1", DISABLE_ENV: "0"}
+    assert set_cpu_flags(env) == "--a=1"
+    assert set_cpu_flags({}) == " ".join(OURS)
+
+
+CHILD = """
+import numpy as np
+from training.xla_cpu import set_cpu_flags
+set_cpu_flags()
+import jax, jax.numpy as jnp
+a = np.random.default_rng(0).standard_normal((256, 384), np.float32)
+b = np.random.default_rng(1).standard_normal((384, 128), np.float32)
+f = jax.jit(jnp.dot)
+# A library-kernel fusion is marked in the compiled HLO: "kind":"__ynn_fusion" (or __xnn...).
+print("library_kernel", '"kind":"__' in f.lower(a, b).compile().as_text())
+# float32 against float64: a kernel's summation order moves the result by ~1e-6 relative;
+# 1e-4 catches a wrong result, not an order.
+err = np.abs(np.asarray(f(a, b)) - a.astype(np.float64) @ b).max() / np.abs(a @ b).max()
+print("error_ok", err < 1e-4)
+"""
+
+
+def test_xla_accepts_the_flags_and_the_dot_stays_right():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "library_kernel True" in out.stdout
+    assert "error_ok True" in out.stdout

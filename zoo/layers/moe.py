@@ -1,0 +1,222 @@
+"""Mixture-of-experts feed-forward: a top-k router and SwiGLU experts stacked on an E dim.
+
+Every token is computed by exactly the k experts its router picks: nothing is dropped, so
+there is no capacity factor. The expert compute sorts the token-to-expert assignments by
+expert and runs `jax.lax.ragged_dot` over the sorted rows, one contiguous group per expert.
+Why this form: it is dropless whatever the routing (one expert may receive every token), and
+on TPU and GPU XLA lowers ragged_dot to grouped-matmul kernels whose FLOPs follow the group
+sizes, i.e. are proportional to top-k, not E. The alternatives each lose one of these: a
+capacity-bounded dispatch tensor ([E, C, M], Switch/GShard) drops overflow tokens, and a
+dense loop over all experts costs E/k times the FLOPs. XLA's CPU backend, however, expands
+ragged_dot into a masked matmul over every group (E/k times the FLOPs), so CPU runs of an MoE
+are slower than their active size suggests; bench/moe_throughput.py measures it.
+
+The sort and the ragged_dot run inside `jax.shard_map`, so each device sorts only its own
+tokens. With an expert axis (`fsdp_ep`) each device holds E/e experts: after sorting, the
+rows bound for each expert shard are sent there by one all-to-all over the expert axis,
+sorted again by local expert, computed, and sent back by a second all-to-all. The send
+buffers are [e, X, M] (X = local assignments), room for the worst case in which every local
+token picks experts of one shard, so the exchange is dropless at the price of e times the
+bytes of a ragged exchange.
+
+Router: softmax over all E experts in float32, top k, then (Mixtral always, Qwen3-MoE when
+`norm_topk_prob`) renormalised over the k. The load-balancing loss is transformers' form
+(Switch Transformer eq. 4-6, as its `load_balancing_loss_func` computes it over all layers):
+E * sum_e (assignments to e / tokens) * (mean router probability of e), padding excluded.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardings.specs import MoeSharding, normalize
+from zoo.layers.basic import Einsum, _normal
+
+
+class RouterStats(NamedTuple):
+    """One layer's routing, summed over its counted (non-padding) tokens."""
+
+    counts: jax.Array  # [E] top-k assignments per expert
+    probs: jax.Array  # [E] router probabilities per expert
+    tokens: jax.Array  # tokens counted
+
+
+class MoeStats(NamedTuple):
+    """The whole model's routing: what the training loss and the metrics use."""
+
+    aux_loss: jax.Array  # transformers' load-balancing loss (unweighted)
+    load: jax.Array  # [L, E] share of each layer's assignments that went to each expert
+
+
+def moe_stats(stats: RouterStats, num_experts: int) -> MoeStats:
+    """Per-layer sums ([L, E], [L, E], [L]) -> the model's aux loss and per-layer loads.
+
+    transformers sums counts and probabilities over all layers first and divides by the
+    total rows (tokens x layers) once, so the loss is not a mean of per-layer losses.
+    """
+    rows = jnp.maximum(jnp.sum(stats.tokens), 1.0)
+    tokens_per_expert_E = jnp.sum(stats.counts, axis=0) / rows
+    prob_per_expert_E = jnp.sum(stats.probs, axis=0) / rows
+    aux = num_experts * jnp.sum(tokens_per_expert_E * prob_per_expert_E)
+    per_layer = jnp.maximum(jnp.sum(stats.counts, axis=-1, keepdims=True), 1.0)
+    return MoeStats(aux_loss=aux, load=stats.counts / per_layer)
+
+
+def route(logits_BTE, k: int, norm_topk_prob: bool):
+    """(weights_BTk, experts_BTk, probs_BTE): the top-k experts and their mixing weights."""
+    probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+    weights_BTk, experts_BTk = jax.lax.top_k(probs_BTE, k)
+    if norm_topk_prob:
+        weights_BTk = weights_BTk / jnp.sum(weights_BTk, axis=-1, keepdims=True)
+    return weights_BTk, experts_BTk, probs_BTE
+
+
+def swiglu_experts(x_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E):
+    """Rows of x sorted by expert, `group_sizes_E[e]` of them for expert e (rows past the
+    groups' total come out zero) -> each row through its expert's SwiGLU."""
+    g_XF = jax.lax.ragged_dot(x_XM, gate_EMF, group_sizes_E)
+    u_XF = jax.lax.ragged_dot(x_XM, up_EMF, group_sizes_E)
+    return jax.lax.ragged_dot(jax.nn.silu(g_XF) * u_XF, down_EFM, group_sizes_E)
+
+
+def _expert_parallel(x_XM, counts_E, gate_EMF, up_EMF, down_EFM, axis: str):
+    """`swiglu_experts` with the experts split over mesh axis `axis` (local E/e of them).
+
+    x_XM holds this device's assignments sorted by global expert id, `counts_E` of each.
+    """
+    e = jax.lax.axis_size(axis)
+    X, M = x_XM.shape
+    E_local = gate_EMF.shape[0]
+    # Rows bound for expert shard j are contiguous in the sorted order, starting at start_j.
+    send_counts_eL = counts_E.reshape(e, E_local)
+    send_totals_e = jnp.sum(send_counts_eL, axis=1)
+    send_start_e = jnp.cumsum(send_totals_e) - send_totals_e
+    row_eX = send_start_e[:, None] + jnp.arange(X)[None, :]
+    valid_eX = jnp.arange(X)[None, :] < send_totals_e[:, None]
+    send_eXM = jnp.where(valid_eX[..., None], x_XM[jnp.minimum(row_eX, X - 1)], 0)
+
+    # [source shard, X, M]: what every shard sent to this one, and how many rows per expert.
+    recv_eXM = jax.lax.all_to_all(send_eXM, axis, 0, 0, tiled=True)
+    recv_counts_eL = jax.lax.all_to_all(send_counts_eL, axis, 0, 0, tiled=True)
+
+    # Each source's block is sorted by local expert; rows past its total are padding, given
+    # the id E_local so that sorting puts them after every group (ragged_dot zeroes them).
+    ends_eL = jnp.cumsum(recv_counts_eL, axis=1)
+    local_eX = jax.vmap(lambda ends, rows: jnp.searchsorted(ends, rows, side="right"))(
+        ends_eL, jnp.broadcast_to(jnp.arange(X), (e, X))
+    )
+    local_R = local_eX.reshape(-1)  # R = e * X received rows
+    order_R = jnp.argsort(local_R, stable=True)
+    y_RM = swiglu_experts(
+        recv_eXM.reshape(-1, M)[order_R],
+        gate_EMF,
+        up_EMF,
+        down_EFM,
+        jnp.sum(recv_counts_eL, axis=0),
+    )
+    y_eXM = jnp.zeros_like(y_RM).at[order_R].set(y_RM).reshape(e, X, M)
+
+    # Back to the shards the rows came from, then into this device's sorted order.
+    back_eXM = jax.lax.all_to_all(y_eXM, axis, 0, 0, tiled=True)
+    dest_X = jnp.searchsorted(jnp.cumsum(send_totals_e), jnp.arange(X), side="right")
+    dest_X = jnp.minimum(dest_X, e - 1)
+    return back_eXM[dest_X, jnp.arange(X) - send_start_e[dest_X]]
+
+
+def _local_moe(
+    x_BTM,
+    experts_BTk,
+    weights_BTk,
+    gate_EMF,
+    up_EMF,
+    down_EFM,
+    *,
+    num_experts: int,
+    expert_axis: str | None,
+    ffn_axis: str | None,
+    scatter_out: bool,
+):
+    """One device's tokens through their experts (runs inside shard_map)."""
+    B, T, M = x_BTM.shape
+    k = experts_BTk.shape[-1]
+    x_NM = x_BTM.reshape(B * T, M)
+    expert_X = experts_BTk.reshape(-1)  # X = N * k assignments, token-major
+    order_X = jnp.argsort(expert_X, stable=True)
+    token_X = (jnp.arange(expert_X.shape[0]) // k)[order_X]
+    x_XM = x_NM[token_X]
+    counts_E = jnp.bincount(expert_X, length=num_experts).astype(jnp.int32)
+    if expert_axis is None:
+        y_XM = swiglu_experts(x_XM, gate_EMF, up_EMF, down_EFM, counts_E)
+    else:
+        y_XM = _expert_parallel(x_XM, counts_E, gate_EMF, up_EMF, down_EFM, expert_axis)
+    y_XM = y_XM * weights_BTk.reshape(-1)[order_X][:, None].astype(y_XM.dtype)
+    y_NM = jnp.zeros_like(x_NM).at[token_X].add(y_XM)  # the k experts' outputs summed
+    y_BTM = y_NM.reshape(B, T, M)
+    if ffn_axis is not None:
+        # F split over `ffn_axis`: each device holds a partial sum of the down projection.
+        if scatter_out:
+            y_BTM = jax.lax.psum_scatter(y_BTM, ffn_axis, scatter_dimension=2, tiled=True)
+        else:
+            y_BTM = jax.lax.psum(y_BTM, ffn_axis)
+    return y_BTM
+
+
+class Moe(nnx.Module):
+    def __init__(self, cfg, sharding: MoeSharding, *, rngs: nnx.Rngs):
+        M, E, F = cfg.hidden_dim, cfg.num_experts, cfg.moe_ffn_dim
+        if cfg.activation != "silu" or not cfg.glu:
+            raise ValueError("MoE experts are SwiGLU: needs activation='silu' and glu=True")
+        self.sharding = sharding
+        self.num_experts = E
+        self.k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.dtype = cfg.compute_dtype
+        self.router = Einsum("BTM,ME->BTE", (M, E), sharding.router, rngs=rngs, dtype=self.dtype)
+
+        def param(shape, spec):
+            return nnx.Param(_normal(rngs, shape, spec), out_sharding=spec)
+
+        self.gate = param((E, M, F), sharding.gate)
+        self.up = param((E, M, F), sharding.up)
+        self.down = param((E, F, M), sharding.down)
+
+    def __call__(self, x_BTM, mask_BT):
+        """(y_BTM, RouterStats); `mask_BT` marks the tokens the statistics count."""
+        s = self.sharding
+        weights_BTk, experts_BTk, probs_BTE = route(self.router(x_BTM), self.k, self.norm_topk_prob)
+        mask_BT = mask_BT.astype(jnp.float32)
+        one_hot_BTE = jnp.sum(jax.nn.one_hot(experts_BTk, self.num_experts), axis=2)
+        stats = RouterStats(
+            counts=jnp.sum(one_hot_BTE * mask_BT[..., None], axis=(0, 1)),
+            probs=jnp.sum(probs_BTE * mask_BT[..., None], axis=(0, 1)),
+            tokens=jnp.sum(mask_BT),
+        )
+        # FSDP-split expert weights are gathered here (reduce-scattered in the backward),
+        # like a dense weight before its matmul.
+        weight = lambda p, spec: jax.sharding.reshard(p[...].astype(self.dtype), spec)  # noqa: E731
+        gate_EMF = weight(self.gate, s.gate_compute)
+        up_EMF = weight(self.up, s.up_compute)
+        down_EFM = weight(self.down, s.down_compute)
+        scatter_out = s.ffn_axis is not None and normalize(s.out, 3)[2] == s.ffn_axis
+        routing = jax.sharding.PartitionSpec(*tuple(normalize(s.tokens, 3))[:2], None)
+        compute = jax.shard_map(
+            functools.partial(
+                _local_moe,
+                num_experts=self.num_experts,
+                expert_axis=s.expert_axis,
+                ffn_axis=s.ffn_axis,
+                scatter_out=scatter_out,
+            ),
+            in_specs=(s.tokens, routing, routing, s.gate_compute, s.up_compute, s.down_compute),
+            out_specs=s.out if scatter_out else s.tokens,
+        )
+        x_BTM = jax.sharding.reshard(x_BTM.astype(self.dtype), s.tokens)
+        experts_BTk = jax.sharding.reshard(experts_BTk, routing)
+        weights_BTk = jax.sharding.reshard(weights_BTk, routing)
+        y_BTM = compute(x_BTM, experts_BTk, weights_BTk, gate_EMF, up_EMF, down_EFM)
+        return jax.sharding.reshard(y_BTM, s.out), stats
