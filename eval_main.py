@@ -13,11 +13,15 @@ training data (or all of `--data`) in file order, so it is the same on every mes
 `eval_batches` batches of the run's global batch size (rows of padding are added when the
 batch does not divide over `data`; they count for nothing).
 
-Writes DIR/eval.json atomically: step, loss (mean next-token NLL in nats), perplexity,
-bits_per_byte (NLL in bits over the UTF-8 bytes the predicted tokens stand for; null when
-the tokenizer gives no byte counts), tokens, bytes, and the generation when `--prompt` is
-given (also printed). A bad flag, strategy, mesh, path or checkpoint ends with exit status 2
-and one line on stderr.
+Prints the result, then writes DIR/eval.json atomically: step, loss (mean next-token NLL in
+nats), perplexity, bits_per_byte (NLL in bits over the UTF-8 bytes the predicted tokens stand
+for; null when the tokenizer gives no byte counts), tokens, bytes, `non_finite` (the keys
+whose value was NaN or inf, written as null, with a warning), and the generation
+when `--prompt` is given (also printed). `--noevaluate --prompt=...` only generates, and
+writes nothing. The checkpoint's files are checked against the checksums written with it; a
+damaged one is named, with the other steps `--step` can choose. A bad flag, strategy, mesh,
+path or checkpoint ends with exit status 2 and one line on stderr; the library code is in
+evaluation/.
 """
 
 from __future__ import annotations
@@ -36,8 +40,6 @@ from training.host import import_jax_quietly  # noqa: E402
 
 import_jax_quietly()
 
-import dataclasses  # noqa: E402
-import math  # noqa: E402
 import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
@@ -65,19 +67,13 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0: all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-_ATTENTION = flags.DEFINE_enum(
-    "attention_impl",
-    None,
-    ["xla", "splash", "cudnn", "auto"],
-    "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); default: the "
-    "run's (a Hugging Face checkpoint: auto).",
-)
 _HF_CHECKPOINT = flags.DEFINE_string(
     "hf_checkpoint", None, "Evaluate a Hugging Face checkpoint directory instead of the run's."
 )
 
-# Defaults for a Hugging Face checkpoint, which has no run record.
-_HF_DEFAULTS = dict(source="default", seq_len=512, global_batch_size=8, eval_batches=4)
+_EVALUATE = flags.DEFINE_bool(
+    "evaluate", True, "Compute the held-out metrics; --noevaluate with --prompt only generates."
+)
 
 
 def _usage_error(message) -> None:
@@ -92,229 +88,25 @@ def _parse_flags(argv):
         _usage_error(e)
 
 
-# ----------------------------------------------------------------------------- settings
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSettings:
-    strategy: str
-    mesh_shape: str | None
-    source: str
-    split: str
-    tokenizer: str
-    text_field: str
-    validation_fraction: float
-    seq_len: int
-    batch_size: int
-    eval_batches: int
-
-
-def model_config_from_run_info(run_info: dict):
-    """The zoo config the run trained: `run_info['model_config']` when recorded (type name
-    and fields), else the run config's model section (`RunConfig.model.decoder_config()`)."""
-    recorded = run_info.get("model_config")
-    if recorded:
-        from zoo.registry import config_types
-
-        types = config_types()
-        fields = dict(recorded)
-        name = fields.pop("type", None)
-        if name not in types:
-            raise ValueError(f"checkpoint model config type {name!r} is not in this zoo ({types})")
-        config_type = types[name]
-        for field in dataclasses.fields(config_type):
-            if isinstance(fields.get(field.name), list):  # JSON turned tuples into lists
-                fields[field.name] = tuple(fields[field.name])
-        return config_type(**fields)
-    return _run_config(run_info).model.decoder_config()
-
-
-def _run_config(run_info: dict):
-    from training.config import RunConfig
-
-    if "config" not in run_info:
-        raise ValueError("the checkpoint's run_info records no 'config'; cannot rebuild the run")
-    return RunConfig.from_config_dict(run_info["config"])
-
-
-def settings_from_flags(run_info: dict | None) -> EvalSettings:
-    if run_info is not None:
-        run = _run_config(run_info)
-        d = run.data
-        base = dict(
-            strategy=run_info.get("strategy", run.training.sharding_strategy),
-            source=d.source,
-            tokenizer=d.tokenizer,
-            text_field=d.text_field,
-            validation_fraction=d.validation_fraction,
-            seq_len=d.seq_len,
-            batch_size=d.global_batch_size,
-            eval_batches=run.training.eval_batches,
-        )
-    else:
-        base = dict(
-            strategy="fsdp_tp",
-            source=_HF_DEFAULTS["source"],
-            tokenizer=_HF_CHECKPOINT.value,
-            text_field="text",
-            validation_fraction=0.02,
-            seq_len=_HF_DEFAULTS["seq_len"],
-            batch_size=_HF_DEFAULTS["global_batch_size"],
-            eval_batches=_HF_DEFAULTS["eval_batches"],
-        )
-    for key, flag in (
-        ("strategy", _STRATEGY),
-        ("tokenizer", _TOKENIZER),
-        ("seq_len", _SEQ_LEN),
-        ("batch_size", _BATCH_SIZE),
-        ("eval_batches", _EVAL_BATCHES),
-    ):
-        if flag.value is not None:
-            base[key] = flag.value
-    for key in ("seq_len", "batch_size", "eval_batches"):
-        if base[key] < 1:
-            raise ValueError(f"--{key}={base[key]} must be >= 1")
-    source = _DATA.value or base.pop("source")
-    base.pop("source", None)
-    return EvalSettings(
-        mesh_shape=_MESH_SHAPE.value,
-        source=source,
-        split="all" if _DATA.value else "validation",
-        **base,
-    )
-
-
-# ----------------------------------------------------------------------------- the work
-
-
-def load_model(workdir: str, run_info: dict | None, settings: EvalSettings, step: int | None):
-    """(model, mesh, step): the model built under the requested strategy/mesh, with the
-    checkpoint's (or the HF directory's) parameters."""
+def _generate(model, mesh, tokenizer) -> tuple[str, int]:
     import jax
-    from flax import nnx
 
-    from shardings import get_strategy
-    from training.checkpoint import restore_params
-    from training.run import check_attention
-    from zoo import create_model
-    from zoo.build import check_model_fits, model_class
+    from zoo.generate import generate
 
-    strategy = get_strategy(settings.strategy)
-    if _HF_CHECKPOINT.value:
-        from zoo import from_pretrained
-        from zoo.hf_io import read_config
-
-        if not os.path.isdir(_HF_CHECKPOINT.value):
-            raise FileNotFoundError(f"--hf_checkpoint={_HF_CHECKPOINT.value!r} is not a directory")
-        cfg = read_config(_HF_CHECKPOINT.value)
-        mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
-        runtime = {"attention_impl": _ATTENTION.value} if _ATTENTION.value else {}
-        with jax.set_mesh(mesh):
-            model = from_pretrained(_HF_CHECKPOINT.value, strategy, **runtime)
-        check_attention(model.cfg, mesh, settings.seq_len)
-        return model, mesh, None
-
-    cfg = model_config_from_run_info(run_info)
-    if _ATTENTION.value:
-        cfg = dataclasses.replace(cfg, attention_impl=_ATTENTION.value)
-    mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
-    # A backend that cannot run here: one line now, not an error deep in the compile.
-    check_attention(cfg, mesh, settings.seq_len)
-    check_model_fits(cfg, strategy, mesh)
+    prompt_ids = tokenizer.encode(_PROMPT.value)
+    if not prompt_ids:
+        raise ValueError("--prompt is empty after tokenization")
     with jax.set_mesh(mesh):
-        # Shapes only: the checkpoint's arrays are read straight into the layout, so the model
-        # is never initialised (and never held twice).
-        model = nnx.eval_shape(
-            lambda: model_class(cfg)(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0))
-        )
-        step = restore_params(workdir, model, step)
-        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(model))):
-            # State besides the parameters (none in today's families) needs real values.
-            model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
-            step = restore_params(workdir, model, step)
-    return model, mesh, step
-
-
-def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
-    """Loss, perplexity, bits per byte and counts over the settings' batches."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from shardings.mesh import check_batch
-    from training import data
-    from training.distributed import to_global
-    from zoo.loss import target_mask, token_nll
-
-    if model.cfg.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"model vocab_size={model.cfg.vocab_size} is smaller than the tokenizer's "
-            f"{tokenizer.vocab_size} ids"
-        )
-    batch_spec = model.sharding.tokens
-    rows = settings.batch_size
-    multiple = 1
-    if batch_spec[0] is not None:
-        axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
-        multiple = math.prod(mesh.shape[a] for a in axes)
-    padded_rows = -(-rows // multiple) * multiple  # same data on every mesh, padding rows added
-    check_batch(padded_rows, batch_spec, mesh, settings.strategy, seq_len=settings.seq_len)
-    dataset = data.build_dataset(
-        settings.source,
-        settings.split,
-        tokenizer,
-        settings.seq_len,
-        rows,
-        shuffle=False,
-        repeat=False,
-        num_batches=settings.eval_batches,
-        text_field=settings.text_field,
-        validation_fraction=settings.validation_fraction,
-    )
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def nll_sum(state, batch):
-        m = nnx.merge(graphdef, state)
-        logits_BTV = m(
-            batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
-        )
-        nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
-        return jnp.sum(nll_BT), jnp.sum(mask_BT)
-
-    total_nll, total_tokens, total_bytes = 0.0, 0, 0
-    with jax.set_mesh(mesh):
-        for local in dataset:
-            short = padded_rows // jax.process_count() - local["tokens"].shape[0]
-            if short > 0:
-                local = {
-                    k: np.concatenate([v, np.zeros((short, v.shape[1]), v.dtype)])
-                    for k, v in local.items()
-                }
-            nll, count = nll_sum(state, to_global(local, mesh, batch_spec))
-            total_nll += float(nll)
-            total_tokens += int(count)
-            # Bytes the predicted (target) tokens stand for; this process's rows, summed over
-            # processes below.
-            targets_BT, mask_BT = (
-                np.asarray(a) for a in target_mask(local["tokens"], local["segment_ids"])
-            )
-            total_bytes += int(tokenizer.token_num_bytes[targets_BT[mask_BT]].sum())
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        total_bytes = int(np.sum(multihost_utils.process_allgather(np.int64(total_bytes))))
-    if total_tokens == 0:
-        raise ValueError(f"no tokens to evaluate in {settings.source!r} ({settings.split})")
-    loss = total_nll / total_tokens
-    return {
-        "loss": loss,
-        "perplexity": math.exp(min(loss, 700.0)),
-        "bits_per_byte": (total_nll / math.log(2) / total_bytes) if total_bytes else None,
-        "tokens": total_tokens,
-        "bytes": total_bytes,
-    }
+        new_ids = generate(
+            model,
+            [prompt_ids],
+            max_new_tokens=_MAX_NEW_TOKENS.value,
+            temperature=_TEMPERATURE.value,
+            top_k=_TOP_K.value or None,
+            eos_id=tokenizer.eos_id,
+            seed=_SEED.value,
+        )[0]
+    return tokenizer.decode(new_ids), len(new_ids)
 
 
 def main(argv):
@@ -324,44 +116,66 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     if not _WORKDIR.value:
         _usage_error("--workdir is required (the run directory; eval.json is written there)")
-    workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
+    if not _EVALUATE.value and _PROMPT.value is None:
+        _usage_error("--noevaluate leaves nothing to do without --prompt")
+    from training.workdir import check_writable_everywhere, expand
+
+    workdir = expand(_WORKDIR.value)
+    hf_dir = expand(_HF_CHECKPOINT.value) if _HF_CHECKPOINT.value else None
     try:
         import jax
 
+        from evaluation import metrics as eval_metrics
+        from evaluation import model as eval_model
+        from evaluation.settings import from_run_info
         from training.checkpoint import read_meta
+        from training.run import device_hint
         from training.tokenizers import make_tokenizer
 
+        if _EVALUATE.value:
+            check_writable_everywhere(workdir)  # before the work, not after it
         run_info, step = None, None
-        if not _HF_CHECKPOINT.value:
+        if hf_dir is None:
             step, meta = read_meta(workdir, _STEP.value)
             run_info = meta.get("run_info") or {}
-        settings = settings_from_flags(run_info)
+        settings = from_run_info(
+            run_info,
+            hf_checkpoint=hf_dir,
+            data=_DATA.value,
+            mesh_shape=_MESH_SHAPE.value,
+            strategy=_STRATEGY.value,
+            tokenizer=_TOKENIZER.value,
+            seq_len=_SEQ_LEN.value,
+            batch_size=_BATCH_SIZE.value,
+            eval_batches=_EVAL_BATCHES.value,
+        )
         if _TOP_K.value < 0 or _TEMPERATURE.value < 0 or _MAX_NEW_TOKENS.value < 1:
             raise ValueError("--top_k and --temperature must be >= 0, --max_new_tokens >= 1")
         tokenizer = make_tokenizer(settings.tokenizer)
-        model, mesh, step = load_model(workdir, run_info, settings, step)
-        metrics = evaluate(model, mesh, settings, tokenizer)
-        generated = None
-        if _PROMPT.value is not None:
-            from zoo.generate import generate
-
-            prompt_ids = tokenizer.encode(_PROMPT.value)
-            if not prompt_ids:
-                raise ValueError("--prompt is empty after tokenization")
-            with jax.set_mesh(mesh):
-                new_ids = generate(
-                    model,
-                    [prompt_ids],
-                    max_new_tokens=_MAX_NEW_TOKENS.value,
-                    temperature=_TEMPERATURE.value,
-                    top_k=_TOP_K.value or None,
-                    eos_id=tokenizer.eos_id,
-                    seed=_SEED.value,
-                )[0]
-            generated = tokenizer.decode(new_ids)
+        if hf_dir is not None:
+            model, mesh = eval_model.load_from_hf(hf_dir, settings)
+        else:
+            model, mesh, step = eval_model.load_from_checkpoint(workdir, run_info, settings, step)
+        metrics = None
+        if _EVALUATE.value:
+            metrics = eval_metrics.json_safe(
+                eval_metrics.evaluate(model, mesh, settings, tokenizer)
+            )
+        generated = _generate(model, mesh, tokenizer) if _PROMPT.value is not None else None
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        _usage_error(e)
+        _usage_error(device_hint(e))
 
+    if jax.process_index() != 0:
+        return
+    what = f"hf checkpoint {hf_dir}" if hf_dir else f"step {step}"
+    where = f"{settings.strategy} on {dict(mesh.shape)}"
+    if metrics is not None:
+        # Printed before eval.json is written: a failed write must not lose the result.
+        print(f"{what}: {eval_metrics.summary(metrics)} ({where})", flush=True)
+    if generated is not None:
+        print(f"{_PROMPT.value}{generated[0]}", flush=True)
+    if metrics is None:
+        return
     record = {
         "step": step,
         **metrics,
@@ -373,24 +187,25 @@ def main(argv):
         "strategy": settings.strategy,
         "mesh_shape": dict(mesh.shape),
         "num_devices": jax.device_count(),
-        "hf_checkpoint": _HF_CHECKPOINT.value,
+        "hf_checkpoint": hf_dir,
     }
     if generated is not None:
-        record.update(prompt=_PROMPT.value, generated=generated, generated_tokens=len(new_ids))
-    if jax.process_index() == 0:
-        from training.files import write_json_atomic
+        record.update(prompt=_PROMPT.value, generated=generated[0], generated_tokens=generated[1])
+    from training.files import write_json_atomic
 
-        write_json_atomic(os.path.join(workdir, EVAL_FILE), record)
-        bpb = metrics["bits_per_byte"]
+    path = os.path.join(workdir, EVAL_FILE)
+    try:
+        write_json_atomic(path, record)
+    except OSError as e:
+        _usage_error(f"cannot write {path} ({e.strerror or e}); the result is printed above")
+    print(f"wrote {path}", flush=True)
+    if metrics["non_finite"]:
         print(
-            f"step {step}: loss {metrics['loss']:.4f}, perplexity {metrics['perplexity']:.3f}, "
-            f"bits/byte {'n/a' if bpb is None else f'{bpb:.4f}'}, {metrics['tokens']} tokens "
-            f"({settings.strategy} on {dict(mesh.shape)}); wrote "
-            f"{os.path.join(workdir, EVAL_FILE)}",
+            f"warning: {', '.join(metrics['non_finite'])} not finite (null in eval.json, listed "
+            "under non_finite): the parameters have diverged",
+            file=sys.stderr,
             flush=True,
         )
-        if generated is not None:
-            print(f"{_PROMPT.value}{generated}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 
     python explain_main.py --model=tiny                      # 8 simulated CPU devices
     python explain_main.py --model=llama3.1-8b --strategies=fsdp,fsdp_tp --devices=64
+    python explain_main.py --config=configs/tiny.py          # the model train_main would build
     python explain_main.py --write_golden=tests/golden     # regenerate the golden layouts
+
+`--model` names a zoo preset; `--config` takes a run config file as train_main.py does
+(with its `--config.model.<field>=value` overrides), whose model section may change the
+preset's sizes (configs/tiny.py trains a larger model than the `tiny` preset).
 
 Layouts come from the declarations alone (nothing is allocated), so real sizes are fine on a
 laptop; `--collectives` also compiles one forward+backward pass on the simulated devices
@@ -16,8 +21,12 @@ import pathlib
 import sys
 
 from absl import app, flags
+from ml_collections import config_flags
 
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "A run config file (as train_main.py's); its model section wins over --model."
+)
 _STRATEGIES = flags.DEFINE_list("strategies", None, "strategies; default: all of them")
 _DEVICES = flags.DEFINE_integer("devices", 8, "simulated devices, when running on CPU")
 _WRITE_GOLDEN = flags.DEFINE_string(
@@ -51,9 +60,14 @@ def main(argv):
     from zoo import get_config, param_layouts
 
     try:
-        cfg = get_config(_MODEL.value)
+        if _CONFIG.value is not None:
+            from training.config import RunConfig
+
+            cfg = RunConfig.from_config_dict(_CONFIG.value).model.decoder_config()
+        else:
+            cfg = get_config(_MODEL.value)
         strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if _WRITE_GOLDEN.value:

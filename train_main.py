@@ -42,21 +42,52 @@ def _usage_error(message: str):
     sys.exit(EXIT_USAGE)
 
 
+def _unknown_field_message(error: Exception) -> str | None:
+    """One line for a `--config.<path>` override naming a field the config does not define
+    (ml_collections raises a KeyError, sometimes wrapped, whose text spans lines), naming the
+    valid fields; None when `error` is something else."""
+    import re
+
+    from training.config import SECTIONS, section_fields
+
+    text = str(error).replace("\\'", "'").replace("\\n", "\n")
+    quoted = re.search(r"'([A-Za-z_]\w*)'", text)
+    if quoted is None:
+        return None
+    name = quoted.group(1)
+    overrides = [a.split("=", 1)[0] for a in sys.argv[1:] if a.startswith("--config.")]
+    paths = [o.removeprefix("--config.").split(".") for o in overrides]
+    path = next((p for p in paths if name in p), None)
+    if path is None:
+        return None
+    where = path[: path.index(name)]
+    if not where:
+        valid = ", ".join(("name", *SECTIONS))
+    elif where[0] in SECTIONS and len(where) == 1:
+        valid = ", ".join(section_fields(where[0]))
+    else:
+        valid = None
+    suggestion = re.search(r'Did you mean "([^"]+)"', text)
+    hint = f"; did you mean {suggestion.group(1)!r}?" if suggestion else ""
+    section = ".".join(where) or "the config"
+    listing = f" (valid in {section}: {valid})" if valid else ""
+    return f"--config.{'.'.join(path)}: no such config field {name!r}{hint}{listing}"
+
+
 def _define_config_flag():
     # config_flags applies `--config.<path>=value` overrides while defining the flag (it reads
-    # sys.argv), so a misspelt field raises here, before absl parses anything.
+    # sys.argv), so a misspelt field raises here, before absl parses anything. It does not
+    # expand `~` (the shell does not either, after `=`): every path flag gets it here.
+    sys.argv[1:] = [
+        f"--config={os.path.expanduser(a.split('=', 1)[1])}" if a.startswith("--config=") else a
+        for a in sys.argv[1:]
+    ]
     try:
         return config_flags.DEFINE_config_file(
             "config", DEFAULT_CONFIG, "Run config file (a get_config() module).", lock_config=True
         )
     except (AttributeError, KeyError) as e:
-        bad = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.")]
-        name = str(e).split("\\n")[0].split("\n")[0].strip("'\"\\")
-        culprit = next((b for b in bad if name in b.split(".")), ", ".join(bad) or "--config.*")
-        parts = str(e).replace("\\n", " ").split("Did you mean", 1)
-        suggestion = parts[1].strip(" \"'") if len(parts) == 2 else ""
-        hint = f" (did you mean {suggestion})" if suggestion else ""
-        _usage_error(f"{culprit}: no such config field {name!r}{hint}")
+        _usage_error(_unknown_field_message(e) or f"--config override: {e}")
 
 
 _CONFIG = _define_config_flag()
@@ -91,17 +122,17 @@ def _parse_flags(argv):
         return flags.FLAGS(argv)
     except flags.Error as e:
         _usage_error(e)
-    except (OSError, AttributeError) as e:  # config_flags could not load the --config file
-        _config_file_error(e)
+    except (OSError, AttributeError, KeyError) as e:  # the --config file or an override
+        _usage_error(_unknown_field_message(e) or _config_file_message(e))
 
 
-def _config_file_error(error: Exception):
+def _config_file_message(error: Exception) -> str:
     """One line for a --config file that did not load (config_flags' message spans lines)."""
     given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
     reason = next((line for line in lines if line.startswith("[Errno")), lines[-1])
     name = given[-1] if given else DEFAULT_CONFIG
-    _usage_error(f"--config={name}: cannot load the config file: {reason}")
+    return f"--config={name}: cannot load the config file: {reason}"
 
 
 def _load_config():
@@ -112,7 +143,7 @@ def _load_config():
         # config_flags defers a failed load of the file to the first use of the config.
         run = RunConfig.from_config_dict(_CONFIG.value)
     except OSError as e:
-        _config_file_error(e)
+        _usage_error(_config_file_message(e))
     training, model, logging = run.training, run.model, run.logging
     if _STRATEGY.value is not None:
         training = type(training)(**{**vars(training), "sharding_strategy": _STRATEGY.value})
@@ -131,18 +162,23 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         # Orbax logs every save at INFO; keep stderr for the progress bar and errors.
         logging.set_verbosity(logging.WARNING)
+
     from training import distributed
-    from training.run import Setup, train
+    from training.run import Setup, device_hint, train
+    from training.workdir import expand, hold
 
     # Every mistake in what the user gave surfaces while building (before the first step) as
     # one of these; anything raised later is a bug and keeps its stack trace.
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         run = _load_config()
-        workdir = os.path.abspath(_WORKDIR.value or os.path.join("runs", run.name))
-        setup = Setup(run, workdir, init_from=_INIT_FROM.value)
+        workdir = expand(_WORKDIR.value or os.path.join("runs", run.name))
+        lock = hold(workdir)  # noqa: F841 -- checked writable, and held until the process exits
+        init_from = expand(_INIT_FROM.value) if _INIT_FROM.value else None
+        setup = Setup(run, workdir, init_from=init_from)
+        setup.resume()
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        _usage_error(e)
+        _usage_error(device_hint(e))
     train(setup)
 
 

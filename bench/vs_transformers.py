@@ -136,12 +136,15 @@ class JaxStack:
 
 
 class TorchStack:
-    def __init__(self, checkpoint: str, tokens):
+    def __init__(self, checkpoint: str, tokens, perturb: bool = False):
         import torch
         from transformers import LlamaForCausalLM
 
         self.torch = torch
         self.model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        if perturb:  # a model that differs a little: the first-loss check must stop the bench
+            with torch.no_grad():
+                self.model.model.norm.weight.mul_(1.05)
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = 0
         o = OPTIMIZER
@@ -191,7 +194,7 @@ class TorchStack:
 # --- workers and rounds -------------------------------------------------------------------
 
 
-def _worker(stack_name: str, checkpoint: str, tokens, conn) -> None:
+def _worker(stack_name: str, checkpoint: str, tokens, conn, perturb: bool) -> None:
     sys.path.insert(0, ROOT)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if stack_name == "jax":
@@ -201,7 +204,7 @@ def _worker(stack_name: str, checkpoint: str, tokens, conn) -> None:
         set_cpu_flags()
         stack = JaxStack(checkpoint, tokens)
     else:
-        stack = TorchStack(checkpoint, tokens)
+        stack = TorchStack(checkpoint, tokens, perturb)
     conn.send(("ok", None))
     while True:
         command, arg = conn.recv()
@@ -224,11 +227,11 @@ def _worker(stack_name: str, checkpoint: str, tokens, conn) -> None:
 
 
 class Worker:
-    def __init__(self, ctx, stack_name, checkpoint, tokens):
+    def __init__(self, ctx, stack_name, checkpoint, tokens, perturb=False):
         self.conn, child = ctx.Pipe()
         self.name = stack_name
         self.process = ctx.Process(
-            target=_worker, args=(stack_name, checkpoint, tokens, child), daemon=True
+            target=_worker, args=(stack_name, checkpoint, tokens, child, perturb), daemon=True
         )
         self.process.start()
         self._expect()
@@ -280,7 +283,7 @@ def bench_model(name: str, args, ctx) -> list[dict]:
     if exporter.exitcode:
         sys.exit(f"exporting the {name} checkpoint failed")
     tokens = np.random.default_rng(0).integers(0, VOCAB, (rows, length), dtype=np.int32)
-    workers = {s: Worker(ctx, s, checkpoint, tokens) for s in ("jax", "torch")}
+    workers = {s: Worker(ctx, s, checkpoint, tokens, args.perturb_torch) for s in ("jax", "torch")}
     try:
         losses = {s: w.call("first_loss") for s, w in workers.items()}
         gap = abs(losses["jax"] - losses["torch"]) / abs(losses["torch"])
@@ -352,6 +355,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="train steps per round")
     parser.add_argument("--forward_reps", type=int, default=2, help="forwards per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed train steps")
+    parser.add_argument(
+        "--perturb_torch",
+        action="store_true",
+        help="scale torch's final norm by 1.05, to see the first-loss check stop the bench",
+    )
     args = parser.parse_args()
     args.modes = args.modes.split(",")
     names = args.models.split(",")

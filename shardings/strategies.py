@@ -123,8 +123,11 @@ class Strategy:
                 sizes[axis] = 1
             else:
                 cap = self.axis_caps.get(axis, lambda n: n)(per_slice)
+                # A size of 0 is a dim the model lacks (a dense model's experts): it splits
+                # nothing, so an axis that splits only such dims stays 1.
                 dims = [getattr(config, f) for f in fields]
-                sizes[axis] = _largest_divisor(left, dims, cap)
+                present = [d for d in dims if d]
+                sizes[axis] = _largest_divisor(left, present, cap) if present or not dims else 1
             left //= sizes[axis]
         sizes[DATA] = left
         return tuple(sizes[a] for a in self.axes)
@@ -365,7 +368,11 @@ FSDP_CP = Strategy(
         # they are data parallel: FSDP over `data` and `context` together (the gradients
         # must be summed over both anyway, so they are reduce-scattered over both).
         "embed_fsdp": (DATA, CONTEXT),
-        "table_embed": (DATA, CONTEXT),
+        # The embedding table only over `data`: looked-up rows `B/data T/context M` come
+        # from a table split on M over `data` by one all-to-all over `data`; split over
+        # `context` too, XLA finds no such move and replicates the rows (and, backward,
+        # the table's gradient) on every device.
+        "table_embed": DATA,
     },
 )
 

@@ -13,9 +13,12 @@ import pytest
 from flax import nnx
 
 from shardings import get_strategy
+from training import integrity
 from training.checkpoint import (
     INVALID_SUBDIR,
+    ITEMS,
     Checkpointer,
+    CorruptCheckpointError,
     checkpoint_dir,
     complete_steps,
     read_meta,
@@ -139,14 +142,39 @@ def test_save_every_keep_and_force(tmp_path):
     assert complete_steps(checkpoint_dir(str(tmp_path))) == [6, 7]
 
 
-def test_truncated_latest_is_not_picked(saved, tmp_path):
+def _largest_data_file(step_dir):
+    """The largest OCDBT data file of the params item (where the arrays' bytes are)."""
+    paths = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(os.path.join(step_dir, "params"))
+        for name in names
+    ]
+    return max(paths, key=os.path.getsize)
+
+
+def test_manifest_covers_every_file_orbax_committed(saved):
+    # The one assumption about Orbax: once a save is committed (its step dir has its name),
+    # nothing more is written into it, so the checksums written then cover every file.
+    step_dir = os.path.join(checkpoint_dir(saved["workdir"]), "7")
+    manifest = integrity.read_manifest(step_dir)
+    on_disk = {
+        os.path.relpath(os.path.join(root, name), step_dir)
+        for root, _, names in os.walk(step_dir)
+        for name in names
+    }
+    assert set(manifest["files"]) == on_disk - {integrity.MANIFEST}
+    assert {path.split("/")[0] for path in manifest["files"]} >= set(ITEMS)
+    assert integrity.verify(step_dir) is None
+
+
+def test_incomplete_steps_are_skipped_and_set_aside(saved, tmp_path):
     workdir = str(tmp_path)
     directory = checkpoint_dir(workdir)
     shutil.copytree(checkpoint_dir(saved["workdir"]), directory)
-    # A later step whose copy was cut short (no OCDBT manifest, no commit marker), an empty
-    # step dir, and a save that was killed before Orbax renamed its temporary directory.
+    # A later step whose checksums were never written (killed right after Orbax's commit),
+    # an empty step dir, and a save killed before Orbax renamed its temporary directory.
     shutil.copytree(os.path.join(directory, "7"), os.path.join(directory, "9"))
-    os.remove(os.path.join(directory, "9", "params", "manifest.ocdbt"))
+    os.remove(os.path.join(directory, "9", integrity.MANIFEST))
     os.makedirs(os.path.join(directory, "8"))
     shutil.copytree(
         os.path.join(directory, "7"), os.path.join(directory, "10.orbax-checkpoint-tmp-1")
@@ -155,7 +183,7 @@ def test_truncated_latest_is_not_picked(saved, tmp_path):
     mesh, model, optimizer = build("dp", (8,), seed=4)
     with jax.set_mesh(mesh):
         assert restore_params(workdir, model) == 7  # readers skip; nothing is moved
-        with pytest.raises(ValueError, match=r"corrupt or partial: missing params/manifest"):
+        with pytest.raises(ValueError, match=r"step|incomplete: no checksums.json"):
             restore_params(workdir, model, step=9)
     assert os.path.isdir(os.path.join(directory, "9"))
     ckpt = Checkpointer(workdir, save_every=1, keep=5, run_info={})
@@ -168,20 +196,37 @@ def test_truncated_latest_is_not_picked(saved, tmp_path):
     assert complete_steps(directory) == [7, 9]
 
 
-def test_damaged_array_data_fails_with_one_line(saved, tmp_path):
+@pytest.mark.parametrize("damage", ["overwrite", "truncate"])
+def test_damaged_latest_fails_in_eval_and_training_falls_back(saved, tmp_path, damage):
     workdir = str(tmp_path)
-    shutil.copytree(checkpoint_dir(saved["workdir"]), checkpoint_dir(workdir))
-    params_dir = os.path.join(checkpoint_dir(workdir), "7", "params")
-    for root, _, files in os.walk(params_dir):
-        for name in files:
-            if os.path.basename(root) == "d":  # OCDBT data files: cut each in half
-                path = os.path.join(root, name)
-                with open(path, "r+b") as f:
-                    f.truncate(os.path.getsize(path) // 2)
-    mesh, model, _ = build("dp", (8,))
-    with jax.set_mesh(mesh), pytest.raises(ValueError) as info:
+    directory = checkpoint_dir(workdir)
+    shutil.copytree(checkpoint_dir(saved["workdir"]), directory)
+    shutil.copytree(os.path.join(directory, "7"), os.path.join(directory, "9"))
+    path = _largest_data_file(os.path.join(directory, "9"))
+    with open(path, "r+b") as f:
+        if damage == "overwrite":  # 4 bytes in the middle: a loader would read other numbers
+            f.seek(os.path.getsize(path) // 2)
+            f.write(b"\xde\xad\xbe\xef")
+        else:
+            f.truncate(os.path.getsize(path) // 2)
+    mesh, model, optimizer = build("dp", (8,), seed=4)
+    with jax.set_mesh(mesh), pytest.raises(CorruptCheckpointError) as info:
         restore_params(workdir, model)
-    assert "corrupt or partial" in str(info.value) and "\n" not in str(info.value)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"{directory}/9 fails its integrity check: params/" in message
+    assert "--step (steps: [7])" in message
+    ckpt = Checkpointer(workdir, save_every=1, keep=5, run_info={})
+    assert ckpt.latest_good_step() == 7
+    assert os.listdir(os.path.join(directory, INVALID_SUBDIR))[0].startswith("9-")
+    with jax.set_mesh(mesh):
+        ckpt.restore(7, model=model, optimizer=optimizer)
+    # The step set aside can be saved again by the resumed run.
+    assert ckpt.save(9, model=model, optimizer=optimizer, data_iter=data_iter())
+    ckpt.close()
+    assert complete_steps(directory) == [7, 9]
+    for got, want in zip(leaves(model), saved["params"], strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_mismatching_config_names_the_arrays(saved):

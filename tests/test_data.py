@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from training import data
+from training import data, sources
 from training.tokenizers import ByteTokenizer, make_tokenizer
 
 BYTE = ByteTokenizer()
@@ -151,8 +151,8 @@ def test_make_tokenizer_errors_name_the_path(tmp_path):
 
 
 def test_default_source_splits_are_disjoint_and_deterministic():
-    train = list(data.load_documents("default", "train"))
-    val = list(data.load_documents("default", "validation"))
+    train = list(sources.load_documents("default", "train"))
+    val = list(sources.load_documents("default", "validation"))
     assert len(train) > 100 and 1 <= len(val) < len(train) / 10
     assert not set(train) & set(val)
     for text in val:
@@ -160,8 +160,8 @@ def test_default_source_splits_are_disjoint_and_deterministic():
         # conversion can raise "AST constructor recursion depth mismatch" after deep recursion
         # elsewhere in the process (a known interpreter bug), and only the syntax matters here.
         compile(text, "<stdlib>", "exec", dont_inherit=True)
-    assert list(data.load_documents("default", "validation")) == val
-    assert sum(len(t) for t in train + val) <= data.DEFAULT_MAX_BYTES
+    assert list(sources.load_documents("default", "validation")) == val
+    assert sum(len(t) for t in train + val) <= sources.DEFAULT_MAX_BYTES
 
 
 def test_user_file_formats(tmp_path):
@@ -175,12 +175,12 @@ def test_user_file_formats(tmp_path):
             f.write(json.dumps({"body": t, "id": 1}) + "\n")
     pq.write_table(pa.table({"body": texts}), tmp_path / "c.parquet")
     ids = [[1, 2, 3], list(range(40)), [7]]
-    data.write_token_documents(str(tmp_path / "d.arrayrecord"), ids)
+    sources.write_token_documents(str(tmp_path / "d.arrayrecord"), ids)
 
     def docs(source):
         return [
             x.tolist() if isinstance(x, np.ndarray) else x
-            for x in data.load_documents(str(source), "all", text_field="body")
+            for x in sources.load_documents(str(source), "all", text_field="body")
         ]
 
     assert docs(tmp_path / "a.txt") == texts[:3]
@@ -189,18 +189,18 @@ def test_user_file_formats(tmp_path):
     assert docs(tmp_path / "d.arrayrecord") == ids
     assert docs(tmp_path / "[ab].*") == texts  # a glob, files in sorted order
     with pytest.raises(ValueError, match="b.jsonl:1"):
-        data.load_documents(str(tmp_path / "b.jsonl"), "all")  # no 'text' field there
+        sources.load_documents(str(tmp_path / "b.jsonl"), "all")  # no 'text' field there
     with pytest.raises(ValueError, match="mixes"):
-        data.load_documents(str(tmp_path), "all", text_field="body")
+        sources.load_documents(str(tmp_path), "all", text_field="body")
 
 
 def test_array_record_batches_carry_the_ids(tmp_path):
     path = str(tmp_path / "toks.array_record")
     docs = [list(range(1, n + 1)) for n in (5, 17, 40, 3)]
-    data.write_token_documents(path, docs)
+    sources.write_token_documents(path, docs)
     batches = list(data.make_dataset(path, "all", BYTE, 16, 4, process_index=0, process_count=1))
     assert sorted(_segments(batches)) == sorted(_expected_chunks(docs, BYTE, 16))
-    data.write_token_documents(path, [[1, 300]])
+    sources.write_token_documents(path, [[1, 300]])
     with pytest.raises(ValueError, match="300"):
         next(data.make_dataset(path, "all", BYTE, 16, 4, process_index=0, process_count=1))
 
@@ -210,6 +210,49 @@ def test_missing_path_raises_naming_it(tmp_path, name):
     source = str(tmp_path / name)
     with pytest.raises(FileNotFoundError, match=name.rstrip("/").replace("*", r"\*")):
         data.make_dataset(source, "train", BYTE, 16, 4, process_index=0, process_count=1)
+
+
+BAD_TEXT_FILES = {
+    # name: (file content, what the one-line error must say)
+    "null line": ("b.jsonl", b'{"text": "a"}\nnull\n', "b.jsonl:2: expected a JSON object"),
+    "list line": ("b.jsonl", b'{"text": "a"}\n\n[1, 2]\n', "b.jsonl:3: expected a JSON object"),
+    "malformed line": ("b.jsonl", b'{"text": "a"}\n{"text": \n', "b.jsonl:2: not valid JSON"),
+    "non-utf8 jsonl": ("b.jsonl", b'{"text": "a"}\n{"text": "\xd9"}\n', "b.jsonl:2: not UTF-8"),
+    "non-utf8 txt": ("b.txt", b"fine\n\nfine\nbad \xd9 here\n", "b.txt:4: not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TEXT_FILES))
+def test_bad_data_file_is_named_with_its_line(tmp_path, case):
+    name, content, message = BAD_TEXT_FILES[case]
+    _write_txt(tmp_path / "a.txt", _doc_texts(3))  # a good file first: the bad one is named
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        sources.load_documents(str(tmp_path / "*"), "all")
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_no_validation_documents_suggests_the_fraction(tmp_path):
+    path = _write_txt(tmp_path / "a.txt", _doc_texts(3))
+    with pytest.raises(ValueError, match=r"raise data.validation_fraction \(e.g. --config"):
+        sources.load_documents(path, "validation", validation_fraction=0.01)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("tokenizer.json", b"not json", "not a tokenizer.json"),
+        ("tokenizer.json", b'{"version": "1.0"}', "not a tokenizer.json"),
+        ("sp.model", b"garbage", "not a SentencePiece model"),
+    ],
+)
+def test_unreadable_tokenizer_file_is_named(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        make_tokenizer(str(path))
+    assert str(info.value).startswith(f"{path}: {message}"), str(info.value)
+    assert "\n" not in str(info.value)
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -322,7 +365,7 @@ _MP_SCRIPT = textwrap.dedent(
     import sys
     from absl import app
     import numpy as np
-    from training import data
+    from training import data, sources
     from training.tokenizers import ByteTokenizer
 
     def first(num_workers):

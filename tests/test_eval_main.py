@@ -3,7 +3,9 @@ dp on 8 devices and on one device (subprocesses), equal to the in-process loss o
 model; generation from the one-device run equals the in-process one; bad input exits 2."""
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,9 +16,10 @@ import pytest
 from flax import nnx
 
 import configs.tiny
+from evaluation.metrics import json_safe
 from shardings import get_strategy
 from training import data
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, checkpoint_dir
 from training.config import RunConfig
 from training.tokenizers import make_tokenizer
 from zoo import create_model
@@ -164,3 +167,51 @@ def test_empty_workdir_exits_2(tmp_path):
     proc = eval_main(str(tmp_path))
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: no complete checkpoint in"), proc.stderr
+
+
+def test_workdir_that_is_a_file_exits_2_before_any_work(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("")
+    proc = eval_main(str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: --workdir={path} is a file, not a directory"
+
+
+def test_damaged_checkpoint_is_named_and_another_step_can_be_chosen(saved, tmp_path):
+    workdir = str(tmp_path)
+    directory = checkpoint_dir(workdir)
+    shutil.copytree(checkpoint_dir(saved["workdir"]), directory)
+    shutil.copytree(os.path.join(directory, "3"), os.path.join(directory, "5"))
+    params = os.path.join(directory, "5", "params")
+    paths = [os.path.join(r, n) for r, _, names in os.walk(params) for n in names]
+    largest = max(paths, key=os.path.getsize)
+    with open(largest, "r+b") as f:  # 4 bytes overwritten in the arrays' data
+        f.seek(os.path.getsize(largest) // 2)
+        f.write(b"\x00\xff\x00\xff")
+    proc = eval_main(workdir, "--sharding_strategy=dp")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert f"{directory}/5 fails its integrity check: params/" in lines[0]
+    assert "--step (steps: [3])" in lines[0]
+    # The step it names works, and generation alone neither evaluates nor writes eval.json.
+    proc = eval_main(
+        workdir, "--step=3", "--noevaluate", f"--prompt={PROMPT}", "--max_new_tokens=12"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.endswith(f"{PROMPT}{saved['generated']}\n"), proc.stdout
+    assert "loss" not in proc.stdout
+    assert not os.path.exists(os.path.join(workdir, "eval.json"))
+
+
+def test_non_finite_results_are_null_and_flagged():
+    metrics = {"loss": math.nan, "perplexity": math.inf, "bits_per_byte": None, "tokens": 5}
+    safe = json_safe(metrics)
+    assert safe == {
+        "loss": None,
+        "perplexity": None,
+        "bits_per_byte": None,
+        "tokens": 5,
+        "non_finite": ["loss", "perplexity"],
+    }
+    json.dumps(safe, allow_nan=False)  # strict JSON

@@ -119,6 +119,39 @@ def test_truncate_after_and_resume(tmp_path):
     assert [r["step"] for r in _read_lines(path)] == [1, 2, 3, 4]
 
 
+def test_restart_from_step_0_keeps_one_history(tmp_path):
+    # A run that crashed before its first checkpoint (or ran without checkpoints) is started
+    # again on its workdir: training.run passes resume_step=0, and the old lines go.
+    workdir = str(tmp_path)
+    for _ in range(2):
+        writer = MetricsWriter(
+            workdir, is_main_process=True, total_steps=3, resume_step=0, progress_bar=False
+        )
+        for step in range(1, 4):
+            writer.write(step, _train_metrics(step))
+        writer.close()
+    assert [r["step"] for r in _read_lines(os.path.join(workdir, "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_files_follow_the_umask(tmp_path):
+    from training.files import write_json_atomic
+
+    previous = os.umask(0o027)
+    try:
+        import importlib
+
+        import training.files
+
+        importlib.reload(training.files)  # it reads the umask once
+        training.files.write_json_atomic(str(tmp_path / "a.json"), {})
+    finally:
+        os.umask(previous)
+        importlib.reload(training.files)
+    assert oct(os.stat(tmp_path / "a.json").st_mode & 0o777) == oct(0o640)
+    write_json_atomic(str(tmp_path / "b.json"), {})
+    assert oct(os.stat(tmp_path / "b.json").st_mode & 0o777) == oct(0o666 & ~previous)
+
+
 def test_partial_last_line_is_dropped_when_appending(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')

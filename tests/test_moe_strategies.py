@@ -28,7 +28,7 @@ from model_utils import (
 from shardings import get_strategy
 from shardings.specs import normalize
 from training.loop import objective_sum
-from zoo import create_model, get_config, param_layouts
+from zoo import check_model_fits, create_model, get_config, param_layouts
 
 # 8 experts of 64, top 2; aux weight raised so its gradient is not lost in the NLL's.
 CFG = get_config("qwen3-moe-tiny", router_aux_loss_coef=0.1)
@@ -141,3 +141,37 @@ def test_aux_loss_reaches_the_router_gradient(reference):
     the gradient of the NLL alone."""
     assert np.abs(reference["grads"]["blocks/moe/router/weight"]).max() > 0
     assert reference["aux"] > 1.0  # E * sum(f * p) >= 1, equality only when balanced
+
+
+def test_default_mesh_and_divisibility_know_the_expert_count():
+    ep = get_strategy("fsdp_ep")
+    assert ep.default_mesh_shape(8, CFG) == (1, 8)  # 8 experts: all 8 devices on `expert`
+    assert ep.default_mesh_shape(8, CFG.replace(num_experts=4)) == (2, 4)
+    assert ep.default_mesh_shape(8, CFG.replace(num_experts=6)) == (4, 2)
+    assert ep.default_mesh_shape(64, get_config("qwen3-30b-a3b")) == (8, 8)  # capped at 8
+    assert ep.default_mesh_shape(8, get_config("tiny")) == (8, 1)  # dense: nothing to split
+    # Dense strategies split each expert's F over `model` as they split the MLP's.
+    assert get_strategy("tp").default_mesh_shape(8, CFG.replace(moe_ffn_dim=66)) == (4, 2)
+    mesh = ep.make_mesh(shape=(1, 8))
+    with pytest.raises(ValueError) as err:
+        check_model_fits(CFG.replace(num_experts=4), ep, mesh)
+    message = str(err.value)
+    assert "\n" not in message and "expert=8" in message and "(size 4)" in message, message
+
+
+def test_flops_count_only_the_active_experts():
+    """Published sizes: Qwen3-30B-A3B 30.5B params, 3.3B active; Mixtral 8x7B 46.7B, 12.9B
+    active (both counting the embedding). FLOPs per token are 6 x the active matmul params
+    plus attention, so a model with all experts active would count E/k times the expert part."""
+    for preset, total, active in (
+        ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+        ("mixtral-8x7b", 46.7e9, 12.9e9),
+    ):
+        cfg = get_config(preset)
+        assert abs(cfg.num_params() / total - 1) < 0.01, preset
+        embedding = cfg.vocab_size * cfg.hidden_dim
+        assert abs((cfg.matmul_params() + embedding) / active - 1) < 0.02, preset
+        all_active = cfg.replace(num_experts_per_tok=cfg.num_experts)
+        expert = 3 * cfg.hidden_dim * cfg.moe_ffn_dim * cfg.num_layers
+        extra = 6 * expert * (cfg.num_experts - cfg.num_experts_per_tok)
+        assert all_active.flops_per_token(128) - cfg.flops_per_token(128) == extra

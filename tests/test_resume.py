@@ -152,6 +152,9 @@ def test_sigterm_saves_at_that_step_and_the_next_run_continues(chain):
     # (the last one it logged) -- whether or not that step was due for a checkpoint.
     assert chain["killed_after"] < term_step < STEPS
     assert max(chain["term_logged"]) == term_step
+    assert f"stopped early at step {term_step} of {STEPS} (saved)" in chain["logs"]["b2"]
+    # B1 was killed holding the workdir lock: B2 took it over and said whose it was.
+    assert "warning: took over the stale lock of pid" in chain["logs"]["b2"]
     assert f"resumed from step {term_step}" in chain["logs"]["b3"]
     meta_path = os.path.join(checkpoint_dir(chain["workdir"]), str(term_step), "meta", "metadata")
     if os.path.exists(meta_path):  # unless B3 rotated it out (keep=3)

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 from _train_helpers import (
+    ROOT,
     SMALL_RUN,
     char_tokenizer,
     cli_flags,
@@ -94,7 +95,11 @@ def test_strategies_give_the_same_losses(strategy, fsdp_tp_run, tmp_path):
 BAD_INPUTS = {
     "unknown strategy": (["--sharding_strategy=zigzag"], "unknown sharding strategy 'zigzag'"),
     "bad mesh shape": (["--mesh_shape=data:four,model:2"], "'four' is not an integer"),
-    "mesh not matching devices": (["--mesh_shape=data:4,model:4"], "needs 16 devices"),
+    "mesh not matching devices": (
+        ["--mesh_shape=data:4,model:4"],
+        "needs 16 devices but 8 are available; the axis sizes must multiply to 8; on CPU, "
+        "simulate 16 devices by starting with XLA_FLAGS=--xla_force_host_platform_device_count=16",
+    ),
     "sequence not splitting over context": (
         [
             "--sharding_strategy=fsdp_cp",
@@ -107,7 +112,19 @@ BAD_INPUTS = {
         ["--config.data.source=/nonexistent/corpus/*.txt"],
         "matches no files",
     ),
-    "misspelt config field": (["--config.optimizer.lr_typo=1"], "lr_typo"),
+    "misspelt config field": (
+        ["--config=configs/tiny.py", "--config.optimizer.learnig_rate=1"],
+        "--config.optimizer.learnig_rate: no such config field 'learnig_rate'; did you mean "
+        "'learning_rate'? (valid in optimizer: b1, b2,",
+    ),
+    "workdir that is a file": (
+        [f"--workdir={os.path.join(ROOT, 'README.md')}"],
+        f"--workdir={os.path.join(ROOT, 'README.md')} is a file, not a directory",
+    ),
+    "field the config file lacks": (
+        ["--config=configs/tiny.py", "--config.model.loss_chunk_size=1"],
+        "no such config field 'loss_chunk_size' (valid in model: attention_impl, dtype,",
+    ),
     "unknown flag": (["--shardin_strategy=dp"], "shardin_strategy"),
     "missing config file": (["--config=configs/nope.py"], "configs/nope.py"),
     "bad config value": (["--config.optimizer.learning_rate=-1"], "learning_rate"),

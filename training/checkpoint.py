@@ -1,12 +1,14 @@
-"""Orbax checkpoints of a training run: save asynchronously, resume exactly, restore anywhere.
+"""Orbax checkpoints of a training run: save asynchronously, resume exactly, restore anywhere,
+and never read a damaged one.
 
-Layout: `<workdir>/checkpoints/<step>/` with four Orbax items,
+Layout: `<workdir>/checkpoints/<step>/` with four Orbax items and our manifest,
 
-  params     nnx.state(model, nnx.Param) as a pure dict of arrays (OCDBT, sharded writes)
-  opt_state  nnx.state(optimizer, nnx.optimizer.OptState): the step count and optax's state
-  data       the Grain iterator's state, one JSON file per process (grain.checkpoint)
-  meta       JSON: {'step', 'run_info' (config, strategy, mesh), and what the loop adds
-             (e.g. the RNG seed/counter)}
+  params          nnx.state(model, nnx.Param) as a pure dict of arrays (OCDBT, sharded writes)
+  opt_state       nnx.state(optimizer, nnx.optimizer.OptState): the step count, optax's state
+  data            the Grain iterator's state, one JSON file per process (grain.checkpoint)
+  meta            JSON: {'step', 'run_info' (config, strategy, mesh), and what the loop adds
+                  (e.g. the RNG seed/counter)}
+  checksums.json  size and CRC-32 of every file above (training/integrity.py)
 
 The model and the optimizer are separate items so evaluation restores the parameters alone
 (Orbax's StandardRestore of part of one saved tree fails on the structure mismatch).
@@ -15,20 +17,24 @@ Restoring onto any strategy and device count: the targets are built from the *li
 arrays (shape, dtype, sharding), so Orbax reads each shard straight into the layout the model
 was built with, whatever mesh the checkpoint was written from; then `nnx.update`.
 
-Policy for unfinished checkpoints. Orbax writes a step into `<step>.orbax-checkpoint-tmp-*`
-and renames it when complete, so a save cut short by a crash never carries a step name (and
-`cleanup_tmp_directories` removes the leftovers). A step directory can still be damaged
-afterwards (a copy or sync cut short, files deleted); `step_dir_problem` checks the files
-Orbax writes last for every item (commit markers, tree metadata, OCDBT manifests, the meta
-JSON). Such a step is never the latest: readers skip it with a warning and fall back to the
-newest complete one; a `Checkpointer` (the training side) also moves it to
-`checkpoints/invalid/` so the resumed run can save that step number again. Damage that only
-shows when the arrays are read (a truncated data file) fails the restore with one line.
+Integrity. Orbax writes a step into a temporary directory and gives it its step name only
+once every process has finished, so a step directory exists only for a committed save
+(`_committed`, the one place that relies on Orbax's behaviour). Once a save is committed, a
+background thread on process 0 checksums its files and writes `checksums.json`; the training
+loop never waits for it (`save` joins the previous one first, `wait`/`close` join the last).
+A step directory is *complete* when its manifest is there; it is *good* when every file still
+matches the manifest, which is checked once, before the first array is read:
+  - training (`Checkpointer.latest_good_step`) takes the newest good step, naming each newer
+    one that fails and moving it to `checkpoints/invalid/` (so that step can be saved again);
+  - evaluation (`restore_params`) raises CorruptCheckpointError naming the step and the
+    others it could use (`--step`).
+A step with no manifest (a run killed between Orbax's commit and the manifest, or a copy cut
+short) is incomplete: readers skip it with a warning, a `Checkpointer` sets it aside.
 
 Errors are one line: FileNotFoundError when the workdir holds no complete checkpoint,
-ValueError for a corrupt or partial one and for one whose arrays do not fit the model (the
-saved and the model's shapes are compared before anything is read, naming every array that
-differs).
+CorruptCheckpointError (a ValueError) for a damaged one, ValueError for one whose arrays do
+not fit the model (the saved and the model's shapes are compared before anything is read,
+naming every array that differs).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -48,13 +56,17 @@ from absl import logging
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
+from training import integrity
+
 CHECKPOINT_SUBDIR = "checkpoints"
 INVALID_SUBDIR = "invalid"
 ITEMS = ("params", "opt_state", "data", "meta")
 _TREE_ITEMS = ("params", "opt_state")
-# Files Orbax writes last for a step (in the temporary directory, before the rename).
-_STEP_FILES = ("_CHECKPOINT_METADATA",)
-_TREE_FILES = ("_METADATA", "manifest.ocdbt", "commit_success.txt")
+EVAL_ITEMS = ("params", "meta")
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose files no longer match what was written, or that cannot be read."""
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -72,48 +84,44 @@ def _handlers() -> dict[str, Any]:
 
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+    first = text[0] if text else ""
+    # tensorstore errors can embed the repr of a bound pybind11 method: cut it off.
+    first = first.split("<bound method", 1)[0].rstrip(" :(")
+    return f"{type(error).__name__}: {first}"[:300]
+
+
+def _warn(text: str) -> None:
+    """One line on stderr from process 0: what a reader skipped or set aside, and why."""
+    if jax.process_index() == 0:
+        print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- step dirs
 
 
-def _step_names(directory: str) -> list[int]:
-    """Finished step directories (plain integers; Orbax's temporary ones carry a suffix)."""
+def _committed(directory: str) -> list[int]:
+    """Steps Orbax has committed under `directory`. Orbax writes into a temporary directory
+    and renames it to the bare step number when every process is done (its atomic-rename
+    policy on local and POSIX filesystems), so integer names are exactly the committed saves.
+    This is the one assumption about Orbax's files; tests/test_checkpoint.py checks it."""
     if not os.path.isdir(directory):
         return []
     return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
 
-def step_dir_problem(step_dir: str, items=ITEMS) -> str | None:
-    """Why `step_dir` is not a complete checkpoint of `items`, or None when it is."""
-    for name in _STEP_FILES:
-        if not os.path.isfile(os.path.join(step_dir, name)):
-            return f"missing {name}"
-    for item in items:
-        item_dir = os.path.join(step_dir, item)
-        if not os.path.isdir(item_dir):
-            return f"missing item {item!r}"
-        if item in _TREE_ITEMS:
-            for name in _TREE_FILES:
-                if not os.path.isfile(os.path.join(item_dir, name)):
-                    return f"missing {item}/{name}"
-        elif item == "meta":
-            try:
-                with open(os.path.join(item_dir, "metadata")) as f:
-                    json.load(f)
-            except (OSError, ValueError) as e:
-                return f"unreadable meta ({_one_line(e)})"
-        elif item == "data" and not any(n.endswith(".json") for n in os.listdir(item_dir)):
-            return "missing the data iterator state"
+def step_dir_problem(step_dir: str) -> str | None:
+    """Why `step_dir` is not a complete checkpoint (no manifest), or None when it is."""
+    if integrity.read_manifest(step_dir) is None:
+        return f"no {integrity.MANIFEST} (the save or its checksums did not finish)"
     return None
 
 
-def complete_steps(directory: str, items=ITEMS, *, warn: bool = True) -> list[int]:
-    """Steps under `directory` that are complete checkpoints, oldest first."""
+def complete_steps(directory: str, *, warn: bool = True) -> list[int]:
+    """Steps under `directory` that are complete checkpoints, oldest first (not yet checked
+    against their checksums)."""
     steps = []
-    for step in _step_names(directory):
-        problem = step_dir_problem(os.path.join(directory, str(step)), items)
+    for step in _committed(directory):
+        problem = step_dir_problem(os.path.join(directory, str(step)))
         if problem is None:
             steps.append(step)
         elif warn:
@@ -121,21 +129,29 @@ def complete_steps(directory: str, items=ITEMS, *, warn: bool = True) -> list[in
     return steps
 
 
-def _resolve_step(directory: str, step: int | None, items) -> int:
+def check_integrity(step_dir: str, items=ITEMS) -> None:
+    """Raise CorruptCheckpointError (one line, naming the step and the file) unless every
+    file of `items` matches the checksums written at save time."""
+    problem = integrity.verify(step_dir, items)
+    if problem is not None:
+        raise CorruptCheckpointError(f"checkpoint {step_dir} fails its integrity check: {problem}")
+
+
+def _resolve_step(directory: str, step: int | None) -> int:
     if step is None:
-        steps = complete_steps(directory, items)
+        steps = complete_steps(directory)
         if not steps:
-            found = _step_names(directory)
+            found = _committed(directory)
             detail = f" ({len(found)} incomplete step dirs)" if found else ""
             raise FileNotFoundError(f"no complete checkpoint in {directory}{detail}")
         return steps[-1]
     step_dir = os.path.join(directory, str(step))
     if not os.path.isdir(step_dir):
-        have = _step_names(directory)
+        have = _committed(directory)
         raise FileNotFoundError(f"no checkpoint for step {step} in {directory} (steps: {have})")
-    problem = step_dir_problem(step_dir, items)
+    problem = step_dir_problem(step_dir)
     if problem:
-        raise ValueError(f"checkpoint {step_dir} is corrupt or partial: {problem}")
+        raise CorruptCheckpointError(f"checkpoint {step_dir} is incomplete: {problem}")
     return step
 
 
@@ -213,19 +229,20 @@ def _restore(step_dir: str, what: str, args: dict[str, Any]) -> dict:
         try:
             metadata = checkpointer.metadata(step_dir).item_metadata
         except Exception as e:  # noqa: BLE001 -- any failure to read it means a damaged dir
-            raise ValueError(f"checkpoint {step_dir} is corrupt or partial ({_one_line(e)})") from e
+            raise CorruptCheckpointError(
+                f"checkpoint {step_dir} cannot be read ({_one_line(e)})"
+            ) from e
         for item in _TREE_ITEMS:
             if item in args:
                 saved = getattr(metadata.get(item), "tree", None)
                 if saved is None:
-                    raise ValueError(f"checkpoint {step_dir} is corrupt or partial: no {item} tree")
+                    raise CorruptCheckpointError(f"checkpoint {step_dir} holds no {item} tree")
                 check_fits(saved, args[item].item, what if item == "params" else "optimizer")
         try:
             return checkpointer.restore(step_dir, args=ocp.args.Composite(**args))
-        except Exception as e:  # noqa: BLE001 -- tensorstore/OCDBT read errors: damaged files
-            raise ValueError(
-                f"checkpoint {step_dir} is corrupt or partial ({_one_line(e)}); remove it to "
-                "fall back to the previous one"
+        except Exception as e:  # noqa: BLE001 -- tensorstore/OCDBT errors past the checksums
+            raise CorruptCheckpointError(
+                f"checkpoint {step_dir} cannot be read ({_one_line(e)})"
             ) from e
     finally:
         checkpointer.close()
@@ -274,7 +291,13 @@ class Checkpointer:
         self.save_every = save_every
         self.run_info = _to_json(run_info)
         self.last_save_blocking_s: float | None = None  # for benchmarks and logs
-        self._set_aside_incomplete()
+        self.last_checksum_s: float | None = None  # background time of the last manifest
+        self._manifest_thread: threading.Thread | None = None
+        self._manifest_error: BaseException | None = None
+        self._verified: set[int] = set()
+        self._set_aside(
+            {s: p for s in _committed(self.directory) if (p := self._problem_p0(s)) is not None}
+        )
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -285,37 +308,73 @@ class Checkpointer:
             item_handlers=_handlers(),
         )
 
-    def _set_aside_incomplete(self) -> None:
-        """Move damaged step dirs to checkpoints/invalid/ (process 0; the others wait), so
+    def _problem_p0(self, step: int) -> str | None:
+        if jax.process_index() != 0:
+            return None
+        return step_dir_problem(os.path.join(self.directory, str(step)))
+
+    def _set_aside(self, problems: dict[int, str]) -> None:
+        """Move the given step dirs to checkpoints/invalid/ (process 0; the others wait), so
         they are never resumed from and their step can be saved again."""
         if jax.process_index() == 0:
-            for step in _step_names(self.directory):
+            for step, problem in sorted(problems.items()):
                 step_dir = os.path.join(self.directory, str(step))
-                problem = step_dir_problem(step_dir)
-                if problem:
-                    target = os.path.join(
-                        self.directory, INVALID_SUBDIR, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-                    )
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                    shutil.move(step_dir, target)
-                    logging.warning(
-                        "checkpoint %s is incomplete (%s); moved to %s", step_dir, problem, target
-                    )
+                target = os.path.join(
+                    self.directory, INVALID_SUBDIR, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+                )
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.move(step_dir, target)
+                _warn(f"checkpoint {step_dir} is not usable ({problem}); moved to {target}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices("checkpoint: set aside incomplete steps")
+            multihost_utils.sync_global_devices("checkpoint: set aside unusable steps")
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step (a save still being written does not count)."""
+        """The newest complete checkpoint's step, not yet checked against its checksums."""
         steps = complete_steps(self.directory)
         return steps[-1] if steps else None
 
+    def latest_good_step(self) -> int | None:
+        """The newest checkpoint whose files all match their checksums, or None. Each newer
+        one that fails is named on stderr and set aside; process 0 checks and tells the
+        others, so every process resumes from the same step."""
+        steps = complete_steps(self.directory)
+        good, bad = -1, {}
+        if jax.process_index() == 0:
+            for step in reversed(steps):
+                problem = integrity.verify(os.path.join(self.directory, str(step)), ITEMS)
+                if problem is None:
+                    good = step
+                    break
+                bad[step] = f"fails its integrity check: {problem}"
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            good = int(multihost_utils.broadcast_one_to_all(np.int64(good)))
+        if bad:
+            self._set_aside(bad)
+            self._manager.reload()  # it listed the steps set aside; they may be saved again
+            _warn(
+                f"falling back to checkpoint step {good}"
+                if good >= 0
+                else "no checkpoint passes its integrity check; starting from step 0"
+            )
+        elif jax.process_count() > 1:
+            self._set_aside({})  # the others wait for process 0 either way
+        if good < 0:
+            return None
+        self._verified.add(good)
+        return good
+
     def restore(self, step: int, *, model, optimizer=None, data_iter=None) -> dict:
         """Restore `step` in place onto the live model / optimizer / iterator (their current
-        shardings, whatever mesh wrote the checkpoint). Returns the saved meta dict."""
-        step = _resolve_step(self.directory, step, ITEMS)
+        shardings, whatever mesh wrote the checkpoint). Returns the saved meta dict.
+        Checks the checksums first unless `latest_good_step` just did."""
+        step = _resolve_step(self.directory, step)
         step_dir = os.path.join(self.directory, str(step))
+        if step not in self._verified:
+            check_integrity(step_dir, ITEMS)
         args = {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
         if optimizer is not None:
             args["opt_state"] = ocp.args.StandardRestore(_abstract(_opt_state(optimizer)))
@@ -342,10 +401,12 @@ class Checkpointer:
     ) -> bool:
         """Start saving `step` when it is due (or `force`); False when nothing was started
         (not due, or this step is already saved). Returns once the arrays are copied to host
-        memory (async) or written (sync); buffers may be donated right after."""
+        memory (async) or written (sync); buffers may be donated right after. The checksums
+        are written in the background once Orbax has committed the step."""
         step = int(step)
         if not force and step % self.save_every:
             return False
+        self._join_manifest()
         if step in self._manager.all_steps():
             return False
         record = _to_json({**(meta or {}), "step": step, "run_info": self.run_info})
@@ -358,18 +419,42 @@ class Checkpointer:
         start = time.perf_counter()
         self._manager.save(step, args=args, force=True)
         self.last_save_blocking_s = time.perf_counter() - start
+        self._manifest_thread = threading.Thread(
+            target=self._write_manifest, args=(step,), name=f"checksums-{step}", daemon=True
+        )
+        self._manifest_thread.start()
         return True
 
+    def _write_manifest(self, step: int) -> None:
+        try:
+            self._manager.wait_until_finished()  # committed: the step dir has its name
+            if jax.process_index() == 0:
+                start = time.perf_counter()
+                integrity.write_manifest(os.path.join(self.directory, str(step)))
+                self.last_checksum_s = time.perf_counter() - start
+        except BaseException as e:  # noqa: BLE001 -- re-raised in the main thread by _join
+            self._manifest_error = e
+
+    def _join_manifest(self) -> None:
+        if self._manifest_thread is not None:
+            self._manifest_thread.join()
+            self._manifest_thread = None
+        if self._manifest_error is not None:
+            error, self._manifest_error = self._manifest_error, None
+            raise error
+
     def wait(self) -> None:
-        """Block until every started save is on disk."""
+        """Block until every started save is on disk with its checksums."""
+        self._join_manifest()
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
 
 
 def _check_data_state(step_dir: str) -> None:
+    # grain.checkpoint writes one JSON file per process, named after its index and the count.
     name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
     data_dir = os.path.join(step_dir, "data")
     if not os.path.isfile(os.path.join(data_dir, name)):
@@ -386,17 +471,39 @@ def _check_data_state(step_dir: str) -> None:
 def read_meta(workdir: str, step: int | None = None) -> tuple[int, dict]:
     """(step, meta) of the latest complete checkpoint (or `step`) without reading arrays."""
     directory = checkpoint_dir(workdir)
-    step = _resolve_step(directory, step, ITEMS)
-    with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
-        return step, json.load(f)
+    step = _resolve_step(directory, step)
+    step_dir = os.path.join(directory, str(step))
+    checkpointer = ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(meta=ocp.JsonCheckpointHandler())
+    )
+    try:
+        restored = checkpointer.restore(
+            step_dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        )
+    except Exception as e:  # noqa: BLE001 -- any failure to read it means a damaged dir
+        raise CorruptCheckpointError(
+            f"checkpoint {step_dir} meta cannot be read ({_one_line(e)})"
+        ) from e
+    finally:
+        checkpointer.close()
+    return step, dict(restored["meta"])
 
 
 def restore_params(workdir: str, model, step: int | None = None) -> int:
     """Restore only the parameters of the latest complete checkpoint (or `step`) in place onto
-    `model`, in the layout the model was built with. Returns the step restored."""
+    `model`, in the layout the model was built with, after checking their checksums. Returns
+    the step restored. A damaged checkpoint raises CorruptCheckpointError naming it and the
+    other steps there are."""
     directory = checkpoint_dir(workdir)
-    step = _resolve_step(directory, step, ("params", "meta"))
+    step = _resolve_step(directory, step)
     step_dir = os.path.join(directory, str(step))
+    try:
+        check_integrity(step_dir, EVAL_ITEMS)
+    except CorruptCheckpointError as e:
+        others = [s for s in complete_steps(directory, warn=False) if s != step]
+        if not others:
+            raise
+        raise CorruptCheckpointError(f"{e}; choose another with --step (steps: {others})") from None
     args = {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
     restored = _restore(step_dir, "model", args)
     _put_back(model, nnx.Param, restored["params"])

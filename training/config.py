@@ -173,6 +173,11 @@ class LoggingSection:
         _positive("logging", self, "log_every", "peak_tflops")
 
 
+def section_fields(section: str) -> list[str]:
+    """The field names of a config section, sorted (for error messages)."""
+    return sorted(f.name for f in dataclasses.fields(_SECTION_TYPES[section]))
+
+
 _SECTION_TYPES = {
     "model": ModelSection,
     "data": DataSection,

@@ -1,25 +1,6 @@
 """Training and validation batches on Grain: documents -> token ids -> packed rows -> batches.
 
-Sources (the `source` string):
-  'default'   real text that every Python carries and needs no download: the `.py` files of the
-              running interpreter's standard library (test folders and site-packages left out),
-              in sorted order, capped at `DEFAULT_MAX_BYTES`. One file = one document. The corpus
-              is fixed for a given Python version.
-  a path, a directory or a glob (`~` and `**` allowed), of files ending in
-    .txt      one document per paragraph: runs of text separated by a blank line.
-    .jsonl    one document per line, the string in field `text_field` (default 'text').
-    .parquet  one document per row, the string in column `text_field` (read with pyarrow).
-    .arrayrecord / .array_record
-              already tokenized: one record per document, its token ids as little-endian int32
-              bytes (`np.asarray(ids, '<i4').tobytes()`), without EOS. `write_token_documents`
-              writes this format. Read lazily, so corpora larger than memory work; the text
-              formats are read into memory.
-  A path that does not exist, or a glob matching nothing, raises FileNotFoundError naming it.
-
-Split: each document has a key (its file path relative to the stdlib, `name:index` for user
-files, its record index for ArrayRecord); a hash of the key puts `validation_fraction` of the
-documents in 'validation' and the rest in 'train', the same on every machine. 'all' keeps every
-document (for a file that is itself held-out data).
+Documents come from training/sources.py (the `source` string, the train/validation split).
 
 Pipeline, in this order and why:
   process shard   documents[process_index::process_count], so processes never share documents.
@@ -43,187 +24,14 @@ worker processes has another shape).
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-import re
-import sysconfig
-import zlib
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grain
 import jax
 import numpy as np
 
+from training.sources import DEFAULT_VALIDATION_FRACTION, load_documents
 from training.tokenizers import Tokenizer
-
-DEFAULT_SOURCE = "default"
-DEFAULT_MAX_BYTES = 16 * 2**20  # ~12 MB of stdlib code today; reads in well under a second
-DEFAULT_VALIDATION_FRACTION = 0.02
-SPLITS = ("train", "validation", "all")
-
-_TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
-_TOKEN_SUFFIXES = (".arrayrecord", ".array_record")
-# Folders of the standard library that are not its own source: test suites, installed packages.
-_STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
-
-
-# ----------------------------------------------------------------------------- documents
-
-
-def stdlib_documents(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, str]]:
-    """(relative path, text) of the standard library's `.py` files, sorted, up to max_bytes."""
-    root = sysconfig.get_paths()["stdlib"]
-    docs, total = [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS)
-        for name in sorted(filenames):
-            if not name.endswith(".py") or name.startswith("test_"):
-                continue
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                raw = f.read()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:  # a few legacy files declare latin-1; leave them out
-                continue
-            if not text.strip():
-                continue
-            if total + len(raw) > max_bytes:
-                return docs
-            docs.append((os.path.relpath(path, root), text))
-            total += len(raw)
-    return docs
-
-
-def _expand(source: str) -> list[str]:
-    path = os.path.expanduser(source)
-    if os.path.isdir(path):
-        suffixes = _TEXT_SUFFIXES + _TOKEN_SUFFIXES
-        files = glob.glob(os.path.join(path, "**", "*"), recursive=True)
-        files = [p for p in files if p.endswith(suffixes) and os.path.isfile(p)]
-        if not files:
-            raise FileNotFoundError(f"data directory {source!r} holds no {suffixes} files")
-        return sorted(files)
-    if glob.has_magic(path):
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise FileNotFoundError(f"data glob {source!r} matches no files")
-        return files
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"data path {source!r} does not exist")
-    return [path]
-
-
-def _read_text_file(path: str, text_field: str) -> list[str]:
-    if path.endswith(".txt"):
-        with open(path, encoding="utf-8") as f:
-            return [p.strip("\n") for p in _PARAGRAPH_BREAK.split(f.read()) if p.strip()]
-    if path.endswith(".jsonl"):
-        texts = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if not isinstance(record.get(text_field), str):
-                    raise ValueError(f"{path}:{line_no}: no string field {text_field!r}")
-                texts.append(record[text_field])
-        return texts
-    import pyarrow.parquet as pq
-
-    schema = pq.read_schema(path)
-    if text_field not in schema.names:
-        raise ValueError(f"{path}: no column {text_field!r} (columns: {schema.names})")
-    return [t for t in pq.read_table(path, columns=[text_field])[text_field].to_pylist() if t]
-
-
-def _in_validation(key: str, fraction: float) -> bool:
-    return zlib.crc32(key.encode("utf-8")) % 10_000 < fraction * 10_000
-
-
-def _index_in_validation(index: np.ndarray, fraction: float) -> np.ndarray:
-    """Vectorized stand-in for _in_validation for record indices (ArrayRecord can be huge)."""
-    mixed = (index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(33)
-    return mixed % np.uint64(10_000) < fraction * 10_000
-
-
-def _keep(in_validation: bool | np.ndarray, split: str):
-    if split == "all":
-        return np.ones_like(in_validation, dtype=bool)
-    return in_validation if split == "validation" else ~np.asarray(in_validation)
-
-
-def load_documents(
-    source: str,
-    split: str,
-    *,
-    text_field: str = "text",
-    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
-) -> grain.MapDataset:
-    """The documents of `source` in `split`, in a fixed order: a MapDataset of `str` (text
-    sources) or of `np.ndarray` int32 token ids (ArrayRecord)."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    if source == DEFAULT_SOURCE:
-        keyed = stdlib_documents()
-    else:
-        files = _expand(source)
-        token_files = [p for p in files if p.endswith(_TOKEN_SUFFIXES)]
-        for path in files:
-            if not path.endswith(_TEXT_SUFFIXES + _TOKEN_SUFFIXES):
-                raise ValueError(
-                    f"unsupported data file {path!r}: expected .txt, .jsonl, .parquet or "
-                    ".arrayrecord"
-                )
-        if token_files:
-            if len(token_files) != len(files):
-                raise ValueError(f"data source {source!r} mixes ArrayRecord and text files")
-            return _token_documents(source, token_files, split, validation_fraction)
-        keyed = [
-            (f"{os.path.basename(path)}:{i}", text)
-            for path in files
-            for i, text in enumerate(_read_text_file(path, text_field))
-        ]
-    in_val = np.array([_in_validation(k, validation_fraction) for k, _ in keyed], dtype=bool)
-    texts = [text for (_, text), keep in zip(keyed, _keep(in_val, split), strict=True) if keep]
-    if not texts:
-        raise ValueError(f"data source {source!r} has no documents in split {split!r}")
-    return grain.MapDataset.source(texts)
-
-
-class _ReadRecord:
-    """Index -> int32 token ids of that ArrayRecord record (a class so it pickles to workers)."""
-
-    def __init__(self, data_source):
-        self.data_source = data_source
-
-    def __call__(self, index: int) -> np.ndarray:
-        return np.frombuffer(self.data_source[int(index)], dtype="<i4").astype(np.int32)
-
-
-def _token_documents(source, files, split, validation_fraction) -> grain.MapDataset:
-    data_source = grain.sources.ArrayRecordDataSource(files)
-    index = np.arange(len(data_source), dtype=np.int64)
-    kept = index[_keep(_index_in_validation(index, validation_fraction), split)]
-    if not len(kept):
-        raise ValueError(f"data source {source!r} has no documents in split {split!r}")
-    return grain.MapDataset.source(kept.tolist()).map(_ReadRecord(data_source))
-
-
-def write_token_documents(path: str, documents: Iterable[Sequence[int]]) -> None:
-    """Write tokenized documents as an ArrayRecord file `load_documents` reads (no EOS)."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
-    writer = ArrayRecordWriter(path, "group_size:1")  # one record per chunk: cheap random access
-    try:
-        for ids in documents:
-            writer.write(np.asarray(ids, dtype="<i4").tobytes())
-    finally:
-        writer.close()
-
 
 # ----------------------------------------------------------------------------- pipeline
 
@@ -391,6 +199,10 @@ def build_dataset(
     ds = docs.map(_Tokenize(tokenizer)).to_iter_dataset()
     if num_workers > 0:
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+        # Worker outputs arrive in shared memory, freed when the array is dropped; the shuffle
+        # window and the packer keep chunks (views) for many steps, and at exit they would
+        # still hold it. A copy lets each segment go at once.
+        ds = ds.map(np.array)
     ds = grain.experimental.FlatMapIterDataset(ds, _SplitIntoChunks(seq_len))
     if shuffle and shuffle_window > 1:
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)

@@ -7,6 +7,21 @@ import os
 import tempfile
 
 
+def _umask() -> int:
+    try:  # Linux shows it without changing it
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        # Elsewhere reading it means setting it (briefly; done once, at import).
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+# mkstemp creates files 0600; the files a run writes get the modes open() would give them.
+_FILE_MODE = 0o666 & ~_umask()
+
+
 def atomic_write(path: str, write) -> None:
     """Call `write(file_object)` on a temporary file beside `path`, fsync, then rename over it,
     so a reader or a crash sees either the old file or the complete new one."""
@@ -14,6 +29,7 @@ def atomic_write(path: str, write) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
+        os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

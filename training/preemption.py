@@ -48,6 +48,7 @@ class PreemptionWatcher:
             raise ValueError(f"check_every={check_every} must be >= 1")
         self.check_every = check_every
         self.signal_received: int | None = None
+        self.stopped_at: int | None = None  # the step at which should_stop first said True
         self._previous: dict[int, object] = {}
         self._stopped = False
         # signal.signal only works in the main thread; elsewhere (e.g. a test runner's worker)
@@ -86,6 +87,8 @@ class PreemptionWatcher:
             flags = multihost_utils.process_allgather(np.asarray(flag, np.int32))
             flag = bool(np.asarray(flags).any())
         self._stopped = flag
+        if flag:
+            self.stopped_at = step
         return flag
 
     def close(self) -> None:

@@ -21,11 +21,28 @@ def _say(text: str) -> None:
         print(text, flush=True)
 
 
+def device_hint(error: Exception) -> str:
+    """The error's text, plus how to simulate devices when a mesh asked for more devices than
+    a CPU host has (the usual first stumble on a laptop)."""
+    import re
+
+    import jax
+
+    text = str(error)
+    wanted = re.search(r"needs (\d+) devices but (\d+) are available", text)
+    if wanted and int(wanted.group(1)) > int(wanted.group(2)) and jax.default_backend() == "cpu":
+        n = wanted.group(1)
+        text += (
+            f"; on CPU, simulate {n} devices by starting with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+        )
+    return text
+
+
 def _make_checkpointer(run, workdir: str, run_info: dict):
     if not run.checkpoint.enabled:
         return None, None
     from training.checkpoint import Checkpointer
-    from training.preemption import PreemptionWatcher
 
     ckpt = Checkpointer(
         workdir,
@@ -35,6 +52,8 @@ def _make_checkpointer(run, workdir: str, run_info: dict):
         async_save=run.checkpoint.async_save,
     )
     import jax
+
+    from training.preemption import PreemptionWatcher
 
     # With several processes every check is a host all-gather, a sync point: check only at
     # logging steps, where the loop blocks anyway. Alone, a check is free.
@@ -57,7 +76,16 @@ class Setup:
         from training.loop import Trainer
         from training.tokenizers import make_tokenizer
 
-        self.run, self.workdir = run, workdir
+        self.workdir = workdir
+        self.notes: list[str] = []  # printed when training starts
+        if run.checkpoint.enabled:
+            from training import resume
+
+            found = resume.saved_run(workdir)
+            if found is not None:
+                run, note = resume.keep_schedule(run, found[1])
+                self.notes += [note] if note else []
+        self.run = run
         strategy = get_strategy(run.training.sharding_strategy)
         model_cfg = run.model.decoder_config()
         mesh = strategy.make_mesh(shape=run.training.mesh_shape or None, config=model_cfg)
@@ -141,6 +169,44 @@ class Setup:
             "model_config": {"type": type(model_cfg).__name__, **dataclasses.asdict(model_cfg)},
             "init_from": init_from,
         }
+        self.checkpointer = self.watcher = None
+        self.start_step: int | None = None  # set by resume()
+
+    def resume(self) -> int:
+        """Restore the newest good checkpoint, if any (after naming each newer one that fails
+        its checksums), then record run_info.json. Every mistake in the inputs it finds (a
+        checkpoint that does not fit the model, a num_workers change) is a ValueError, raised
+        before run_info.json is touched. Returns the step training starts from."""
+        import jax
+
+        from training import resume
+
+        run, workdir = self.run, self.workdir
+        ckpt, self.watcher = _make_checkpointer(run, workdir, self.run_info)
+        self.checkpointer = ckpt
+        start = ckpt.latest_good_step() if ckpt is not None else None
+        if start is not None:
+            found = resume.saved_run(workdir, start)
+            changes = resume.data_changes(run, found[1]) if found is not None else []
+            if changes:
+                _say(
+                    f"warning: the data differs from checkpoint step {start}'s "
+                    f"({'; '.join(changes)}): its iterator state is not restored, the data "
+                    "stream starts from its beginning"
+                )
+            with jax.set_mesh(self.mesh):
+                ckpt.restore(
+                    start,
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    data_iter=None if changes else self.train_iter,
+                )
+            self.trainer.reload()
+        self.start_step = start or 0
+        if jax.process_index() == 0:
+            # Atomically: a run killed here must not leave a half-written record behind.
+            write_json_atomic(os.path.join(workdir, "run_info.json"), self.run_info)
+        return self.start_step
 
 
 def check_attention(model_cfg, mesh, seq_len: int) -> str:
@@ -194,37 +260,38 @@ def train(setup: Setup) -> list[dict]:
 
     run, workdir, trainer = setup.run, setup.workdir, setup.trainer
     is_main = jax.process_index() == 0
-    if is_main:
-        os.makedirs(workdir, exist_ok=True)
-        # Atomically: a run killed here must not leave a half-written record behind.
-        write_json_atomic(os.path.join(workdir, "run_info.json"), setup.run_info)
+    if setup.start_step is None:
+        setup.resume()
+    start_step, total = setup.start_step, run.training.steps
+    ckpt, watcher = setup.checkpointer, setup.watcher
     _say(
         f"{setup.model_cfg.describe()}\nstrategy {setup.strategy.name} on mesh "
         f"{dict(setup.mesh.shape)} ({jax.device_count()} devices, {jax.process_count()} "
         f"processes); batch {run.data.global_batch_size}x{run.data.seq_len}, "
         f"{run.optimizer.micro_batches} micro-batches; workdir {workdir}"
     )
+    for note in setup.notes:
+        _say(f"note: {note}")
+    if start_step:
+        _say(f"resumed from step {start_step}")
+    if start_step >= total:
+        _say(
+            f"already complete: the checkpoint is at step {start_step} of {total}; nothing to "
+            "train (raise --config.training.steps to go on)"
+        )
     with jax.set_mesh(setup.mesh):
-        ckpt, watcher = _make_checkpointer(run, workdir, setup.run_info)
-        start_step = 0
-        latest = ckpt.latest_step() if ckpt is not None else None
-        if latest is not None:
-            ckpt.restore(
-                latest, model=setup.model, optimizer=setup.optimizer, data_iter=setup.train_iter
-            )
-            trainer.reload()
-            start_step = latest
-            _say(f"resumed from step {latest}")
+        # One history: lines after the restored step (or all, with nothing restored) were
+        # written by a run that did not get to save them.
         writer = MetricsWriter(
             workdir,
             is_main,
-            run.training.steps,
-            resume_step=latest,
+            total,
+            resume_step=start_step,
             progress_bar=run.logging.progress_bar,
         )
         try:
             batches = setup.train_batches
-            if start_step < run.training.steps:
+            if start_step < total:
                 first = next(batches)
                 seconds = trainer.compile(first)
                 _say(f"compiled the train step in {seconds:.1f}s {trainer.compiled_cost()}")
@@ -252,11 +319,19 @@ def train(setup: Setup) -> list[dict]:
                 start_step=start_step,
             )
         finally:
+            # Worker processes (data.num_workers > 0) hold shared memory until closed.
+            setup.train_iter.close()
             writer.finalize()
             if ckpt is not None:
                 ckpt.close()
             if watcher is not None:
                 watcher.close()
+    stopped = getattr(watcher, "stopped_at", None)
+    if stopped is not None:
+        _say(
+            f"stopped early at step {stopped} of {total} (saved); run again with the same "
+            "--workdir to continue"
+        )
     losses = [r["loss"] for r in records if "loss" in r]
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     if losses:

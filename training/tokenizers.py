@@ -111,7 +111,13 @@ class HfTokenizer(Tokenizer):
         from tokenizers import Tokenizer as _HfTok
 
         self.path = path
-        self._tok = _HfTok.from_file(path)
+        try:
+            self._tok = _HfTok.from_file(path)
+        except Exception as e:  # noqa: BLE001 -- the library raises bare Exceptions
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(
+                f"{path}: not a tokenizer.json the tokenizers library can read ({reason})"
+            ) from None
         spec = json.loads(self._tok.to_str())
         base_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -153,8 +159,12 @@ class HfTokenizer(Tokenizer):
 def _eos_from_config(config_path: str) -> str | None:
     if not os.path.exists(config_path):
         return None
-    with open(config_path, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{config_path}: not a readable JSON file ({e})") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
@@ -170,7 +180,13 @@ class SentencePieceTokenizer(Tokenizer):
                 "pip install sentencepiece"
             ) from e
         self.path = path
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(
+                f"{path}: not a SentencePiece model sentencepiece can read ({reason})"
+            ) from None
         base_size = self._sp.get_piece_size()
         eos = self._sp.eos_id()
         self.eos_id = eos if eos >= 0 else base_size

@@ -17,6 +17,9 @@ How a batch of prompts of different lengths runs:
     `lax.while_loop` of one-token steps, so the loop is compiled once per prompt length /
     budget / sampling setting. The loop stops after `max_new_tokens` or once every row has
     produced `eos_id`.
+  - The prefill runs the stacked layers with the layer scan; before the loop the stacked
+    weights are sliced into one array per layer, once, so the one-token steps (bound by
+    reading the weights) do not copy every layer's slice out of the stack at every step.
 
 Sampling: `temperature == 0` is greedy (argmax); otherwise softmax(logits / temperature),
 optionally restricted to the `top_k` largest logits. Logits are gathered over the vocab dim

@@ -1,7 +1,6 @@
 """The attention module: q/k/v/o projections, optional q/k norms, RoPE, KV cache.
 
-The attention arithmetic itself (xla, splash, cuDNN; layout restoring) is
-`attention_ops.attention`; which documents see which is the `Segments` the decoder passes.
+The attention arithmetic itself (XLA, cuDNN, layout restoring) is `attention_ops.attention`.
 """
 
 from __future__ import annotations
@@ -36,24 +35,26 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_R, kv=None):
-        """`segments`: this call's queries and the keys they see (with a cache: the cache's
-        slots, this step's included). `kv`: None, or this layer's cache (k_BSKD, v_BSKD,
-        index) with this step's entries to be written at `index`. Returns (out_BTM, kv')."""
+        """`segments`: this call's tokens (ids, positions, whether rows are packed). `kv`:
+        None, or this layer's `LayerCache`, into which this step's keys and values are
+        written at `kv.index`. Returns (out_BTM, kv'), kv' None when kv is."""
+        segment_ids_BT, positions_BT = segments.q_ids_BT, segments.q_positions_BT
         q_BTND, k_BTKD, v_BTKD = self.q(x_BTM), self.k(x_BTM), self.v(x_BTM)
         if self.q_norm is not None:
             q_BTND, k_BTKD = self.q_norm(q_BTND), self.k_norm(k_BTKD)
         if self.use_rope:
-            q_BTND = rope.rotate(q_BTND, segments.q_positions_BT, inv_freq_R)
-            k_BTKD = rope.rotate(k_BTKD, segments.q_positions_BT, inv_freq_R)
+            q_BTND = rope.rotate(q_BTND, positions_BT, inv_freq_R)
+            k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_R)
         if kv is not None:
-            k_cache, v_cache, index = kv
+            # Keys are the cache's slots; earlier prompts sit in it: rows count as packed.
+            segments = Segments(segment_ids_BT, kv.segment_ids, positions_BT, kv.positions)
             k_BTKD = jax.lax.dynamic_update_slice_in_dim(
-                k_cache, k_BTKD.astype(k_cache.dtype), index, axis=1
+                kv.k, k_BTKD.astype(kv.k.dtype), kv.index, axis=1
             )
             v_BTKD = jax.lax.dynamic_update_slice_in_dim(
-                v_cache, v_BTKD.astype(v_cache.dtype), index, axis=1
+                kv.v, v_BTKD.astype(kv.v.dtype), kv.index, axis=1
             )
-            kv = (k_BTKD, v_BTKD)
+            kv = kv._replace(k=k_BTKD, v=v_BTKD)
         # --- context-parallel hook: T split over a mesh axis (training / eval forward) ---
         cp_axis = context_parallel.seq_axis(self.sharding.q.out) if kv is None else None
         if cp_axis is not None:
@@ -61,8 +62,8 @@ class Attention(nnx.Module):
                 q_BTND,
                 k_BTKD,
                 v_BTKD,
-                segment_ids_BT=segments.q_ids_BT,
-                positions_BT=segments.q_positions_BT,
+                segment_ids_BT=segment_ids_BT,
+                positions_BT=positions_BT,
                 axis=cp_axis,
                 scale=self.scale,
                 sliding_window=window,

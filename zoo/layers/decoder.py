@@ -17,6 +17,7 @@ from zoo.layers.attention import Attention
 from zoo.layers.attention_mask import Segments
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
+from zoo.layers.kv_cache import KVCache, LayerCache
 from zoo.layers.mlp import Mlp
 from zoo.layers.moe import Moe, moe_stats
 
@@ -128,9 +129,6 @@ class DecoderLM(nnx.Module):
         """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
 
         `router_stats=True` (no cache) returns (logits, MoeStats or None for a dense model).
-        `packed`: whether a row may hold several documents. False states that each row is one
-        document from index 0, then padding (a full-row reference, unpacked eval data):
-        attention backends that take sequence lengths (cuDNN) then run without a mask.
         """
         cfg = self.cfg
         # Context parallelism: rows run in load-balanced chunk order inside the model
@@ -140,7 +138,8 @@ class DecoderLM(nnx.Module):
         if balanced:
             if cache is not None:
                 raise ValueError(
-                    "KV-cache decoding does not split T; use a strategy without `context`"
+                    "KV-cache decoding (generation) does not split T over `context`; "
+                    "generate with a strategy without it, e.g. --sharding_strategy=fsdp"
                 )
             tokens_BT, segment_ids, positions = (
                 context_parallel.to_balanced(a, cp_axis)
@@ -152,19 +151,19 @@ class DecoderLM(nnx.Module):
         if self.position_embed is not None:
             x_BTM = x_BTM + self.position_embed(positions)
 
+        # `packed=False` states one document per row from index 0, then padding: attention
+        # backends that take sequence lengths (cuDNN) then need no document mask.
         segments = Segments.self_attention(segment_ids, positions, packed=packed)
+        # What every layer's cache shares: segment ids and positions with this step's tokens.
         kv_ctx = None
         if cache is not None:
-            index = cache["index"]
             kv_segment_ids = jax.lax.dynamic_update_slice_in_dim(
-                cache["segment_ids"], segment_ids, index, axis=1
+                cache.segment_ids, segment_ids, cache.index, axis=1
             )
             kv_positions = jax.lax.dynamic_update_slice_in_dim(
-                cache["positions"], positions, index, axis=1
+                cache.positions, positions, cache.index, axis=1
             )
-            kv_ctx = (kv_segment_ids, kv_positions, index)
-            # Keys are the cache's slots; earlier prompts sit in it, so rows count as packed.
-            segments = Segments(segment_ids, kv_segment_ids, positions, kv_positions, True)
+            kv_ctx = (kv_segment_ids, kv_positions, cache.index)
 
         windows, freqs_LR = self._layer_tables()
         run = self._run_scanned if cfg.scan_layers else self._run_unscanned
@@ -178,13 +177,8 @@ class DecoderLM(nnx.Module):
             return logits_BTV, (moe_stats(stats, cfg.num_experts) if cfg.is_moe else None)
         if cache is None:
             return logits_BTV
-        new_cache = {
-            "k": new_kv[0],
-            "v": new_kv[1],
-            "segment_ids": kv_ctx[0],
-            "positions": kv_ctx[1],
-            "index": cache["index"] + tokens_BT.shape[1],
-        }
+        k_LBSKD, v_LBSKD = new_kv
+        new_cache = KVCache(k_LBSKD, v_LBSKD, *kv_ctx[:2], cache.index + tokens_BT.shape[1])
         return logits_BTV, new_cache
 
     def _call_block(self, block, x_BTM, segments, window, inv_freq_R, kv):
@@ -202,17 +196,19 @@ class DecoderLM(nnx.Module):
         static_window = (windows[0] or None) if uniform_window else None
         windows_L = jnp.asarray(windows, jnp.int32)
         freqs_LR = jnp.asarray(freqs_LR)
-        caches = (cache["k"], cache["v"]) if cache is not None else None
+        caches = (cache.k, cache.v) if cache is not None else None
 
         @nnx.scan(
             in_axes=(nnx.Carry, 0, 0, 0, 0),
             out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: None},
         )
-        def run(x, block, window, inv_freq_R, layer_cache):
-            kv = None if layer_cache is None else (*layer_cache, kv_ctx[2])
+        def run(x, block, window, inv_freq_R, layer_kv):
+            kv = None if layer_kv is None else LayerCache(*layer_kv, *kv_ctx)
             w = static_window if uniform_window else window
-            return self._call_block(block, x, segments, w, inv_freq_R, kv)
+            x, (kv, layer_stats) = self._call_block(block, x, segments, w, inv_freq_R, kv)
+            # Only keys and values are per layer; the rest is shared, not stacked over L.
+            return x, ((None if kv is None else (kv.k, kv.v)), layer_stats)
 
         # Per layer: (kv cache, router stats), stacked on L by the scan.
         return run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
@@ -220,13 +216,13 @@ class DecoderLM(nnx.Module):
     def _run_unscanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
         ks, vs, stats = [], [], []
         for i, block in enumerate(self.blocks):
-            kv = None if cache is None else (cache["k"][i], cache["v"][i], kv_ctx[2])
+            kv = None if cache is None else LayerCache(cache.k[i], cache.v[i], *kv_ctx)
             x_BTM, (kv, layer_stats) = self._call_block(
                 block, x_BTM, segments, windows[i] or None, freqs_LR[i], kv
             )
             if kv is not None:
-                ks.append(kv[0])
-                vs.append(kv[1])
+                ks.append(kv.k)
+                vs.append(kv.v)
             stats.append(layer_stats)
         new_kv = (jnp.stack(ks), jnp.stack(vs)) if cache is not None else None
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if self.cfg.is_moe else None
@@ -257,10 +253,10 @@ class DecoderLM(nnx.Module):
         kv_spec = jax.sharding.PartitionSpec(None, *self.sharding.block.attention.kv_cache)
         shape = (cfg.num_layers, batch_size, S, cfg.num_kv_heads, cfg.head_dim)
         tokens_spec = self.sharding.tokens
-        return {
-            "k": jnp.zeros(shape, dtype, out_sharding=kv_spec),
-            "v": jnp.zeros(shape, dtype, out_sharding=kv_spec),
-            "segment_ids": jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
-            "positions": jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
-            "index": jnp.zeros((), jnp.int32),
-        }
+        return KVCache(
+            k=jnp.zeros(shape, dtype, out_sharding=kv_spec),
+            v=jnp.zeros(shape, dtype, out_sharding=kv_spec),
+            segment_ids=jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
+            positions=jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
+            index=jnp.zeros((), jnp.int32),
+        )

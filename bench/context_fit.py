@@ -1,0 +1,115 @@
+"""Largest sequence length whose train step fits a TPU target, with and without context
+parallelism: compiles the product's train step (training.loop.Trainer, AdamW) for the target
+without its hardware and reads XLA's per-chip memory.
+
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python bench/context_fit.py --model=llama3.2-1b \
+        --topology=v5p:4x4x4 --context=8 --seq_lens=8192,16384,32768,65536,131072
+
+`fsdp` puts every chip on `data` (one row per chip); `fsdp_cp` puts `--context` chips on
+`context` and the rest on `data` (one row per data shard, split over `context`). bfloat16
+compute, full remat, attention_impl=xla. Sequence lengths are tried in increasing order and a
+strategy stops at its first that does not fit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+_MODEL = flags.DEFINE_string("model", "llama3.2-1b", "model preset")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p:4x4x4", "TPU topology")
+_CONTEXT = flags.DEFINE_integer("context", 8, "context axis size for fsdp_cp")
+_SEQ_LENS = flags.DEFINE_list("seq_lens", ["8192", "16384", "32768", "65536", "131072"], "T")
+_STRATEGIES = flags.DEFINE_list("strategies", ["fsdp", "fsdp_cp"], "fsdp and/or fsdp_cp")
+_HBM_GIB = flags.DEFINE_float("hbm_gib", 95.0, "memory per chip (v5p: 95 GiB)")
+
+
+def _required_bytes(strategy_name, shape, cfg, devices, seq_len) -> int:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh, NamedSharding
+
+    from shardings import get_strategy
+    from training.loop import Trainer
+    from zoo.build import model_class
+
+    strategy = get_strategy(strategy_name)
+    mesh = Mesh(
+        mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True),
+        strategy.axes,
+        axis_types=(AxisType.Explicit,) * len(shape),
+    )
+    cls = model_class(cfg)
+    with jax.set_mesh(mesh):
+
+        def build():
+            model = cls(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0))
+            return model, nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+
+        model, optimizer = nnx.eval_shape(build)
+        trainer = Trainer(model, optimizer, batch_spec=strategy.batch_spec())
+        shardings = nnx.get_named_sharding(trainer.state, mesh)
+        state = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            trainer.state,
+            shardings,
+        )
+        rows = mesh.shape["data"]
+        spec = NamedSharding(mesh, strategy.batch_spec())
+        batch = {
+            k: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=spec)
+            for k in ("tokens", "segment_ids", "positions")
+        }
+        memory = trainer._train_jit.lower(state, batch).compile().memory_analysis()
+    live = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+    return max(memory.peak_memory_in_bytes, live)
+
+
+def main(argv):
+    del argv
+    from jax.experimental import topologies
+
+    from zoo import get_config
+
+    topo = topologies.get_topology_desc(topology_name=_TOPOLOGY.value, platform="tpu")
+    devices = topo.devices
+    n, c = len(devices), _CONTEXT.value
+    cfg = get_config(_MODEL.value, dtype="bfloat16", remat="full", attention_impl="xla")
+    budget = _HBM_GIB.value * 2**30
+    shapes = {"fsdp": (n,), "fsdp_cp": (n // c, c)}
+    for name in _STRATEGIES.value:
+        shape = shapes[name]
+        best = None
+        for seq_len in (int(s) for s in _SEQ_LENS.value):
+            start = time.perf_counter()
+            need = _required_bytes(name, shape, cfg, devices, seq_len)
+            fits = need <= budget
+            print(
+                f"{_MODEL.value} {_TOPOLOGY.value} {name} mesh {shape} rows {shape[0]} "
+                f"T={seq_len}: {need / 2**30:.1f} GiB per chip, fits={fits} "
+                f"(compiled in {time.perf_counter() - start:.0f}s)",
+                flush=True,
+            )
+            if not fits:
+                break
+            best = seq_len
+        print(f"==> {name}: largest T that fits: {best}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,80 @@
+"""The model to evaluate: rebuilt from a run's record and filled from its checkpoint, or read
+from a Hugging Face directory, in the layout of the requested strategy and mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from evaluation.settings import EvalSettings, run_config
+
+
+def model_config_from_run_info(run_info: dict):
+    """The zoo config the run trained: `run_info['model_config']` when recorded (type name
+    and fields), else the run config's model section (`RunConfig.model.decoder_config()`)."""
+    recorded = run_info.get("model_config")
+    if recorded:
+        from zoo.registry import config_types
+
+        types = config_types()
+        fields = dict(recorded)
+        name = fields.pop("type", None)
+        if name not in types:
+            raise ValueError(f"checkpoint model config type {name!r} is not in this zoo ({types})")
+        config_type = types[name]
+        for field in dataclasses.fields(config_type):
+            if isinstance(fields.get(field.name), list):  # JSON turned tuples into lists
+                fields[field.name] = tuple(fields[field.name])
+        return config_type(**fields)
+    return run_config(run_info).model.decoder_config()
+
+
+def load_from_hf(hf_dir: str, settings: EvalSettings):
+    """(model, mesh) read from a Hugging Face checkpoint directory."""
+    import jax
+
+    from shardings import get_strategy
+    from zoo import from_pretrained
+    from zoo.hf_io import read_config
+
+    strategy = get_strategy(settings.strategy)
+    if not os.path.isdir(hf_dir):
+        raise FileNotFoundError(f"--hf_checkpoint={hf_dir!r} is not a directory")
+    cfg = read_config(hf_dir)
+    mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
+    with jax.set_mesh(mesh):
+        model = from_pretrained(hf_dir, strategy)
+    return model, mesh
+
+
+def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, step: int | None):
+    """(model, mesh, step): the run's model built under the requested strategy/mesh, with the
+    parameters of checkpoint `step` (default: the latest), checked against its checksums."""
+    import jax
+    from flax import nnx
+
+    from shardings import get_strategy
+    from training.checkpoint import restore_params
+    from training.run import check_attention
+    from zoo import create_model
+    from zoo.build import check_model_fits, model_class
+
+    strategy = get_strategy(settings.strategy)
+    cfg = model_config_from_run_info(run_info)
+    mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
+    # The run's attention backend must run here (a TPU run's splash on a CPU host does not):
+    # one line now, not an error deep in the compile.
+    check_attention(cfg, mesh, settings.seq_len)
+    check_model_fits(cfg, strategy, mesh)
+    with jax.set_mesh(mesh):
+        # Shapes only: the checkpoint's arrays are read straight into the layout, so the model
+        # is never initialised (and never held twice).
+        model = nnx.eval_shape(
+            lambda: model_class(cfg)(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0))
+        )
+        step = restore_params(workdir, model, step)
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(model))):
+            # State besides the parameters (none in today's families) needs real values.
+            model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+            step = restore_params(workdir, model, step)
+    return model, mesh, step

@@ -1,0 +1,85 @@
+"""The evaluation's settings: the run's own record (its checkpoint's `run_info`), with the
+command line's runtime choices on top."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Defaults for a Hugging Face checkpoint, which has no run record.
+HF_DEFAULTS = dict(source="default", seq_len=512, global_batch_size=8, eval_batches=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    strategy: str
+    mesh_shape: str | None
+    source: str
+    split: str
+    tokenizer: str
+    text_field: str
+    validation_fraction: float
+    seq_len: int
+    batch_size: int
+    eval_batches: int
+
+
+def run_config(run_info: dict):
+    """The typed RunConfig recorded in a checkpoint's run_info."""
+    from training.config import RunConfig
+
+    if "config" not in run_info:
+        raise ValueError("the checkpoint's run_info records no 'config'; cannot rebuild the run")
+    return RunConfig.from_config_dict(run_info["config"])
+
+
+def from_run_info(
+    run_info: dict | None,
+    *,
+    hf_checkpoint: str | None = None,
+    data: str | None = None,
+    mesh_shape: str | None = None,
+    **overrides,
+) -> EvalSettings:
+    """Settings from the run's record (or the HF defaults when `run_info` is None); each of
+    `overrides` (strategy, tokenizer, seq_len, batch_size, eval_batches) that is not None
+    replaces the recorded value. `data` evaluates all of that source instead of the run's
+    validation split."""
+    if run_info is not None:
+        run = run_config(run_info)
+        d = run.data
+        base = dict(
+            strategy=run_info.get("strategy", run.training.sharding_strategy),
+            source=d.source,
+            tokenizer=d.tokenizer,
+            text_field=d.text_field,
+            validation_fraction=d.validation_fraction,
+            seq_len=d.seq_len,
+            batch_size=d.global_batch_size,
+            eval_batches=run.training.eval_batches,
+        )
+    else:
+        base = dict(
+            strategy="fsdp_tp",
+            source=HF_DEFAULTS["source"],
+            tokenizer=hf_checkpoint,
+            text_field="text",
+            validation_fraction=0.02,
+            seq_len=HF_DEFAULTS["seq_len"],
+            batch_size=HF_DEFAULTS["global_batch_size"],
+            eval_batches=HF_DEFAULTS["eval_batches"],
+        )
+    for key, value in overrides.items():
+        if key not in base or key == "source":
+            raise TypeError(f"unknown evaluation setting {key!r}")
+        if value is not None:
+            base[key] = value
+    for key in ("seq_len", "batch_size", "eval_batches"):
+        if base[key] < 1:
+            raise ValueError(f"--{key}={base[key]} must be >= 1")
+    source = base.pop("source")
+    return EvalSettings(
+        mesh_shape=mesh_shape,
+        source=data or source,
+        split="all" if data else "validation",
+        **base,
+    )

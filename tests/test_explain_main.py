@@ -1,0 +1,29 @@
+"""explain_main.py --config: the model train_main would build from a run config file (its
+model section and overrides), not the zoo preset of the same name."""
+
+import os
+import subprocess
+import sys
+
+from _train_helpers import ROOT, child_env, run_config
+
+
+def test_config_flag_explains_the_configured_model():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "explain_main.py"),
+            "--config=configs/tiny.py",
+            "--config.model.num_layers=3",
+            "--strategies=dp",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    want = run_config({"model.num_layers": 3}).model.decoder_config().describe()
+    assert proc.stdout.splitlines()[0] == want
+    assert "L=3 M=128" in want  # configs/tiny.py's width, not the preset's

@@ -1,0 +1,151 @@
+"""train_main.py never loses or duplicates work, and says what it did: one chain of runs on
+one workdir (8 simulated devices, fsdp_tp on (4, 2), two Grain worker processes).
+
+  A   6 steps, checkpoints at 3 and 6; a second run started while A holds the workdir exits 2
+      naming A's pid; A's metrics.jsonl is one run's; no shared memory leaks at exit.
+  R   checkpoint 6 damaged, a stale lock left by a dead run, `steps` raised to 9: R names the
+      damaged checkpoint, takes over the lock, falls back to step 3 and reproduces A's losses
+      for steps 4-6 bit for bit, keeping A's 6-step learning-rate schedule.
+  N   resuming with another data.num_workers: exit 2 naming the value to resume with.
+  H   resuming with another model width: exit 2, and run_info.json still describes the run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
+
+from training.checkpoint import INVALID_SUBDIR, checkpoint_dir
+from training.metrics import read_metrics
+from training.workdir import LOCK_FILE
+
+RUN = {
+    **SMALL_RUN,
+    "training.steps": 6,
+    "training.eval_every": 0,
+    "training.eval_batches": 1,
+    "optimizer.warmup_steps": 2,
+    "checkpoint.enabled": True,
+    "checkpoint.every": 3,
+    "data.num_workers": 2,
+}
+TIMEOUT = 240
+
+
+def train_main(workdir, overrides=None, **popen):
+    args = [
+        sys.executable,
+        TRAIN_MAIN,
+        f"--workdir={workdir}",
+        *cli_flags({**RUN, **(overrides or {})}),
+    ]
+    return subprocess.Popen(
+        args, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    )
+
+
+def finish(proc):
+    out, err = proc.communicate(timeout=TIMEOUT)
+    return proc.returncode, out, err
+
+
+def errors(stderr):
+    return [line for line in stderr.splitlines() if line.startswith(("error:", "warning:"))]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("run"))
+    lock = os.path.join(workdir, LOCK_FILE)
+    first = train_main(workdir)
+    deadline = time.monotonic() + TIMEOUT
+    while not (os.path.exists(lock) and os.path.getsize(lock)):  # A holds the workdir
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.2)
+    second = finish(train_main(workdir))
+    first = finish(first)
+    metrics_a = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    with open(os.path.join(workdir, "run_info.json")) as f:
+        run_info = f.read()
+    out = dict(workdir=workdir, a=first, second=second, metrics_a=metrics_a, run_info=run_info)
+
+    # A damaged latest checkpoint (4 bytes of its arrays overwritten) and a dead run's lock.
+    params = os.path.join(checkpoint_dir(workdir), "6", "params")
+    paths = [os.path.join(r, n) for r, _, names in os.walk(params) for n in names]
+    largest = max(paths, key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.seek(os.path.getsize(largest) // 2)
+        f.write(b"\xde\xad\xbe\xef")
+    with open(lock, "w") as f:
+        f.write("pid 4194303 on host gone-host (since long ago)")
+    out["r"] = finish(train_main(workdir, {"training.steps": 9}))
+    out["metrics_r"] = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    out["n"] = finish(train_main(workdir, {"training.steps": 9, "data.num_workers": 0}))
+    out["h"] = finish(train_main(workdir, {"training.steps": 12, "model.hidden_dim": 32}))
+    with open(os.path.join(workdir, "run_info.json")) as f:
+        out["run_info_after"] = f.read()
+    return out
+
+
+def test_second_run_on_a_held_workdir_exits_2_naming_the_holder(chain):
+    rc, _, err = chain["second"]
+    assert rc == 2, err[-2000:]
+    (line,) = errors(err)
+    assert line.startswith(f"error: workdir {chain['workdir']} is in use by pid "), line
+    assert "on host" in line
+    rc, _, err = chain["a"]
+    assert rc == 0, err[-3000:]
+    steps = [r["step"] for r in chain["metrics_a"] if "loss" in r]
+    assert steps == list(range(1, 7))  # one run's lines, once each
+    # The Grain workers' shared memory is released, and nothing fails at exit.
+    assert "leaked shared_memory" not in err and "Traceback" not in err, err[-3000:]
+
+
+def test_damaged_checkpoint_falls_back_and_reproduces_the_losses(chain):
+    rc, out, err = chain["r"]
+    assert rc == 0, err[-3000:]
+    warnings = errors(err)
+    directory = checkpoint_dir(chain["workdir"])
+    assert (
+        warnings[0] == "warning: took over the stale lock of pid 4194303 on host gone-host "
+        "(since long ago), which is no longer running"
+    )
+    assert warnings[1].startswith(
+        f"warning: checkpoint {directory}/6 is not usable (fails its integrity check: params/"
+    )
+    assert warnings[2] == "warning: falling back to checkpoint step 3"
+    assert os.listdir(os.path.join(directory, INVALID_SUBDIR))[0].startswith("6-")
+    assert sorted(os.listdir(directory)) == ["3", "6", "9", INVALID_SUBDIR]  # 6 saved again
+    assert "resumed from step 3" in out
+    # Steps 4-6 again from checkpoint 3: A's losses bit for bit; one history, steps once each.
+    a = {r["step"]: r for r in chain["metrics_a"] if "loss" in r}
+    r = {r["step"]: r for r in chain["metrics_r"] if "loss" in r}
+    assert sorted(r) == list(range(1, 10))
+    for step in (4, 5, 6):
+        assert r[step]["loss"] == a[step]["loss"], step
+        assert r[step]["learning_rate"] == a[step]["learning_rate"], step
+    # steps 6 -> 9 keeps the checkpoint's 6-step schedule: the rate stays at its end value.
+    assert "keeping its learning-rate schedule of 6 steps" in out
+    assert r[7]["learning_rate"] == r[8]["learning_rate"] == r[9]["learning_rate"]
+    assert r[7]["learning_rate"] < a[6]["learning_rate"]
+
+
+def test_changed_num_workers_is_refused_naming_the_value(chain):
+    rc, _, err = chain["n"]
+    assert rc == 2, err[-2000:]
+    (line,) = errors(err)
+    assert "saved with data.num_workers=2, this run has 0" in line
+    assert line.endswith("resume with --config.data.num_workers=2")
+
+
+def test_failed_resume_leaves_run_info_alone(chain):
+    rc, _, err = chain["h"]
+    assert rc == 2, err[-2000:]
+    (line,) = errors(err)
+    assert "checkpoint does not fit the model" in line
+    assert json.loads(chain["run_info_after"])["config"]["model"]["hidden_dim"] == 64
+    assert json.loads(chain["run_info_after"])["config"]["training"]["steps"] == 9

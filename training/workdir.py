@@ -1,0 +1,137 @@
+"""The run directory: check that it can be written before any work starts, and hold it
+exclusively for the life of a training run.
+
+The lock is `flock` on `<workdir>/.lock`, which names its holder (pid, host, start time). The
+kernel drops it when the holder exits, however it exits, so a lock file whose lock is free
+was left by a run that died: the next run takes it over and says whose it was. Linux NFS
+clients implement flock with POSIX byte-range locks, so the lock also holds across hosts on a
+shared filesystem. With several processes, process 0 takes it (`hold`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import os
+import socket
+import sys
+import tempfile
+import time
+
+LOCK_FILE = ".lock"
+
+
+def expand(path: str) -> str:
+    """`~` expanded, absolute: every entry point reads a --workdir the same way."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def check_writable(workdir: str, flag: str = "--workdir") -> None:
+    """Create `workdir` if needed and write a file in it; ValueError (one line) if either
+    fails, or if the path is a file."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"{flag}={workdir} is a file, not a directory")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        # A real write: permission bits do not tell root about read-only mounts.
+        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        reason = e.strerror or errno.errorcode.get(e.errno, str(e))
+        raise ValueError(f"{flag}={workdir} cannot be written ({reason})") from None
+
+
+class WorkdirLock:
+    """An exclusive lock on a run directory; `release()` (also at exit) frees it."""
+
+    def __init__(self, workdir: str):
+        self.path = os.path.join(workdir, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock. Raises ValueError naming the holder if another live process has
+        it; returns a warning line when it took over a dead run's lock, else None."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read(fd) or "another process"
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise ValueError(
+                    f"workdir {os.path.dirname(self.path)} is in use by {holder}; wait for "
+                    "that run to end, or choose another --workdir"
+                ) from None
+            raise
+        previous = _read(fd)
+        os.ftruncate(fd, 0)
+        me = f"pid {os.getpid()} on host {socket.gethostname()} (since {time.strftime('%c')})"
+        os.pwrite(fd, me.encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        atexit.register(self.release)
+        if previous:
+            return f"took over the stale lock of {previous}, which is no longer running"
+        return None
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)  # an empty file: nobody held it when it was released
+        os.close(self._fd)  # closing drops the flock
+        self._fd = None
+
+
+def _read(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode("utf-8", errors="replace").strip()
+
+
+def hold(workdir: str) -> WorkdirLock | None:
+    """Check that the workdir can be written and take its lock, on process 0, and tell every
+    process the outcome: ValueError on all of them if either fails. Returns the lock on
+    process 0."""
+    import jax
+
+    lock, error = None, ""
+    if jax.process_index() == 0:
+        try:
+            check_writable(workdir)
+            lock = WorkdirLock(workdir)
+            warning = lock.acquire()
+        except ValueError as e:
+            lock, error = None, str(e)
+        else:
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
+    _raise_everywhere(error, f"process 0 could not take the workdir {workdir} (see its error)")
+    return lock
+
+
+def check_writable_everywhere(workdir: str, flag: str = "--workdir") -> None:
+    """`check_writable` on process 0; ValueError on every process if it fails."""
+    import jax
+
+    error = ""
+    if jax.process_index() == 0:
+        try:
+            check_writable(workdir, flag)
+        except ValueError as e:
+            error = str(e)
+    _raise_everywhere(error, f"process 0 cannot write {flag}={workdir} (see its error)")
+
+
+def _raise_everywhere(error: str, elsewhere: str) -> None:
+    """Raise ValueError(error) on process 0 and ValueError(elsewhere) on the others when
+    process 0 had an error, so no process waits for a collective the others never reach."""
+    import jax
+
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        failed = multihost_utils.broadcast_one_to_all(np.int32(bool(error)))
+        if int(failed) and not error:
+            error = elsewhere
+    if error:
+        raise ValueError(error)
