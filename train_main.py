@@ -92,7 +92,10 @@ def _define_config_flag():
 
 _CONFIG = _define_config_flag()
 _STRATEGY = flags.DEFINE_string(
-    "sharding_strategy", None, "a strategy name (shardings.STRATEGIES); default: config.training."
+    "sharding_strategy",
+    None,
+    "a strategy name (shardings.STRATEGIES), or auto (the fastest that fits, planning/); "
+    "default: config.training.",
 )
 _MESH_SHAPE = flags.DEFINE_string(
     "mesh_shape", None, "e.g. data:4,model:2; default: config.training.mesh_shape or the rule."
@@ -172,6 +175,10 @@ def main(argv):
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         run = _load_config()
+        if run.training.sharding_strategy == "auto":
+            from planning.cli import resolve_auto
+
+            run = resolve_auto(run)  # compiles candidates on these devices; picks, says why
         workdir = expand(_WORKDIR.value or os.path.join("runs", run.name))
         lock = hold(workdir)  # noqa: F841 -- checked writable, and held until the process exits
         init_from = expand(_INIT_FROM.value) if _INIT_FROM.value else None

@@ -133,13 +133,18 @@ class Trainer:
         model, _ = nnx.merge(self.graphdef, state)
         return loss_sum(model, batch, self.packed)
 
+    def lower(self, batch: Batch):
+        """The train step lowered for the current state's and `batch`'s types; with abstract
+        state (ShapeDtypeStructs on a target's mesh) this compiles for hardware not present."""
+        return self._train_jit.lower(self.state, batch)
+
     def compile(self, batch: Batch) -> float:
         """Compile the train step ahead of time for batches like `batch`; returns seconds.
 
         Separate from the first step so step timings (tokens/s, MFU) never include it.
         """
         start = time.perf_counter()
-        self._train_compiled = self._train_jit.lower(self.state, batch).compile()
+        self._train_compiled = self.lower(batch).compile()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
