@@ -133,11 +133,6 @@ class Trainer:
         model, _ = nnx.merge(self.graphdef, state)
         return loss_sum(model, batch, self.packed)
 
-    def lower(self, batch: Batch):
-        """The train step lowered for the current state's and `batch`'s types; with abstract
-        state (ShapeDtypeStructs on a target's mesh) this compiles for hardware not present."""
-        return self._train_jit.lower(self.state, batch)
-
     def compile(self, batch: Batch) -> float:
         """Compile the train step ahead of time for batches like `batch`; returns seconds.
 
@@ -149,8 +144,9 @@ class Trainer:
         return self.compile_seconds
 
     def lower(self, batch: Batch, *, train: bool = True):
-        """The train (or eval) step lowered for batches like `batch` (arrays or shapes), e.g.
-        to compile for a target whose devices this host does not have."""
+        """The train (or eval) step lowered for the current state's and `batch`'s types; with
+        abstract state (ShapeDtypeStructs on a target's mesh) this compiles for hardware not
+        present."""
         return (self._train_jit if train else self._eval_jit).lower(self.state, batch)
 
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
