@@ -20,6 +20,12 @@ from training.xla_cpu import set_cpu_flags  # noqa: E402
 
 set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
 
+# Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
+# start-up lines on stderr (see training/host.py).
+from training.host import import_jax_quietly  # noqa: E402
+
+import_jax_quietly()
+
 import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
@@ -86,14 +92,20 @@ def _define_config_flag():
 
 _CONFIG = _define_config_flag()
 _STRATEGY = flags.DEFINE_string(
-    "sharding_strategy", None, "a strategy name (shardings.STRATEGIES); default: config.training."
+    "sharding_strategy",
+    None,
+    "a strategy name (shardings.STRATEGIES), or auto (the fastest that fits, planning/); "
+    "default: config.training.",
 )
 _MESH_SHAPE = flags.DEFINE_string(
     "mesh_shape", None, "e.g. data:4,model:2; default: config.training.mesh_shape or the rule."
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default ./runs/<config name>.")
 _ATTENTION = flags.DEFINE_enum(
-    "attention_impl", None, ["xla", "cudnn", "auto"], "Attention backend; default: config."
+    "attention_impl",
+    None,
+    ["xla", "splash", "cudnn", "auto"],
+    "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); default: config.",
 )
 _PEAK_TFLOPS = flags.DEFINE_float(
     "peak_tflops", None, "Peak TFLOP/s per device for MFU; default: table, or measured on CPU."
@@ -163,6 +175,10 @@ def main(argv):
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         run = _load_config()
+        if run.training.sharding_strategy == "auto":
+            from planning.cli import resolve_auto
+
+            run = resolve_auto(run)  # compiles candidates on these devices; picks, says why
         workdir = expand(_WORKDIR.value or os.path.join("runs", run.name))
         lock = hold(workdir)  # noqa: F841 -- checked writable, and held until the process exits
         init_from = expand(_INIT_FROM.value) if _INIT_FROM.value else None

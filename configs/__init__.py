@@ -31,7 +31,11 @@ def base_config() -> ConfigDict:
     # What the backward pass recomputes: none | full | dots | save_qkv_proj | save_out_proj |
     # offload (the residual stream to host memory; TPU/GPU only). See zoo/layers/remat.py.
     m.remat = "none"
-    m.attention_impl = "xla"  # xla | cudnn | auto (--attention_impl overrides)
+    # xla (einsums, everywhere) | splash (Pallas flash kernel, TPU) | cudnn (fused attention,
+    # NVIDIA GPU, bf16) | auto (splash on TPU, cudnn on GPU, xla on CPU); packed rows on all.
+    # --attention_impl overrides; an explicit backend that cannot run here is an error.
+    m.attention_impl = "xla"
+    m.attention_interpret = False  # run splash in Pallas interpret mode (CPU tests only; slow)
 
     c.data = d = ConfigDict()
     d.source = "default"  # 'default' (stdlib source text, no download) or a path / dir / glob

@@ -13,7 +13,7 @@ from collections import Counter
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+from shardings.hlo import COLLECTIVES, collectives
 
 
 def dims_text(shape: tuple[int, ...], spec: P, letters: str | None = None) -> str:
@@ -53,12 +53,11 @@ def layout_table(rows_by_strategy: dict[str, list[tuple[str, tuple[int, ...], P]
 
 
 def count_collectives(hlo_text: str) -> Counter:
-    """Collectives in compiled (partitioned) HLO. Async pairs count once (by `-start`)."""
-    counts: Counter = Counter()
-    for op in COLLECTIVES:
-        starts = len(re.findall(rf"\b{op}-start\(", hlo_text))
-        plain = len(re.findall(rf"\b{op}\(", hlo_text))
-        counts[op] = starts + plain
+    """Collective ops in compiled (partitioned) HLO, each op once however it is spelt (async
+    `-start`/`-done` pairs, TPU's fused reduce-scatters); `shardings.hlo.collectives` has
+    executions per step, bytes and mesh axes."""
+    counts: Counter = Counter({op: 0 for op in COLLECTIVES})
+    counts.update(c.op for c in collectives(hlo_text))
     return counts
 
 

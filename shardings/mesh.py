@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -85,12 +86,13 @@ def make_mesh(strategy, shape=None, devices=None, config=None) -> Mesh:
             strategy.axes,
             axis_types=(AxisType.Explicit,) * len(shape),
         )
-    return jax.make_mesh(
-        shape,
-        strategy.axes,
-        axis_types=(AxisType.Explicit,) * len(shape),
-        devices=np.asarray(devices).reshape(-1),
+    # Split physical axes allowed: on a TPU torus a logical axis may then span parts of two
+    # physical dims (data 8 x model 8 on a 4x4x4 v5p); without it such a shape has no
+    # assignment at all. On CPU/GPU devices this is the plain ordering.
+    device_grid = mesh_utils.create_device_mesh(
+        shape, np.asarray(devices).reshape(-1), allow_split_physical_axes=True
     )
+    return Mesh(device_grid, strategy.axes, axis_types=(AxisType.Explicit,) * len(shape))
 
 
 def check_divisible(

@@ -45,6 +45,7 @@ class ModelSection:
     scan_layers: bool = True
     remat: str = "none"
     attention_impl: str = "xla"
+    attention_interpret: bool = False
 
     SHAPE_FIELDS = (
         "vocab_size",
@@ -62,7 +63,7 @@ class ModelSection:
         for name, valid in (
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
-            ("attention_impl", ("xla", "cudnn", "auto")),
+            ("attention_impl", ("xla", "splash", "cudnn", "auto")),
         ):
             if getattr(self, name) not in valid:
                 _fail("model", name, getattr(self, name), f"valid: {', '.join(valid)}")
@@ -74,6 +75,7 @@ class ModelSection:
             scan_layers=self.scan_layers,
             remat=self.remat,
             attention_impl=self.attention_impl,
+            attention_interpret=self.attention_interpret,
         )
         return out
 

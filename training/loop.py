@@ -6,9 +6,9 @@ in place). The `model` / `optimizer` objects are brought up to date from it (`Tr
 only where something needs them: a checkpoint save, and the end of training.
 
 Nothing here knows a model family: a model is anything with
-`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., router_stats=...)
--> (nll_BT, mask_BT[, MoE routing statistics or None for a dense model])`: the LM head fused
-with the loss over chunks of `chunk_size` tokens per device (0: full logits).
+`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., router_stats=...,
+packed=...) -> (nll_BT, mask_BT[, MoE routing statistics or None for a dense model])`: the LM
+head fused with the loss over chunks of `chunk_size` tokens per device (0: full logits).
 """
 
 from __future__ import annotations
@@ -33,19 +33,23 @@ from zoo.loss import token_nll
 Batch = Mapping[str, jax.Array]
 
 
-def loss_sum(model, batch: Batch, chunk_size: int = 0) -> tuple[jax.Array, jax.Array]:
+def loss_sum(
+    model, batch: Batch, packed: bool = True, chunk_size: int = 0
+) -> tuple[jax.Array, jax.Array]:
     """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
-    needs (sums add across micro-batches; means would not)."""
+    needs (sums add across micro-batches; means would not). `packed=False` states that each
+    row is one document from index 0, then padding (attention then needs no document mask)."""
     nll_BT, mask_BT = model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
         chunk_size=chunk_size,
+        packed=packed,
     )
     return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
 
-def train_loss_sum(model, batch: Batch, chunk_size: int = 0):
+def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
     """(the objective summed over counted tokens, (their count, metric sums)).
 
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
@@ -57,6 +61,7 @@ def train_loss_sum(model, batch: Batch, chunk_size: int = 0):
         positions=batch["positions"],
         chunk_size=chunk_size,
         router_stats=True,
+        packed=packed,
     )
     coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
     return objective_from_nll(nll_BT, mask_BT, moe, coef)
@@ -82,8 +87,8 @@ def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
     return total, (count, sums)
 
 
-def _loss_and_grad(model, batch: Batch, chunk_size: int = 0):
-    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch, chunk_size)
+def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
+    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch, packed, chunk_size)
 
 
 class Trainer:
@@ -93,6 +98,8 @@ class Trainer:
       model, optimizer: built under the run's mesh (`nnx.Optimizer(model, tx, wrt=nnx.Param)`).
       micro_batches: k; each step accumulates gradients over k slices of its batch.
       batch_spec: the batch arrays' layout, so micro-batches keep rows on their devices.
+      packed: whether batch rows may hold several documents (the data pipeline packs them);
+        False states one document per row from index 0, then padding.
       loss_chunk_size: tokens per device per chunk of the fused LM head + loss (train and
         eval steps); 0 builds the full logits.
     """
@@ -104,12 +111,14 @@ class Trainer:
         *,
         micro_batches: int = 1,
         batch_spec: P | None = None,
+        packed: bool = True,
         loss_chunk_size: int = 0,
     ):
         self.model, self.optimizer = model, optimizer
+        self.packed = packed
+        self.loss_chunk_size = loss_chunk_size
         self.micro_batches = micro_batches
         self.batch_spec = batch_spec
-        self.loss_chunk_size = loss_chunk_size
         self.graphdef, self.state = nnx.split((model, optimizer))
         self._train_jit = jax.jit(self._train_step, donate_argnums=0)
         self._eval_jit = jax.jit(self._eval_step)
@@ -121,7 +130,7 @@ class Trainer:
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads, means = accumulate_gradients(
-            functools.partial(_loss_and_grad, chunk_size=self.loss_chunk_size),
+            functools.partial(_loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size),
             model,
             batch,
             self.micro_batches,
@@ -135,7 +144,7 @@ class Trainer:
 
     def _eval_step(self, state, batch: Batch):
         model, _ = nnx.merge(self.graphdef, state)
-        return loss_sum(model, batch, self.loss_chunk_size)
+        return loss_sum(model, batch, self.packed, self.loss_chunk_size)
 
     def compile(self, batch: Batch) -> float:
         """Compile the train step ahead of time for batches like `batch`; returns seconds.
@@ -143,9 +152,15 @@ class Trainer:
         Separate from the first step so step timings (tokens/s, MFU) never include it.
         """
         start = time.perf_counter()
-        self._train_compiled = self._train_jit.lower(self.state, batch).compile()
+        self._train_compiled = self.lower(batch).compile()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
+
+    def lower(self, batch: Batch, *, train: bool = True):
+        """The train (or eval) step lowered for the current state's and `batch`'s types; with
+        abstract state (ShapeDtypeStructs on a target's mesh) this compiles for hardware not
+        present."""
+        return (self._train_jit if train else self._eval_jit).lower(self.state, batch)
 
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimizer step; returns its metrics as (not yet fetched) device scalars."""

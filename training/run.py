@@ -153,6 +153,9 @@ class Setup:
             batch_spec=batch_spec,
             loss_chunk_size=run.training.loss_chunk_size,
         )
+        # An attention backend named in the config that cannot run here fails now, in one
+        # line, not while the step compiles.
+        check_attention(model_cfg, mesh, run.data.seq_len)
         # One formula for model FLOPs: the config's (6 * matmul params + causal attention).
         self.flops_per_token = model_cfg.flops_per_token(run.data.seq_len)
         self.peak_per_device = flops.peak_flops_per_device(
@@ -212,6 +215,22 @@ class Setup:
         return self.start_step
 
 
+def check_attention(model_cfg, mesh, seq_len: int) -> str:
+    """The attention backend `model_cfg.attention_impl` runs on `mesh`'s platform for rows of
+    `seq_len`; ValueError (one line: why not, what would) when a backend named explicitly
+    cannot run there."""
+    from zoo.layers.attention_ops import check_implementation
+
+    return check_implementation(
+        model_cfg.attention_impl,
+        dtype=model_cfg.compute_dtype,
+        head_dim=model_cfg.head_dim,
+        seq_len=seq_len,
+        platform=mesh.devices.flat[0].platform,
+        interpret=model_cfg.attention_interpret,
+    )
+
+
 def _create_model(model_cfg, strategy, seed: int):
     from flax import nnx
 
@@ -231,6 +250,7 @@ def _from_pretrained(path: str, strategy, model_section):
         scan_layers=model_section.scan_layers,
         remat=model_section.remat,
         attention_impl=model_section.attention_impl,
+        attention_interpret=model_section.attention_interpret,
     )
     return from_pretrained(path, strategy, **runtime)
 

@@ -18,16 +18,23 @@ def model_class(cfg: DecoderConfig):
 
 
 def _abstract(cfg: DecoderConfig, strategy):
-    """The model's parameter tree as shapes and declared specs, built on a one-device mesh
-    with the strategy's axis names (every split then divides), so nothing is allocated."""
-    tiny_mesh = jax.make_mesh(
-        (1,) * len(strategy.axes),
-        strategy.axes,
-        axis_types=(jax.sharding.AxisType.Explicit,) * len(strategy.axes),
-        devices=jax.devices()[:1],
+    """The model's parameter tree as shapes and declared specs, built on an abstract mesh
+    whose strategy axes all have size 1 (every split then divides), so nothing is allocated.
+
+    An abstract mesh, not `jax.set_mesh`: this also runs inside a trace (`nnx.eval_shape`
+    of `create_model`), where only an abstract mesh of the same size may be entered, so the
+    active mesh's devices go on one extra axis that no spec names.
+    """
+    active = jax.sharding.get_abstract_mesh()
+    size = 1 if active is None or active.empty else active.size
+    names = (*strategy.axes, "unnamed_devices")
+    layout_mesh = jax.sharding.AbstractMesh(
+        (1,) * len(strategy.axes) + (size,),
+        names,
+        axis_types=(jax.sharding.AxisType.Explicit,) * len(names),
     )
     cls = model_class(cfg)
-    with jax.set_mesh(tiny_mesh):
+    with jax.sharding.use_abstract_mesh(layout_mesh):
         return nnx.eval_shape(lambda: cls(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0)))
 
 

@@ -15,6 +15,8 @@ from zoo.layers import remat
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
+# attention_impl values: the backends of zoo/layers/attention_ops.py, and the choice between them.
+ATTENTION_IMPLEMENTATIONS = ("xla", "splash", "cudnn", "auto")
 
 
 def causal_keys_per_query(seq_len: int, window: int | None = None) -> float:
@@ -82,7 +84,12 @@ class DecoderConfig:
     # What the backward pass recomputes, by policy name (zoo/layers/remat.py): 'none' |
     # 'full' | 'dots' | 'save_qkv_proj' | 'save_out_proj' | 'offload'.
     remat: str = "none"
-    attention_impl: str = "xla"  # 'xla' | 'cudnn' | 'auto'
+    # 'xla' | 'splash' (TPU) | 'cudnn' (NVIDIA GPU) | 'auto' (splash on TPU, cudnn on GPU,
+    # xla elsewhere); see zoo/layers/attention_ops.py.
+    attention_impl: str = "xla"
+    # Run Pallas attention kernels (splash) in interpret mode, so they run on CPU: for tests
+    # and debugging only (slow).
+    attention_interpret: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -93,8 +100,11 @@ class DecoderConfig:
         remat.check_name(self.remat)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}; valid: float32, bfloat16")
-        if self.attention_impl not in ("xla", "cudnn", "auto"):
-            raise ValueError(f"attention_impl={self.attention_impl!r}; valid: xla, cudnn, auto")
+        if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention_impl={self.attention_impl!r}; valid: "
+                f"{', '.join(ATTENTION_IMPLEMENTATIONS)}"
+            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="

@@ -15,6 +15,7 @@ from shardings.specs import BlockSharding, LmSharding
 from zoo import loss
 from zoo.layers import context_parallel, remat, rope
 from zoo.layers.attention import Attention
+from zoo.layers.attention_mask import Segments
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.kv_cache import KVCache, LayerCache
@@ -42,13 +43,12 @@ class Block(nnx.Module):
         else:
             self.post_attn_norm = self.post_mlp_norm = None
 
-    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_R, kv=None):
+    def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_R, kv=None):
         x_BTM = remat.tag(x_BTM, remat.RESIDUAL)
         with jax.named_scope("attention"):
             h_BTM, kv = self.attention(
                 self.attn_norm(x_BTM),
-                segment_ids_BT,
-                positions_BT,
+                segments,
                 window=window,
                 inv_freq_R=inv_freq_R,
                 kv=kv,
@@ -61,7 +61,7 @@ class Block(nnx.Module):
             if self.moe is None:
                 h_BTM = self.mlp(self.mlp_norm(x_BTM))
             else:
-                h_BTM, router_stats = self.moe(self.mlp_norm(x_BTM), segment_ids_BT != 0)
+                h_BTM, router_stats = self.moe(self.mlp_norm(x_BTM), segments.q_ids_BT != 0)
             if self.post_mlp_norm is not None:
                 h_BTM = self.post_mlp_norm(h_BTM)
         return x_BTM + h_BTM, (kv, router_stats)
@@ -121,13 +121,15 @@ class DecoderLM(nnx.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None, router_stats=False):
+    def __call__(
+        self, tokens_BT, *, segment_ids, positions, cache=None, router_stats=False, packed=True
+    ):
         """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
 
         `router_stats=True` (no cache) returns (logits, MoeStats or None for a dense model).
         """
         x_BTM, new_cache, stats = self.hidden(
-            tokens_BT, segment_ids=segment_ids, positions=positions, cache=cache
+            tokens_BT, segment_ids=segment_ids, positions=positions, cache=cache, packed=packed
         )
         logits_BTV = self._logits(x_BTM)
         if router_stats:
@@ -135,7 +137,14 @@ class DecoderLM(nnx.Module):
         return logits_BTV if cache is None else (logits_BTV, new_cache)
 
     def token_nll(
-        self, tokens_BT, *, segment_ids, positions, chunk_size: int = 0, router_stats=False
+        self,
+        tokens_BT,
+        *,
+        segment_ids,
+        positions,
+        chunk_size: int = 0,
+        router_stats=False,
+        packed=True,
     ):
         """(nll_BT, mask_BT): next-token NLL in float32 per position, and which count; with
         `router_stats=True`, (nll_BT, mask_BT, MoeStats or None for a dense model).
@@ -145,7 +154,9 @@ class DecoderLM(nnx.Module):
         the forward or the backward pass; 0 computes the full logits first
         (`zoo.loss.token_nll`).
         """
-        x_BTM, _, stats = self.hidden(tokens_BT, segment_ids=segment_ids, positions=positions)
+        x_BTM, _, stats = self.hidden(
+            tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed
+        )
         if not chunk_size:
             nll_BT, mask_BT = loss.token_nll(self._logits(x_BTM), tokens_BT, segment_ids)
         else:
@@ -157,7 +168,7 @@ class DecoderLM(nnx.Module):
                 )
         return (nll_BT, mask_BT, stats) if router_stats else (nll_BT, mask_BT)
 
-    def hidden(self, tokens_BT, *, segment_ids, positions, cache=None):
+    def hidden(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True):
         """(final-normed hidden states x_BTM, updated cache or None, MoeStats or None): the
         model up to its LM head."""
         cfg = self.cfg
@@ -182,6 +193,9 @@ class DecoderLM(nnx.Module):
             if self.position_embed is not None:
                 x_BTM = x_BTM + self.position_embed(positions)
 
+        # `packed=False` states one document per row from index 0, then padding: attention
+        # backends that take sequence lengths (cuDNN) then need no document mask.
+        segments = Segments.self_attention(segment_ids, positions, packed=packed)
         # What every layer's cache shares: segment ids and positions with this step's tokens.
         kv_ctx = None
         if cache is not None:
@@ -195,9 +209,7 @@ class DecoderLM(nnx.Module):
 
         windows, freqs_LR = self._layer_tables()
         run = self._run_scanned if cfg.scan_layers else self._run_unscanned
-        x_BTM, (new_kv, stats) = run(
-            x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx
-        )
+        x_BTM, (new_kv, stats) = run(x_BTM, segments, windows, freqs_LR, cache, kv_ctx)
 
         if balanced:
             x_BTM = context_parallel.from_balanced(x_BTM, cp_axis)
@@ -209,9 +221,9 @@ class DecoderLM(nnx.Module):
         new_cache = KVCache(k_LBSKD, v_LBSKD, *kv_ctx[:2], cache.index + tokens_BT.shape[1])
         return x_BTM, new_cache, stats
 
-    def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_R, kv):
+    def _call_block(self, block, x_BTM, segments, window, inv_freq_R, kv):
         def call(block, x_BTM):
-            return block(x_BTM, segment_ids, positions, window=window, inv_freq_R=inv_freq_R, kv=kv)
+            return block(x_BTM, segments, window=window, inv_freq_R=inv_freq_R, kv=kv)
 
         if self.cfg.remat != "none":
             # Only the block and the residual are arguments; everything else is closed over,
@@ -222,7 +234,7 @@ class DecoderLM(nnx.Module):
             call = nnx.remat(call, policy=remat.policy(self.cfg.remat))
         return call(block, x_BTM)
 
-    def _run_scanned(self, x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx):
+    def _run_scanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
         uniform_window = len(set(windows)) == 1
         static_window = (windows[0] or None) if uniform_window else None
         windows_L = jnp.asarray(windows, jnp.int32)
@@ -237,21 +249,19 @@ class DecoderLM(nnx.Module):
         def run(x, block, window, inv_freq_R, layer_kv):
             kv = None if layer_kv is None else LayerCache(*layer_kv, *kv_ctx)
             w = static_window if uniform_window else window
-            x, (kv, layer_stats) = self._call_block(
-                block, x, segment_ids, positions, w, inv_freq_R, kv
-            )
+            x, (kv, layer_stats) = self._call_block(block, x, segments, w, inv_freq_R, kv)
             # Only keys and values are per layer; the rest is shared, not stacked over L.
             return x, ((None if kv is None else (kv.k, kv.v)), layer_stats)
 
         # Per layer: (kv cache, router stats), stacked on L by the scan.
         return run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
 
-    def _run_unscanned(self, x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx):
+    def _run_unscanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
         ks, vs, stats = [], [], []
         for i, block in enumerate(self.blocks):
             kv = None if cache is None else LayerCache(cache.k[i], cache.v[i], *kv_ctx)
             x_BTM, (kv, layer_stats) = self._call_block(
-                block, x_BTM, segment_ids, positions, windows[i] or None, freqs_LR[i], kv
+                block, x_BTM, segments, windows[i] or None, freqs_LR[i], kv
             )
             if kv is not None:
                 ks.append(kv.k)

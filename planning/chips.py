@@ -1,0 +1,141 @@
+"""Chips the planner targets: memory, peak bf16 FLOP/s and link bandwidths, each sourced.
+
+Bandwidths are bytes/s in ONE direction over ONE link (TPU ICI) or per GPU (NVLink through the
+NVSwitch, InfiniBand NIC); `planning.estimate` turns them into the bandwidth of a mesh axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    platform: str  # 'tpu' | 'gpu' | 'cpu'
+    memory_bytes: int  # HBM per device
+    peak_bf16_flops: float  # dense, per device
+    link_bytes_per_s: float  # TPU: one ICI link, one way; GPU: NVLink per GPU, one way
+    cross_host_bytes_per_s: float | None  # GPU: InfiniBand per GPU; TPU: DCN per chip
+    # TPU: a physical torus dim of this many chips (or a multiple, on v5p) wraps around, so a
+    # ring along it uses both directions of each link.
+    wraparound_dim: int | None = None
+    devices_per_host: int = 8  # GPU: NVLink domain; TPU: chips sharing a host's DCN NICs
+
+
+# Sources:
+# [tpu-v5p] cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM, DCN 50 Gbps per chip.
+# [tpu-v5e] cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM.
+# [tpu-v6e] cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM.
+# [scaling-book] jax-ml.github.io/scaling-book/tpus ("How to Scale Your Model", part 2): ICI
+#   one-way bandwidth per link 9e10 B/s (v5p, v6e), 4.5e10 B/s (v5e); wraparound links only
+#   on full 4-chip-multiple v5p dims and on 16-wide v5e/v6e dims.
+# [h100] nvidia.com/en-us/data-center/h100 (SXM): 989 TFLOP/s bf16 dense, 80 GB HBM3,
+#   NVLink 900 GB/s bidirectional per GPU; DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU.
+# [h200] nvidia.com/en-us/data-center/h200 (SXM): 989 TFLOP/s bf16 dense, 141 GB HBM3e,
+#   NVLink 900 GB/s bidirectional per GPU.
+CHIPS: dict[str, Chip] = {
+    "v5p": Chip(
+        "TPU v5p",
+        "tpu",
+        memory_bytes=95 * GiB,  # [tpu-v5p]
+        peak_bf16_flops=459e12,  # [tpu-v5p]
+        link_bytes_per_s=9e10,  # [scaling-book]
+        cross_host_bytes_per_s=50e9 / 8,  # [tpu-v5p] 50 Gbps DCN per chip
+        wraparound_dim=4,  # [scaling-book]
+        devices_per_host=4,
+    ),
+    "v5e": Chip(
+        "TPU v5e",
+        "tpu",
+        memory_bytes=16 * GiB,  # [tpu-v5e]
+        peak_bf16_flops=197e12,  # [tpu-v5e]
+        link_bytes_per_s=4.5e10,  # [scaling-book]
+        cross_host_bytes_per_s=None,
+        wraparound_dim=16,  # [scaling-book]
+        devices_per_host=8,
+    ),
+    "v6e": Chip(
+        "TPU v6e",
+        "tpu",
+        memory_bytes=32 * GiB,  # [tpu-v6e]
+        peak_bf16_flops=918e12,  # [tpu-v6e]
+        link_bytes_per_s=9e10,  # [scaling-book]
+        cross_host_bytes_per_s=None,
+        wraparound_dim=16,  # [scaling-book]
+        devices_per_host=8,
+    ),
+    "h100": Chip(
+        "NVIDIA H100 SXM",
+        "gpu",
+        memory_bytes=80 * 10**9,  # [h100]
+        peak_bf16_flops=989e12,  # [h100]
+        link_bytes_per_s=450e9,  # [h100] half of 900 GB/s bidirectional
+        cross_host_bytes_per_s=400e9 / 8,  # [h100] 400 Gb/s NIC per GPU
+    ),
+    "h200": Chip(
+        "NVIDIA H200 SXM",
+        "gpu",
+        memory_bytes=141 * 10**9,  # [h200]
+        peak_bf16_flops=989e12,  # [h200]
+        link_bytes_per_s=450e9,  # [h200]
+        cross_host_bytes_per_s=400e9 / 8,  # [h100] same NIC per GPU as DGX H100
+    ),
+    # The simulated CPU devices of this host, for tests and laptops: not a real chip. Its
+    # figures are placeholders of the right order for one CPU core; give --memory_gib to make
+    # a synthetic chip of any size.
+    "cpu": Chip(
+        "simulated CPU device",
+        "cpu",
+        memory_bytes=16 * GiB,
+        peak_bf16_flops=1e11,
+        link_bytes_per_s=1e10,
+        cross_host_bytes_per_s=None,
+    ),
+}
+
+
+def chip_for(topology: str, memory_gib: float | None = None) -> Chip:
+    """The chip of a topology name (`v5p:2x2x2`, `h100:8`, `cpu:8`); `memory_gib` replaces its
+    memory (a synthetic chip: what fits in less, or more, memory)."""
+    kind = topology.split(":", 1)[0].lower()
+    if kind not in CHIPS:
+        raise ValueError(
+            f"unknown chip {kind!r} in topology {topology!r}; known: {', '.join(sorted(CHIPS))}"
+        )
+    chip = CHIPS[kind]
+    if memory_gib is not None:
+        if memory_gib <= 0:
+            raise ValueError(f"--memory_gib must be > 0, got {memory_gib}")
+        chip = dataclasses.replace(
+            chip, name=f"{chip.name} ({memory_gib:g} GiB)", memory_bytes=int(memory_gib * GiB)
+        )
+    return chip
+
+
+# `jax.Device.device_kind` substrings -> chip, most specific first.
+_DEVICE_KINDS = (
+    ("v5 lite", "v5e"),
+    ("v5e", "v5e"),
+    ("v6 lite", "v6e"),
+    ("v6e", "v6e"),
+    ("tpu v5", "v5p"),
+    ("h200", "h200"),
+    ("h100", "h100"),
+)
+
+
+def chip_name_for(device) -> str:
+    """The CHIPS key of a real device (for `train_main --sharding_strategy=auto`)."""
+    if device.platform == "cpu":
+        return "cpu"
+    kind = device.device_kind.lower()
+    for substring, name in _DEVICE_KINDS:
+        if substring in kind:
+            return name
+    raise ValueError(
+        f"--sharding_strategy=auto has no figures for device kind {device.device_kind!r} "
+        f"(known: {', '.join(sorted(CHIPS))}); name a strategy instead"
+    )

@@ -1,0 +1,203 @@
+"""What plan_main.py and `train_main.py --sharding_strategy=auto` run: a request in, plans out.
+
+Every mistake in a request raises ValueError with one line (plan_main exits 2 with it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+
+from planning.compile import Target, make_target, run_for
+from planning.report import table
+from planning.search import (
+    REMAT_ORDER,
+    NoFitError,
+    candidate_space,
+    distinct_strategies,
+    search,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    topology: str
+    config: str | None = None
+    model: str | None = None
+    strategies: str = "all"
+    mesh_shape: str | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    remat: list[str] | None = None
+    micro_batches: list[str] | None = None
+    attention_impl: str | None = None
+    dtype: str | None = None
+    memory_gib: float | None = None
+    max_compiles: int = 16
+
+
+def load_run(request: Request, num_devices: int):
+    """The typed run config: a config file's, or a preset's with planning defaults (bf16
+    compute, one row per device), with the request's overrides folded in."""
+    from training.config import RunConfig
+
+    if request.config and request.model:
+        raise ValueError("give --config or --model, not both")
+    if request.config:
+        if not os.path.isfile(request.config):
+            raise ValueError(f"--config={request.config}: no such file")
+        spec = importlib.util.spec_from_file_location("plan_config", request.config)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        raw = module.get_config().to_dict()
+    elif request.model:
+        raw = {
+            "name": request.model,
+            "model": {"preset": request.model, "dtype": "bfloat16", "remat": "full"},
+            "data": {"seq_len": 2048, "global_batch_size": num_devices},
+        }
+    else:
+        raise ValueError("give --config=configs/<name>.py or --model=<preset>")
+    model, data = dict(raw.get("model") or {}), dict(raw.get("data") or {})
+    for key, value in (
+        ("attention_impl", request.attention_impl),
+        ("dtype", request.dtype),
+    ):
+        if value is not None:
+            model[key] = value
+    if request.batch_size is not None:
+        data["global_batch_size"] = request.batch_size
+    if request.seq_len is not None:
+        data["seq_len"] = request.seq_len
+    optimizer = dict(raw.get("optimizer") or {})
+    optimizer["micro_batches"] = 1  # the candidates set it; the config's must not veto them
+    run = RunConfig.from_config_dict({**raw, "model": model, "data": data, "optimizer": optimizer})
+    run.model.decoder_config()  # an unknown preset fails here, with the valid ones
+    return run, raw
+
+
+def _strategies(text: str, auto_ok: bool = True) -> tuple[list[str], bool]:
+    from shardings import STRATEGIES, get_strategy
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if names == ["auto"] and auto_ok:
+        return list(STRATEGIES), True
+    if names == ["all"]:
+        return list(STRATEGIES), False
+    for name in names:
+        get_strategy(name)  # one line naming the valid ones
+    if not names:
+        raise ValueError(f"--sharding_strategy is empty; valid: {', '.join(STRATEGIES)}, all, auto")
+    return names, False
+
+
+def _ints(values, what: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in values)
+    except ValueError:
+        raise ValueError(f"--{what}={','.join(values)}: expected integers like 1,2,4") from None
+    if any(v < 1 for v in out):
+        raise ValueError(f"--{what}={','.join(values)}: every value must be >= 1")
+    return out
+
+
+def build(request: Request):
+    """(run config, target, candidates, auto?) for a request."""
+    from shardings import get_strategy
+    from shardings.hybrid import num_granules
+
+    target = make_target(request.topology, request.memory_gib)
+    n = len(target.devices)
+    run, raw = load_run(request, n)
+    names, auto = _strategies(request.strategies)
+    if auto:
+        names = distinct_strategies(names, run.model.decoder_config(), target)
+    config_remat = run.model.remat
+    remats = tuple(request.remat) if request.remat else (REMAT_ORDER if auto else (config_remat,))
+    for r in remats:
+        if r not in REMAT_ORDER:
+            raise ValueError(f"--remat={r}: valid: {', '.join(REMAT_ORDER)}")
+    config_k = int((raw.get("optimizer") or {}).get("micro_batches", 1))
+    micro = (
+        _ints(request.micro_batches, "micro_batches")
+        if request.micro_batches
+        else ((1, 2, 4, 8) if auto else (config_k,))
+    )
+    mesh_shapes = None
+    if request.mesh_shape:
+        if len(names) != 1:
+            raise ValueError("--mesh_shape needs exactly one --sharding_strategy")
+        strategy = get_strategy(names[0])
+        mesh = strategy.make_mesh(shape=request.mesh_shape, devices=list(target.devices))
+        mesh_shapes = {names[0]: tuple(mesh.shape.values())}
+    elif not auto:
+        # Each strategy's documented default mesh, as train_main would build it.
+        cfg = run.model.decoder_config()
+        slices = num_granules(list(target.devices))
+        mesh_shapes = {s: get_strategy(s).default_mesh_shape(n, cfg, slices) for s in names}
+    candidates = candidate_space(run, target, names, remats, micro, mesh_shapes)
+    if not candidates:
+        raise ValueError(
+            f"no candidate: batch {run.data.global_batch_size} does not split into "
+            f"micro-batches {list(micro)} over the data axis of {n} devices; use a batch that "
+            f"is a multiple of {n}"
+        )
+    return run, target, candidates, auto
+
+
+def plan(request: Request, as_json: bool = False) -> str:
+    """Run the request: the table (or JSON lines), and with `auto` the pick's one-line why.
+    Raises ValueError on bad input and NoFitError (a ValueError) when nothing fits."""
+    run, target, candidates, auto = build(request)
+    log = (lambda _: None) if as_json else (lambda line: print(line, flush=True))
+    result = search(
+        run,
+        target,
+        candidates,
+        max_compiles=request.max_compiles,
+        exhaustive=not auto,
+        log=log,
+    )
+    if as_json:
+        rows = [p.to_json() | {"auto": auto and p is result.best} for p in result.plans]
+        text = "\n".join(json.dumps(r) for r in rows)
+    else:
+        text = table(result.plans) if result.plans else ""
+    for c, why in result.skipped if not (auto or as_json) else []:
+        text += f"\nnot compiled: {c.describe()}: {why}"
+    if result.best is None:
+        print(text, flush=True)
+        raise NoFitError(result.reason)
+    if auto:
+        text += "\n" + (json.dumps({"auto_reason": result.reason}) if as_json else result.reason)
+    return text.strip("\n")
+
+
+def resolve_auto(run, log=print):
+    """`train_main --sharding_strategy=auto`: the run config with the pick's strategy, mesh,
+    remat and micro-batches, for this process's view of the run's devices (all of them).
+    Logs the one-line why; raises NoFitError (a ValueError) when nothing fits."""
+    import jax
+
+    from planning.chips import chip_for, chip_name_for
+
+    devices = jax.devices()
+    chip = chip_for(chip_name_for(devices[0]))
+    target = Target(
+        name=f"{devices[0].device_kind}:{len(devices)}", devices=tuple(devices), chip=chip
+    )
+    names, _ = _strategies("auto")
+    names = distinct_strategies(names, run.model.decoder_config(), target)
+    candidates = candidate_space(run, target, names, REMAT_ORDER, (1, 2, 4, 8))
+    if not candidates:
+        raise ValueError(
+            f"--sharding_strategy=auto: batch {run.data.global_batch_size} splits over none of "
+            f"the meshes of {len(devices)} devices; use a multiple of {len(devices)}"
+        )
+    result = search(run, target, candidates)
+    if result.best is None:
+        raise NoFitError(result.reason)
+    log(result.reason)
+    return run_for(run, result.best.candidate)

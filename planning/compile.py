@@ -1,0 +1,356 @@
+"""Compile the product's train step for a target without its hardware, and read the result.
+
+The step is `training.loop.Trainer`'s, built from the run config the way `training.run.Setup`
+builds it (model from `create_model`, AdamW from `training.optim.make_optimizer`, gradient
+accumulation over micro-batches), but from abstract state: every array is a
+`jax.ShapeDtypeStruct` with its `NamedSharding` on the target's mesh, so nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import numpy as np
+
+from planning.chips import Chip
+from planning.estimate import (
+    StepEstimate,
+    axis_bandwidth,
+    comm_seconds,
+    estimate_step,
+)
+from shardings import hlo
+
+BATCH_FIELDS = ("tokens", "segment_ids", "positions")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the search: a layout, a mesh for it, a remat policy, micro-batches."""
+
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    remat: str
+    micro_batches: int
+
+    def describe(self) -> str:
+        from shardings import get_strategy
+
+        axes = get_strategy(self.strategy).axes
+        mesh = ",".join(f"{a}:{n}" for a, n in zip(axes, self.mesh_shape, strict=True))
+        return f"{self.strategy} mesh {mesh} remat={self.remat} micro_batches={self.micro_batches}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the step would run: a name, its devices (abstract or real) and its chip."""
+
+    name: str
+    devices: tuple
+    chip: Chip
+
+    @property
+    def physical_dims(self) -> tuple[int, ...] | None:
+        """A TPU slice's chips per dim (`v5p:4x4x4` -> (4, 4, 4)); None for others."""
+        if self.chip.platform != "tpu" or ":" not in self.name:
+            return None
+        return tuple(int(x) for x in self.name.split(":", 1)[1].split("x"))
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Per-device bytes of the training state, from the layouts."""
+
+    params: int
+    optimizer: int
+    gradients: int
+    largest_params: tuple[tuple[str, int], ...]  # (path, bytes per device), largest first
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything the planner reports for one candidate on one target."""
+
+    candidate: Candidate
+    target: Target
+    mesh: dict[str, int]
+    global_batch: int
+    seq_len: int
+    state: StateBytes
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    compile_seconds: float
+    collectives: list[hlo.Collective]
+    kernels: dict[str, int]
+    estimate: StepEstimate
+
+    @property
+    def required_bytes(self) -> int:
+        """What must fit: XLA's peak, or arguments + non-aliased outputs + temporaries when
+        that is larger (TPU's reported peak can sit below its own temp allocation)."""
+        live = self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        return max(self.peak_bytes, live)
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.target.chip.memory_bytes
+
+    def to_json(self) -> dict:
+        c = self.candidate
+        return {
+            "strategy": c.strategy,
+            "mesh": self.mesh,
+            "topology": self.target.name,
+            "remat": c.remat,
+            "micro_batches": c.micro_batches,
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
+            "param_bytes": self.state.params,
+            "optimizer_bytes": self.state.optimizer,
+            "gradient_bytes": self.state.gradients,
+            "largest_params": [list(p) for p in self.state.largest_params],
+            "argument_bytes": self.argument_bytes,
+            "output_bytes": self.output_bytes,
+            "temp_bytes": self.temp_bytes,
+            "peak_bytes": self.peak_bytes,
+            "required_bytes": self.required_bytes,
+            "memory_bytes": self.target.chip.memory_bytes,
+            "fits": self.fits,
+            "collectives": collective_counts(self.collectives),
+            "collective_bytes": collective_bytes(self.collectives),
+            "collectives_by_axis": collectives_by_axis(self.collectives),
+            "kernels": self.kernels,
+            "compile_seconds": round(self.compile_seconds, 2),
+            "model_flops_per_device": self.estimate.model_flops,
+            "executed_flops_per_device": self.estimate.executed_flops,
+            "compute_seconds": self.estimate.compute_seconds,
+            "exposed_comm_seconds": self.estimate.exposed_comm_seconds,
+            "overlapped_comm_seconds": self.estimate.overlapped_comm_seconds,
+            "predicted_step_seconds": self.estimate.step_seconds,
+            "predicted_mfu": self.estimate.mfu,
+        }
+
+
+def collective_counts(ops) -> dict[str, int]:
+    """op -> executions per step."""
+    out: dict[str, int] = {}
+    for op in ops:
+        out[op.op] = out.get(op.op, 0) + op.executions
+    return dict(sorted(out.items()))
+
+
+def collective_bytes(ops) -> dict[str, int]:
+    """op -> array bytes moved per step (summed over executions), per device's group."""
+    out: dict[str, int] = {}
+    for op in ops:
+        out[op.op] = out.get(op.op, 0) + op.executions * op.array_bytes
+    return dict(sorted(out.items()))
+
+
+def collectives_by_axis(ops) -> list[dict]:
+    """One row per (op, axes crossed): executions and array bytes per step."""
+    rows: dict[tuple, list[int]] = {}
+    for op in ops:
+        key = (op.op, "+".join(op.axes) or "-")
+        row = rows.setdefault(key, [0, 0])
+        row[0] += op.executions
+        row[1] += op.executions * op.array_bytes
+    return [
+        {"op": op, "axes": axes, "count": n, "bytes": b}
+        for (op, axes), (n, b) in sorted(rows.items())
+    ]
+
+
+def make_target(name: str, memory_gib: float | None = None) -> Target:
+    """A target by name: a TPU slice or GPU hosts (`planning.targets`), or `cpu:N`, this
+    host's first N (simulated) CPU devices. Raises ValueError (TargetError) with one line."""
+    from planning.chips import chip_for
+    from planning.targets import TargetError, target_devices
+
+    kind, _, count = name.partition(":")
+    if kind.lower() == "cpu":
+        available = jax.devices("cpu")
+        if not count.isdigit() or not 1 <= int(count) <= len(available):
+            raise TargetError(
+                f"target {name!r}: this host has {len(available)} CPU devices; valid: "
+                f"cpu:1 .. cpu:{len(available)}"
+            )
+        devices = tuple(available[: int(count)])
+    else:
+        devices = tuple(target_devices(name))
+    return Target(name=name, devices=devices, chip=chip_for(name, memory_gib))
+
+
+def _shard_bytes(leaf) -> int:
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+
+def state_bytes(model_state, optimizer_state) -> StateBytes:
+    """Per-device bytes of parameters, optimizer state and gradients (which take the
+    parameters' layouts and dtypes), from abstract or real arrays' shardings."""
+    from flax import nnx
+
+    params = [
+        ("/".join(str(p) for p in path), _shard_bytes(v.get_value()))
+        for path, v in nnx.to_flat_state(model_state)
+    ]
+    total = sum(b for _, b in params)
+    optimizer = sum(_shard_bytes(x) for x in jax.tree.leaves(optimizer_state))
+    largest = tuple(sorted(params, key=lambda p: -p[1])[:3])
+    return StateBytes(params=total, optimizer=optimizer, gradients=total, largest_params=largest)
+
+
+def make_mesh(target: Target, candidate: Candidate):
+    from shardings import get_strategy
+
+    return get_strategy(candidate.strategy).make_mesh(
+        shape=candidate.mesh_shape, devices=list(target.devices)
+    )
+
+
+def _abstract_training_state(run, model_cfg, strategy, mesh):
+    """(model, optimizer) with abstract arrays, built by the product's own code."""
+    from flax import nnx
+
+    from training import optim
+    from zoo import create_model
+
+    def build():
+        model = create_model(model_cfg, strategy, rngs=nnx.Rngs(run.training.seed))
+        tx, _ = optim.make_optimizer(
+            learning_rate=run.optimizer.learning_rate,
+            warmup_steps=run.optimizer.warmup_steps,
+            total_steps=run.decay_steps,
+            end_learning_rate_ratio=run.optimizer.end_learning_rate_ratio,
+            b1=run.optimizer.b1,
+            b2=run.optimizer.b2,
+            eps=run.optimizer.eps,
+            weight_decay=run.optimizer.weight_decay,
+            clip_grad_norm=run.optimizer.clip_grad_norm,
+            decay_norms_and_embeddings=run.optimizer.decay_norms_and_embeddings,
+        )
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    with jax.set_mesh(mesh):
+        return nnx.eval_shape(build)
+
+
+def _on_mesh(tree, mesh):
+    """Abstract leaves (typed on the abstract mesh) -> ShapeDtypeStructs on `mesh`."""
+
+    def place(x):
+        spec = x.sharding.spec if getattr(x, "sharding", None) is not None else None
+        sharding = jax.sharding.NamedSharding(mesh, spec or jax.sharding.PartitionSpec())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(place, tree)
+
+
+def run_for(run, candidate: Candidate):
+    """The run config with the candidate's choices in it (what train_main would run)."""
+    training = dataclasses.replace(
+        run.training,
+        sharding_strategy=candidate.strategy,
+        mesh_shape=",".join(str(n) for n in candidate.mesh_shape),
+    )
+    model = dataclasses.replace(run.model, remat=candidate.remat)
+    optimizer = dataclasses.replace(run.optimizer, micro_batches=candidate.micro_batches)
+    return dataclasses.replace(run, training=training, model=model, optimizer=optimizer)
+
+
+def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
+    """State bytes per device without compiling (for pruning candidates that cannot fit)."""
+    from flax import nnx
+
+    from shardings import get_strategy
+
+    run = run_for(run, candidate)
+    mesh = make_mesh(target, candidate)
+    model, optimizer = _abstract_training_state(
+        run, run.model.decoder_config(), get_strategy(candidate.strategy), mesh
+    )
+    return state_bytes(nnx.state(model, nnx.Param), nnx.state(optimizer.opt_state))
+
+
+def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
+    """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
+    the layouts or the batch cannot take (a split that does not divide)."""
+    from flax import nnx
+
+    from shardings import check_batch, get_strategy
+    from training.loop import Trainer
+
+    run = run_for(run, candidate)
+    strategy = get_strategy(candidate.strategy)
+    model_cfg = run.model.decoder_config()
+    mesh = make_mesh(target, candidate)
+    batch_spec = strategy.batch_spec()
+    global_batch, seq_len = run.data.global_batch_size, run.data.seq_len
+    check_batch(global_batch // candidate.micro_batches, batch_spec, mesh, strategy.name)
+
+    model, optimizer = _abstract_training_state(run, model_cfg, strategy, mesh)
+    state = state_bytes(nnx.state(model, nnx.Param), nnx.state(optimizer.opt_state))
+    trainer = Trainer(
+        model, optimizer, micro_batches=candidate.micro_batches, batch_spec=batch_spec
+    )
+    trainer.state = _on_mesh(trainer.state, mesh)
+    batch_sharding = jax.sharding.NamedSharding(mesh, batch_spec)
+    batch = {
+        k: jax.ShapeDtypeStruct((global_batch, seq_len), np.int32, sharding=batch_sharding)
+        for k in BATCH_FIELDS
+    }
+    with jax.set_mesh(mesh):
+        start = time.perf_counter()
+        compiled = trainer.lower(batch).compile()
+        seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    text = compiled.as_text()
+    ops = hlo.collectives(text, dict(mesh.shape))
+
+    devices_grid = np.asarray(mesh.devices)
+    dims = target.physical_dims
+
+    def bandwidth(axis_index):
+        return axis_bandwidth(devices_grid, axis_index, target.chip, dims)
+
+    exposed, overlapped = comm_seconds(ops, bandwidth, tuple(mesh.axis_names))
+    estimate = estimate_step(
+        model_cfg,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        num_devices=mesh.size,
+        remat=candidate.remat,
+        chip=target.chip,
+        exposed_comm=exposed,
+        overlapped_comm=overlapped,
+    )
+    return Plan(
+        candidate=candidate,
+        target=target,
+        mesh=dict(mesh.shape),
+        global_batch=global_batch,
+        seq_len=seq_len,
+        state=state,
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        peak_bytes=int(_peak(memory)),
+        compile_seconds=seconds,
+        collectives=ops,
+        kernels=dict(sorted(hlo.kernels(text).items())),
+        estimate=estimate,
+    )
+
+
+def _peak(memory) -> int:
+    # XLA's own peak where the backend reports one (0 where it does not).
+    return int(getattr(memory, "peak_memory_in_bytes", 0) or 0)

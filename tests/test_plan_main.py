@@ -1,0 +1,114 @@
+"""plan_main.py's bad inputs (exit 2, one line), and `auto`'s choice as memory shrinks, on a
+synthetic chip (the 8 simulated CPU devices with a memory size we set)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from planning.chips import GiB, chip_for
+from planning.cli import resolve_auto
+from planning.compile import Target
+from planning.search import candidate_space, search
+from training.config import RunConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Runs plan_main with a module hidden, as if its extra were not installed.
+_WITHOUT = (
+    "import runpy, sys; sys.modules[{module!r}] = None; sys.argv = {argv!r}; "
+    "runpy.run_path('plan_main.py', run_name='__main__')"
+)
+
+
+def _plan_main(args, hide: str | None = None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+    if hide:
+        code = _WITHOUT.format(module=hide, argv=["plan_main.py", *args])
+        command = [sys.executable, "-c", code]
+    else:
+        command = [sys.executable, "plan_main.py", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+BAD_INPUTS = {
+    "unknown topology": ([], ["--model=tiny", "--topology=a100:8"], "unknown target 'a100:8'"),
+    "mesh not matching the chips": (
+        [],
+        ["--model=tiny", "--topology=v5p:2x2x2", "--sharding_strategy=fsdp_tp"]
+        + ["--mesh_shape=data:4,model:4"],
+        "needs 16 devices but 8 are available",
+    ),
+    "model that cannot fit": (
+        [],
+        ["--model=llama3.1-8b", "--topology=v5e:2x4", "--sharding_strategy=dp"],
+        "use more chips (at least",
+    ),
+    "missing extra": (
+        ["libtpu"],
+        ["--model=tiny", "--topology=v5p:2x2x2"],
+        "needs the [tpu] extra",
+    ),
+}
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line(case):
+    hide, args, expected = BAD_INPUTS[case]
+    result = _plan_main(args, hide=hide[0] if hide else None)
+    assert result.returncode == 2, result.stderr[-2000:]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(ours) == 1 and expected in ours[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def _run(**model) -> RunConfig:
+    return RunConfig.from_config_dict(
+        {
+            "model": {"preset": "tiny", **model},
+            "data": {"seq_len": 256, "global_batch_size": 16},
+        }
+    )
+
+
+def _target(memory_gib: float) -> Target:
+    return Target("cpu:8", tuple(jax.devices()), chip_for("cpu", memory_gib=memory_gib))
+
+
+def test_auto_picks_what_fits_and_changes_its_pick_when_memory_shrinks():
+    run = _run()
+    roomy = _target(16)
+    candidates = candidate_space(run, roomy, ["dp", "fsdp"], ("none", "full"), (1,))
+    first = search(run, roomy, candidates)
+    assert first.best is not None and first.best.fits
+    assert first.reason.startswith("auto picked")
+    # Less memory than the first pick needs: it no longer fits, something else must.
+    budget = first.best.required_bytes - 1
+    tight = _target(budget / GiB)
+    second = search(run, tight, candidates)
+    assert second.best is not None, second.reason
+    assert second.best.candidate != first.best.candidate
+    assert second.best.required_bytes <= tight.chip.memory_bytes
+    # It was not the pick with room to spare: it is predicted no faster.
+    assert second.best.estimate.step_seconds >= first.best.estimate.step_seconds
+    # Far too little memory: nothing fits, and the reason names a change to make.
+    none = search(run, _target(1e-4), candidates)
+    assert none.best is None and "nothing fits" in none.reason and "use " in none.reason
+
+
+def test_train_main_auto_resolves_to_a_strategy_mesh_remat_and_micro_batches():
+    run = _run()
+    run = dataclasses.replace(
+        run, training=dataclasses.replace(run.training, sharding_strategy="auto")
+    )
+    said = []
+    picked = resolve_auto(run, log=said.append)
+    assert picked.training.sharding_strategy in ("dp", "fsdp", "tp", "fsdp_tp")
+    assert picked.training.mesh_shape
+    assert picked.model.remat in ("none", "dots", "full")
+    assert said and said[0].startswith("auto picked")

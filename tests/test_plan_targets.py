@@ -1,0 +1,96 @@
+"""Tiny's train step compiled for a TPU slice and a GPU host, with no such hardware here: the
+compile succeeds, and the collectives XLA inserted are those `shardings/strategies.py`
+promises for each strategy (however each target spells them)."""
+
+import pytest
+
+from planning.compile import Candidate, compile_plan, make_target
+from shardings import get_strategy
+from training.config import RunConfig
+
+NAMES = ("dp", "fsdp", "tp", "fsdp_tp")
+
+
+def _run() -> RunConfig:
+    return RunConfig.from_config_dict(
+        {
+            "model": {"preset": "tiny", "dtype": "bfloat16", "remat": "full"},
+            "data": {"seq_len": 128, "global_batch_size": 16},
+        }
+    )
+
+
+def _compile_all(topology):
+    run, target = _run(), make_target(topology)
+    cfg = run.model.decoder_config()
+    plans = {}
+    for name in NAMES:
+        shape = get_strategy(name).default_mesh_shape(8, cfg)
+        plans[name] = compile_plan(run, Candidate(name, shape, "full", 1), target)
+    return plans, cfg
+
+
+@pytest.fixture(scope="module")
+def tpu_plans():
+    return _compile_all("v5p:2x2x2")
+
+
+@pytest.fixture(scope="module")
+def gpu_plans():
+    return _compile_all("h100:8")
+
+
+def _bytes(plan, ops, axis):
+    """Array bytes per step of the collectives `ops` that cross mesh axis `axis`."""
+    return sum(
+        c.executions * c.array_bytes for c in plan.collectives if c.op in ops and axis in c.axes
+    )
+
+
+def _check_promises(plans, cfg):
+    weights_bf16 = 2 * cfg.matmul_params()  # every matmul weight, in the compute dtype
+    for name, plan in plans.items():
+        report = plan.to_json()["collectives_by_axis"]
+        assert plan.peak_bytes > 0 and plan.fits, (name, plan.peak_bytes)
+        # Every strategy splits the batch over `data`: gradients are reduced over it.
+        grad_reduce = _bytes(plan, ("all-reduce", "reduce-scatter"), "data")
+        assert grad_reduce > 0, (name, report)
+        if name == "dp":
+            # Weights replicated: nothing is ever gathered or scattered.
+            assert _bytes(plan, ("all-gather", "reduce-scatter"), "data") == 0, report
+            assert _bytes(plan, ("all-gather",), "model") == 0, report
+        if name in ("fsdp", "fsdp_tp"):
+            # Weights split over `data` are gathered for the forward pass, and again for the
+            # backward (remat full): at least once per step at their full bf16 size (tp
+            # splits them further over `model`, so divide by its size).
+            model = plan.mesh.get("model", 1)
+            assert _bytes(plan, ("all-gather",), "data") >= weights_bf16 / model, report
+        if name == "tp":
+            # No FSDP split: no weight is gathered over `data`.
+            assert _bytes(plan, ("all-gather",), "data") == 0, report
+        if name in ("tp", "fsdp_tp"):
+            # Contractions over heads / FFN split on `model` end in a reduction over it.
+            assert _bytes(plan, ("all-reduce", "reduce-scatter"), "model") > 0, report
+
+
+@pytest.mark.tpu_compile
+def test_tpu_slice_compiles_and_collectives_match_the_strategies(tpu_plans):
+    _check_promises(*tpu_plans)
+
+
+@pytest.mark.gpu_compile
+def test_gpu_host_compiles_and_collectives_match_the_strategies(gpu_plans):
+    _check_promises(*gpu_plans)
+
+
+@pytest.mark.gpu_compile
+def test_step_time_comes_from_the_config_flops_not_xla(gpu_plans):
+    plans, cfg = gpu_plans
+    plan = plans["dp"]
+    tokens = 16 * 128
+    model_flops = cfg.flops_per_token(128) * tokens / 8
+    assert plan.estimate.model_flops == pytest.approx(model_flops)
+    # remat full recomputes each block's forward: more executed than model FLOPs.
+    assert plan.estimate.executed_flops > model_flops
+    assert 0 < plan.estimate.mfu < 1
+    assert plan.estimate.step_seconds >= plan.estimate.compute_seconds
