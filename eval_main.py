@@ -34,6 +34,12 @@ from training.xla_cpu import set_cpu_flags  # noqa: E402
 
 set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
 
+# Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
+# start-up lines on stderr (see training/host.py).
+from training.host import import_jax_quietly  # noqa: E402
+
+import_jax_quietly()
+
 import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402

@@ -20,6 +20,12 @@ from training.xla_cpu import set_cpu_flags  # noqa: E402
 
 set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
 
+# Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
+# start-up lines on stderr (see training/host.py).
+from training.host import import_jax_quietly  # noqa: E402
+
+import_jax_quietly()
+
 import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
@@ -96,7 +102,10 @@ _MESH_SHAPE = flags.DEFINE_string(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default ./runs/<config name>.")
 _ATTENTION = flags.DEFINE_enum(
-    "attention_impl", None, ["xla", "cudnn", "auto"], "Attention backend; default: config."
+    "attention_impl",
+    None,
+    ["xla", "splash", "cudnn", "auto"],
+    "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); default: config.",
 )
 _PEAK_TFLOPS = flags.DEFINE_float(
     "peak_tflops", None, "Peak TFLOP/s per device for MFU; default: table, or measured on CPU."

@@ -28,8 +28,14 @@ def base_config() -> ConfigDict:
     m.max_seq_len = placeholder(int)  # KV-cache length for generation
     m.dtype = "float32"  # compute dtype, float32 | bfloat16 (parameters stay float32)
     m.scan_layers = True  # stack layers and run them with nnx.scan: one compiled block
-    m.remat = "none"  # none | full | dots: what the backward pass recomputes
-    m.attention_impl = "xla"  # xla | cudnn | auto (--attention_impl overrides)
+    # What the backward pass recomputes: none | full | dots | save_qkv_proj | save_out_proj |
+    # offload (the residual stream to host memory; TPU/GPU only). See zoo/layers/remat.py.
+    m.remat = "none"
+    # xla (einsums, everywhere) | splash (Pallas flash kernel, TPU) | cudnn (fused attention,
+    # NVIDIA GPU, bf16) | auto (splash on TPU, cudnn on GPU, xla on CPU); packed rows on all.
+    # --attention_impl overrides; an explicit backend that cannot run here is an error.
+    m.attention_impl = "xla"
+    m.attention_interpret = False  # run splash in Pallas interpret mode (CPU tests only; slow)
 
     c.data = d = ConfigDict()
     d.source = "default"  # 'default' (stdlib source text, no download) or a path / dir / glob
@@ -63,6 +69,10 @@ def base_config() -> ConfigDict:
     t.mesh_shape = ""  # e.g. 'data:4,model:2'; '' = the strategy's default (--mesh_shape overrides)
     t.eval_every = 0  # validation loss every N steps (and at the end); 0: only at the end
     t.eval_batches = 4  # global batches of validation data per evaluation
+    # Tokens per device per chunk of the LM head fused with the loss (train and eval): a
+    # device holds the logits of this many tokens at a time, never its [B, T, V] share.
+    # 0: build the full logits.
+    t.loss_chunk_size = 1024
 
     c.checkpoint = k = ConfigDict()
     k.enabled = True  # save under <workdir>/checkpoints and resume from there

@@ -15,7 +15,9 @@ def get_config():
     m.preset = "llama3.2-1b"  # V=128256 M=2048 L=16 N=32 K=8 D=64 F=8192, tied embeddings
     m.dtype = "bfloat16"  # compute in bf16 on accelerators; parameters and Adam stay float32
     m.remat = "dots"  # keep matmul outputs, recompute the rest: fits 8k tokens per row
-    m.attention_impl = "auto"  # cuDNN flash attention on GPU where it applies, else XLA
+    # splash on TPU, cuDNN fused attention on GPU (packed rows: the document mask as a bias),
+    # xla on CPU; KV-cache decode steps run on xla everywhere.
+    m.attention_impl = "auto"
 
     d = c.data
     d.tokenizer = "byte"  # replace with Llama 3's tokenizer.json (its 128256 ids fit V)

@@ -14,7 +14,9 @@ def get_config():
     m.preset = "llama3.1-8b"  # V=128256 M=4096 L=32 N=32 K=8 D=128 F=14336
     m.dtype = "bfloat16"  # compute in bf16; parameters and Adam moments stay float32
     m.remat = "full"  # recompute each block in the backward pass: O(1) saved activations/layer
-    m.attention_impl = "auto"  # cuDNN flash attention on GPU where it applies, else XLA
+    # splash on TPU, cuDNN fused attention on GPU (packed rows: the document mask as a bias),
+    # xla on CPU; KV-cache decode steps run on xla everywhere.
+    m.attention_impl = "auto"
 
     d = c.data
     d.tokenizer = "byte"  # replace with Llama 3's tokenizer.json

@@ -18,7 +18,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     from shardings.mesh import check_batch
     from training import data
     from training.distributed import to_global
-    from zoo.loss import target_mask, token_nll
+    from zoo.loss import target_mask
 
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(
@@ -50,10 +50,12 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     @jax.jit
     def nll_sum(state, batch):
         m = nnx.merge(graphdef, state)
-        logits_BTV = m(
-            batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+        nll_BT, mask_BT = m.token_nll(
+            batch["tokens"],
+            segment_ids=batch["segment_ids"],
+            positions=batch["positions"],
+            chunk_size=settings.loss_chunk_size,
         )
-        nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
         return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
     total_nll, total_tokens, total_bytes = 0.0, 0, 0

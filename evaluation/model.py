@@ -55,12 +55,18 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
 
     from shardings import get_strategy
     from training.checkpoint import restore_params
+    from training.run import check_attention
     from zoo import create_model
     from zoo.build import check_model_fits, model_class
 
     strategy = get_strategy(settings.strategy)
-    cfg = model_config_from_run_info(run_info)
+    # Evaluation takes no gradients: what the backward pass would keep does not matter, and
+    # a policy the evaluating backend lacks (offload, on CPU) must not stop it.
+    cfg = model_config_from_run_info(run_info).replace(remat="none")
     mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
+    # The run's attention backend must run here (a TPU run's splash on a CPU host does not):
+    # one line now, not an error deep in the compile.
+    check_attention(cfg, mesh, settings.seq_len)
     check_model_fits(cfg, strategy, mesh)
     with jax.set_mesh(mesh):
         # Shapes only: the checkpoint's arrays are read straight into the layout, so the model

@@ -21,6 +21,15 @@ class EvalSettings:
     seq_len: int
     batch_size: int
     eval_batches: int
+    # Tokens per device per chunk of the LM head fused with the loss (0: full logits): the
+    # run's `training.loss_chunk_size`, or its default for a Hugging Face checkpoint.
+    loss_chunk_size: int
+
+
+def _default_loss_chunk_size() -> int:
+    from training.config import TrainingSection
+
+    return TrainingSection().loss_chunk_size
 
 
 def run_config(run_info: dict):
@@ -56,6 +65,7 @@ def from_run_info(
             seq_len=d.seq_len,
             batch_size=d.global_batch_size,
             eval_batches=run.training.eval_batches,
+            loss_chunk_size=run.training.loss_chunk_size,
         )
     else:
         base = dict(
@@ -67,6 +77,7 @@ def from_run_info(
             seq_len=HF_DEFAULTS["seq_len"],
             batch_size=HF_DEFAULTS["global_batch_size"],
             eval_batches=HF_DEFAULTS["eval_batches"],
+            loss_chunk_size=_default_loss_chunk_size(),
         )
     for key, value in overrides.items():
         if key not in base or key == "source":

@@ -40,19 +40,7 @@ def _untyped(x):
     return x
 
 
-def cudnn_like(
-    q_BTND,
-    k_BSKD,
-    v_BSKD,
-    *,
-    q_segment_ids_BT,
-    kv_segment_ids_BS,
-    q_positions_BT,
-    kv_positions_BS,
-    sliding_window,
-    out_sharding,
-    **static,
-):
+def cudnn_like(q_BTND, k_BSKD, v_BSKD, segments, *, sliding_window, out_sharding, **static):
     """xla's numbers behind a custom_vjp whose output and q/k/v gradients are untyped."""
     del out_sharding  # a black box does not take a layout
     xla = attention_ops._BACKENDS["xla"].fn
@@ -60,45 +48,33 @@ def cudnn_like(
     window = jax.numpy.int32(0) if static_window else sliding_window
     out_spec = []  # the layout the xla numbers come in, for the incoming cotangent
 
-    def compute(q, k, v, q_seg, kv_seg, q_pos, kv_pos, w):
+    def compute(q, k, v, segs, w):
         return xla(
             q,
             k,
             v,
-            q_segment_ids_BT=q_seg,
-            kv_segment_ids_BS=kv_seg,
-            q_positions_BT=q_pos,
-            kv_positions_BS=kv_pos,
+            segs,
             sliding_window=sliding_window if static_window else w,
             out_sharding=None,
             **static,
         )
 
     @jax.custom_vjp
-    def call(q, k, v, *mask_args):
-        return _untyped(compute(q, k, v, *mask_args))
+    def call(q, k, v, segs, w):
+        return _untyped(compute(q, k, v, segs, w))
 
-    def fwd(q, k, v, *mask_args):
-        out, vjp = jax.vjp(lambda q, k, v: compute(q, k, v, *mask_args), q, k, v)
+    def fwd(q, k, v, segs, w):
+        out, vjp = jax.vjp(lambda q, k, v: compute(q, k, v, segs, w), q, k, v)
         out_spec.append(jax.typeof(out).sharding.spec)
         return _untyped(out), vjp
 
     def bwd(vjp, g):
         if jax.sharding.get_abstract_mesh().explicit_axes:
             g = jax.sharding.reshard(g, out_spec[0])
-        return (*(_untyped(d) for d in vjp(g)), None, None, None, None, None)
+        return (*(_untyped(d) for d in vjp(g)), None, None)
 
     call.defvjp(fwd, bwd)
-    return call(
-        q_BTND,
-        k_BSKD,
-        v_BSKD,
-        q_segment_ids_BT,
-        kv_segment_ids_BS,
-        q_positions_BT,
-        kv_positions_BS,
-        window,
-    )
+    return call(q_BTND, k_BSKD, v_BSKD, segments, window)
 
 
 def cudnn_like_resharded(*args, out_sharding, **kwargs):

@@ -22,11 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_reference import packed_rows as _packed_rows
+from attention_reference import reference_attention, reference_mask
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from zoo.layers import attention_ops
-from zoo.layers.attention_ops import attention, resolve_implementation
+from zoo.layers import attention_cudnn, attention_ops
+from zoo.layers.attention_ops import CallInfo, Segments, attention, resolve_implementation
 
 ATOL_F32 = 1e-5
 ATOL_BF16 = 3e-2
@@ -36,20 +38,6 @@ SCALE = D**-0.5
 
 
 # --- data ------------------------------------------------------------------------------------
-
-
-def _packed_rows(doc_lengths_per_row, T):
-    """segment ids (1-based, 0 = padding) and positions (restart per document) for rows."""
-    seg = np.zeros((len(doc_lengths_per_row), T), np.int32)
-    pos = np.zeros_like(seg)
-    for b, lengths in enumerate(doc_lengths_per_row):
-        start = 0
-        for i, n in enumerate(lengths):
-            seg[b, start : start + n] = i + 1
-            pos[b, start : start + n] = np.arange(n)
-            start += n
-        assert start <= T
-    return seg, pos
 
 
 def _case(name):
@@ -87,47 +75,20 @@ def _qkv(B, T, S, N, K, dtype=jnp.float32, seed=0):
     )
 
 
-# --- the reference ---------------------------------------------------------------------------
+# --- running attention -----------------------------------------------------------------------
 
 
-def reference_mask(q_seg, kv_seg, q_pos, kv_pos, causal, window):
-    q_seg, kv_seg, q_pos, kv_pos = map(np.asarray, (q_seg, kv_seg, q_pos, kv_pos))
-    B, T = q_seg.shape
-    S = kv_seg.shape[1]
-    mask = np.zeros((B, T, S), bool)
-    for b in range(B):
-        for t in range(T):
-            for s in range(S):
-                ok = q_seg[b, t] == kv_seg[b, s]
-                if causal:
-                    ok = ok and kv_pos[b, s] <= q_pos[b, t]
-                if window is not None and window > 0:
-                    ok = ok and q_pos[b, t] - kv_pos[b, s] < window
-                mask[b, t, s] = ok
-    assert mask.any(axis=-1).all(), "a query with no visible key: the reference would be NaN"
-    return mask
+def _segments(case, packed=True):
+    return Segments(*(jnp.asarray(x) for x in case[:4]), packed=packed)
 
 
-def reference_attention(q, k, v, mask_BTS, scale):
-    G = q.shape[2] // k.shape[2]
-    k_rep = jnp.repeat(k.astype(jnp.float32), G, axis=2)  # kv head of query head n: n // G
-    v_rep = jnp.repeat(v.astype(jnp.float32), G, axis=2)
-    scores = jnp.einsum("btnd,bsnd->bnts", q.astype(jnp.float32), k_rep) * scale
-    scores = jnp.where(jnp.asarray(mask_BTS)[:, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bnts,bsnd->btnd", probs, v_rep)
-
-
-def _run(q, k, v, case, *, implementation="xla", window=None, out_sharding=None, **kw):
-    q_seg, kv_seg, q_pos, kv_pos, causal, case_window = case
+def _run(q, k, v, case, *, implementation="xla", window=None, out_sharding=None, packed=True, **kw):
+    causal, case_window = case[4], case[5]
     return attention(
         q,
         k,
         v,
-        q_segment_ids_BT=jnp.asarray(q_seg),
-        kv_segment_ids_BS=jnp.asarray(kv_seg),
-        q_positions_BT=jnp.asarray(q_pos),
-        kv_positions_BS=jnp.asarray(kv_pos),
+        _segments(case, packed),
         scale=SCALE,
         out_sharding=out_sharding,
         causal=causal,
@@ -191,10 +152,7 @@ def test_packed_row_equals_documents_run_alone():
             q[1:, sl],
             k[1:, sl],
             v[1:, sl],
-            q_segment_ids_BT=seg,
-            kv_segment_ids_BS=seg,
-            q_positions_BT=pos,
-            kv_positions_BS=pos,
+            Segments.self_attention(seg, pos),
             scale=SCALE,
             out_sharding=None,
         )
@@ -262,59 +220,59 @@ def test_shape_errors_are_clear():
     q, k, v = _qkv(2, 16, 16, 4, 3)
     seg = jnp.ones((2, 16), jnp.int32)
     with pytest.raises(ValueError, match="K must divide N"):
-        attention(
-            q,
-            k,
-            v,
-            q_segment_ids_BT=seg,
-            kv_segment_ids_BS=seg,
-            q_positions_BT=seg,
-            kv_positions_BS=seg,
-            scale=SCALE,
-            out_sharding=None,
-        )
+        attention(q, k, v, Segments.self_attention(seg, seg), scale=SCALE, out_sharding=None)
 
 
 # --- choosing a backend ----------------------------------------------------------------------
 
 
-def test_auto_picks_xla_on_cpu_and_cudnn_on_gpu_when_supported():
-    bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+def _call(platform, dtype=jnp.bfloat16, head_dim=64, T=128, **kw):
+    return CallInfo(dtype=dtype, head_dim=head_dim, q_len=T, kv_len=T, platform=platform, **kw)
+
+
+def test_auto_picks_splash_on_tpu_cudnn_on_gpu_and_xla_elsewhere():
+    f16, f32 = jnp.float16, jnp.float32
     assert jax.default_backend() == "cpu"
-    assert resolve_implementation("auto", dtype=bf16, head_dim=64, platform="cpu") == "xla"
-    assert resolve_implementation("auto", dtype=f32, head_dim=64, platform="cpu") == "xla"
-    assert resolve_implementation("auto", dtype=bf16, head_dim=128, platform="gpu") == "cudnn"
-    assert resolve_implementation("auto", dtype=f16, head_dim=64, platform="cuda") == "cudnn"
-    assert resolve_implementation("auto", dtype=f32, head_dim=64, platform="gpu") == "xla"
-    assert resolve_implementation("auto", dtype=bf16, head_dim=60, platform="gpu") == "xla"
-    assert resolve_implementation("auto", dtype=bf16, head_dim=256, platform="gpu") == "xla"
-    packed = resolve_implementation("auto", dtype=bf16, head_dim=64, platform="gpu", packed=True)
-    assert packed == "xla"
-    assert resolve_implementation("xla", dtype=f32, head_dim=60, platform="gpu") == "xla"
-    assert resolve_implementation("cudnn", dtype=bf16, head_dim=256, platform="gpu") == "cudnn"
+    assert resolve_implementation("auto", _call("cpu")) == "xla"
+    assert resolve_implementation("auto", _call("cpu", interpret=True)) == "xla"
+    assert resolve_implementation("auto", _call("tpu")) == "splash"
+    assert resolve_implementation("auto", _call("tpu", dtype=f32, head_dim=16)) == "splash"
+    assert resolve_implementation("auto", _call("tpu", T=100)) == "xla"  # not a tile multiple
+    assert resolve_implementation("auto", _call("gpu", head_dim=128)) == "cudnn"
+    assert resolve_implementation("auto", _call("cuda", dtype=f16)) == "cudnn"
+    assert resolve_implementation("auto", _call("gpu", dtype=f32)) == "xla"
+    assert resolve_implementation("auto", _call("gpu", head_dim=60)) == "xla"
+    assert resolve_implementation("auto", _call("gpu", head_dim=256)) == "xla"
+    assert resolve_implementation("xla", _call("gpu", dtype=f32, head_dim=60)) == "xla"
+    assert resolve_implementation("cudnn", _call("gpu", head_dim=256)) == "cudnn"
+    assert resolve_implementation("splash", _call("cpu", interpret=True)) == "splash"
 
 
-def test_explicit_cudnn_that_cannot_run_says_why():
+def test_explicit_backend_that_cannot_run_says_why():
     msg = (
         "attention implementation 'cudnn' needs an NVIDIA GPU with cuDNN; "
-        "this process has platform cpu; use 'xla' or 'auto'"
+        "this process compiles for cpu; use 'xla' or 'auto'"
     )
     with pytest.raises(ValueError) as err:
-        resolve_implementation("cudnn", dtype=jnp.bfloat16, head_dim=64, platform="cpu")
+        resolve_implementation("cudnn", _call("cpu"))
     assert str(err.value) == msg
     with pytest.raises(ValueError, match="needs bfloat16 or float16 inputs, got float32"):
-        resolve_implementation("cudnn", dtype=jnp.float32, head_dim=64, platform="gpu")
+        resolve_implementation("cudnn", _call("gpu", dtype=jnp.float32))
     with pytest.raises(ValueError, match="multiple of 8"):
-        resolve_implementation("cudnn", dtype=jnp.bfloat16, head_dim=12, platform="gpu")
+        resolve_implementation("cudnn", _call("gpu", head_dim=12))
+    with pytest.raises(ValueError, match="'splash' needs a TPU .*attention_interpret=True"):
+        resolve_implementation("splash", _call("cpu"))
+    with pytest.raises(ValueError, match="'splash' needs sequence lengths that are multiples"):
+        resolve_implementation("splash", _call("tpu", T=200))
     with pytest.raises(ValueError, match="unknown attention implementation 'flash'; valid:"):
-        resolve_implementation("flash", dtype=jnp.bfloat16, head_dim=64, platform="gpu")
+        resolve_implementation("flash", _call("gpu"))
 
 
 def test_cudnn_on_cpu_raises_our_error_at_trace_time():
     case = _case("causal")
     q, k, v = _qkv(2, 16, 16, 4, 2, dtype=jnp.bfloat16)
     # Under jit too: the error comes while tracing, before jax's "cuDNN is not detected".
-    with pytest.raises(ValueError, match="needs an NVIDIA GPU with cuDNN; this process has"):
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU with cuDNN; this process comp"):
         jax.jit(lambda q, k, v: _run(q, k, v, case, implementation="cudnn", packed=False))(q, k, v)
 
 
@@ -329,42 +287,54 @@ def test_auto_on_cpu_is_the_xla_path():
 def _recording_xla(calls):
     xla = attention_ops._BACKENDS["xla"].fn
 
-    def fn(*args, **kwargs):
-        calls.append(kwargs["q_segment_ids_BT"].shape)
-        return xla(*args, **kwargs)
+    def fn(q, k, v, segments, **kwargs):
+        calls.append(segments.q_ids_BT.shape)
+        return xla(q, k, v, segments, **kwargs)
 
     return fn
 
 
-def test_segment_unaware_backend_falls_back_to_xla_once_with_a_warning(monkeypatch):
-    """A backend that only knows sequence lengths never sees a packed row, a decode step or
-    a traced window: those go to xla, with one warning per reason when asked for by name."""
-    monkeypatch.setattr(attention_ops, "_WARNED", set())
+def test_calls_a_backend_cannot_express_go_to_xla_with_the_reason_once(monkeypatch, caplog):
+    """A backend that takes lengths only, masks by index and needs a static window (the
+    flags) never sees a packed row, a decode step or a traced window: those go to xla, with
+    one warning per reason when it was asked for by name, and one log line either way."""
+    monkeypatch.setattr(attention_ops, "_LOGGED", set())
     calls = []
     case = _case("packed")
     q, k, v = _qkv(2, 16, 16, 4, 2)
     dq, dk, dv = _qkv(2, 2, 12, 4, 2)  # a decode step: T=2 queries, S=12 cache slots
     xla_out = _run(q, k, v, case)
     original = attention_ops._BACKENDS["cudnn"]
-    with attention_ops.override_backend(
-        "cudnn", _recording_xla(calls), keeps_layout=True, segment_aware=False
-    ):
-        with pytest.warns(UserWarning, match="cannot honour document boundaries in packed"):
+    flags = dict(keeps_layout=True, packed_rows=False, equal_lengths=True, static_window=True)
+    with attention_ops.override_backend("cudnn", _recording_xla(calls), **flags):
+        with pytest.warns(UserWarning, match="cannot keep the documents of packed rows apart"):
             out = _run(q, k, v, case, implementation="cudnn")
         np.testing.assert_array_equal(out, xla_out)
         assert calls == []
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the second time: no warning
             _run(q, k, v, case, implementation="cudnn")
-            # 'auto' falls back silently: choosing is its job.
-            _run(dq, dk, dv, _case("decode"), implementation="auto", packed=False)
+        caplog.clear()
+        # 'auto' is not asked for by name: no warning, but the reason is logged once.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = attention_ops.attention(
+                dq,
+                dk,
+                dv,
+                _segments(_case("decode"), packed=False),
+                scale=SCALE,
+                out_sharding=None,
+                implementation="auto",
+            )
         assert calls == []
-        with pytest.warns(UserWarning, match="needs T == S"):
+        with pytest.warns(UserWarning, match="masks by index and needs T == S"):
             _run(dq, dk, dv, _case("decode"), implementation="cudnn", packed=False)
-        with pytest.warns(UserWarning, match="needs a static sliding window"):
+        with pytest.warns(UserWarning, match="needs a sliding window known at trace time"):
             jax.jit(lambda w: _run(q, k, v, case, implementation="cudnn", packed=False, window=w))(
                 jnp.int32(3)
             )
+        assert sum("needs a sliding window known" in r.message for r in caplog.records) == 1
         assert calls == []
         # One document per row, T == S, static window: the backend itself runs.
         _run(q, k, v, _case("causal"), implementation="cudnn", packed=False, window=4)
@@ -372,29 +342,31 @@ def test_segment_unaware_backend_falls_back_to_xla_once_with_a_warning(monkeypat
     assert attention_ops._BACKENDS["cudnn"] is original  # restored after the block
 
 
-def test_public_path_translation_matches_our_semantics():
-    """The cuDNN backend's arguments (sequence lengths, window (w-1, 0)) are exact for the
-    rows it is given; checked by running the same translation through jax's xla path."""
-    seg, pos = _packed_rows([[16], [11]], 16)  # one document per row, padding at the end
+@pytest.mark.parametrize("packed", [False, True], ids=["lengths", "mask"])
+def test_cudnn_arguments_match_our_semantics(packed):
+    """The cuDNN backend's arguments (sequence lengths for unpacked rows, the document mask
+    as `mask=` for packed rows, window (w-1, 0), is_causal) are exact for the rows each form
+    is given; checked by running the same arguments through jax's xla path."""
+    if packed:
+        seg, pos = _packed_rows([[5, 7], [3, 3, 6, 2]], 16)
+    else:
+        seg, pos = _packed_rows([[16], [11]], 16)  # one document per row, padding at the end
     q, k, v = _qkv(2, 16, 16, 4, 2)
+    real = jnp.asarray(seg != 0)[:, :, None, None]  # padding queries' outputs are ignored
     for window in (None, 3):
         case = (seg, seg, pos, pos, True, window)
         ours = _run(q, k, v, case)
-        theirs = attention_ops._public_path(
+        theirs = attention_cudnn.cudnn_attention(
             q,
             k,
             v,
-            q_segment_ids_BT=jnp.asarray(seg),
-            kv_segment_ids_BS=jnp.asarray(seg),
-            q_positions_BT=jnp.asarray(pos),
-            kv_positions_BS=jnp.asarray(pos),
+            _segments(case, packed),
             scale=SCALE,
             causal=True,
             sliding_window=window,
             out_sharding=None,
             jax_implementation="xla",
         )
-        real = jnp.asarray(seg != 0)[:, :, None, None]  # padding queries' outputs are ignored
         np.testing.assert_allclose(
             jnp.where(real, ours, 0), jnp.where(real, theirs, 0), atol=ATOL_F32
         )

@@ -79,7 +79,7 @@ def _train_step_temp_bytes(context: int, seq_len: int) -> int:
         seg, pos = _one_document_rows(2, seq_len)
         batch = {"tokens": pos % cfg.vocab_size, "segment_ids": seg, "positions": pos}
         trainer.compile(put_batch(batch, strategy.batch_spec()))
-        return trainer.compiled_cost()["temp_bytes_per_device"]
+        return trainer.compiled_cost()["temp_bytes"]
 
 
 def test_context_axis_cuts_activation_memory_at_long_sequence():

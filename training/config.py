@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+# zoo/layers/remat.py's names; repeated here so reading a config imports no JAX.
+REMAT_POLICIES = ("none", "full", "dots", "save_qkv_proj", "save_out_proj", "offload")
 SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging")
 
 
@@ -43,6 +45,7 @@ class ModelSection:
     scan_layers: bool = True
     remat: str = "none"
     attention_impl: str = "xla"
+    attention_interpret: bool = False
 
     SHAPE_FIELDS = (
         "vocab_size",
@@ -59,8 +62,8 @@ class ModelSection:
         _positive("model", self, *self.SHAPE_FIELDS)
         for name, valid in (
             ("dtype", ("float32", "bfloat16")),
-            ("remat", ("none", "full", "dots")),
-            ("attention_impl", ("xla", "cudnn", "auto")),
+            ("remat", REMAT_POLICIES),
+            ("attention_impl", ("xla", "splash", "cudnn", "auto")),
         ):
             if getattr(self, name) not in valid:
                 _fail("model", name, getattr(self, name), f"valid: {', '.join(valid)}")
@@ -72,6 +75,7 @@ class ModelSection:
             scan_layers=self.scan_layers,
             remat=self.remat,
             attention_impl=self.attention_impl,
+            attention_interpret=self.attention_interpret,
         )
         return out
 
@@ -143,9 +147,17 @@ class TrainingSection:
     mesh_shape: str = ""  # '' = the strategy's default for the devices
     eval_every: int = 0  # 0 = only at the end
     eval_batches: int = 4
+    loss_chunk_size: int = 1024  # tokens per device per chunk of the fused LM head + loss; 0: off
 
     def __post_init__(self):
         _positive("training", self, "steps", "eval_batches")
+        if self.loss_chunk_size < 0:
+            _fail(
+                "training",
+                "loss_chunk_size",
+                self.loss_chunk_size,
+                "must be >= 0 (tokens per device per loss chunk; 0: full logits)",
+            )
         if self.eval_every < 0:
             _fail("training", "eval_every", self.eval_every, "must be >= 0 (0: only at the end)")
 

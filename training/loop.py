@@ -5,14 +5,16 @@ takes and returns with its input buffers donated (so parameters and Adam moments
 in place). The `model` / `optimizer` objects are brought up to date from it (`Trainer.sync`)
 only where something needs them: a checkpoint save, and the end of training.
 
-Nothing here knows a model family: a model is anything called as
-`model(tokens_BT, segment_ids=..., positions=...) -> logits_BTV` that, given
-`router_stats=True`, also returns its MoE routing statistics (None for a dense model).
+Nothing here knows a model family: a model is anything with
+`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., router_stats=...,
+packed=...) -> (nll_BT, mask_BT[, MoE routing statistics or None for a dense model])`: the LM
+head fused with the loss over chunks of `chunk_size` tokens per device (0: full logits).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -31,38 +33,51 @@ from zoo.loss import token_nll
 Batch = Mapping[str, jax.Array]
 
 
-def loss_sum(model, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def loss_sum(
+    model, batch: Batch, packed: bool = True, chunk_size: int = 0
+) -> tuple[jax.Array, jax.Array]:
     """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
-    needs (sums add across micro-batches; means would not)."""
-    logits_BTV = model(
-        batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+    needs (sums add across micro-batches; means would not). `packed=False` states that each
+    row is one document from index 0, then padding (attention then needs no document mask)."""
+    nll_BT, mask_BT = model.token_nll(
+        batch["tokens"],
+        segment_ids=batch["segment_ids"],
+        positions=batch["positions"],
+        chunk_size=chunk_size,
+        packed=packed,
     )
-    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
     return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
 
-def train_loss_sum(model, batch: Batch):
+def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
     """(the objective summed over counted tokens, (their count, metric sums)).
 
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
     the config's `router_aux_loss_coef`; see `objective_sum`.
     """
-    logits_BTV, moe = model(
+    nll_BT, mask_BT, moe = model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
+        chunk_size=chunk_size,
         router_stats=True,
+        packed=packed,
     )
     coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
-    return objective_sum(logits_BTV, moe, batch, coef)
+    return objective_from_nll(nll_BT, mask_BT, moe, coef)
 
 
 def objective_sum(logits_BTV, moe, batch: Batch, aux_coef: float):
-    """`train_loss_sum` from the model's outputs. The aux loss is added once per counted
+    """`train_loss_sum` from the model's full logits."""
+    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
+    return objective_from_nll(nll_BT, mask_BT, moe, aux_coef)
+
+
+def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
+    """`train_loss_sum` from the per-token NLL. The aux loss is added once per counted
     token, so that dividing by the count gives transformers' `loss + coef * aux_loss`; the
     sums carry the aux loss and the per-expert load (mean over layers), each times the count.
     """
-    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
     count = jnp.sum(mask_BT)
     total = jnp.sum(nll_BT)
     sums = {}
@@ -72,8 +87,8 @@ def objective_sum(logits_BTV, moe, batch: Batch, aux_coef: float):
     return total, (count, sums)
 
 
-def _loss_and_grad(model, batch: Batch):
-    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch)
+def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
+    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch, packed, chunk_size)
 
 
 class Trainer:
@@ -83,10 +98,25 @@ class Trainer:
       model, optimizer: built under the run's mesh (`nnx.Optimizer(model, tx, wrt=nnx.Param)`).
       micro_batches: k; each step accumulates gradients over k slices of its batch.
       batch_spec: the batch arrays' layout, so micro-batches keep rows on their devices.
+      packed: whether batch rows may hold several documents (the data pipeline packs them);
+        False states one document per row from index 0, then padding.
+      loss_chunk_size: tokens per device per chunk of the fused LM head + loss (train and
+        eval steps); 0 builds the full logits.
     """
 
-    def __init__(self, model, optimizer, *, micro_batches: int = 1, batch_spec: P | None = None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        *,
+        micro_batches: int = 1,
+        batch_spec: P | None = None,
+        packed: bool = True,
+        loss_chunk_size: int = 0,
+    ):
         self.model, self.optimizer = model, optimizer
+        self.packed = packed
+        self.loss_chunk_size = loss_chunk_size
         self.micro_batches = micro_batches
         self.batch_spec = batch_spec
         self.graphdef, self.state = nnx.split((model, optimizer))
@@ -100,7 +130,7 @@ class Trainer:
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads, means = accumulate_gradients(
-            _loss_and_grad,
+            functools.partial(_loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size),
             model,
             batch,
             self.micro_batches,
@@ -114,12 +144,7 @@ class Trainer:
 
     def _eval_step(self, state, batch: Batch):
         model, _ = nnx.merge(self.graphdef, state)
-        return loss_sum(model, batch)
-
-    def lower(self, batch: Batch):
-        """The train step lowered for the current state's and `batch`'s types; with abstract
-        state (ShapeDtypeStructs on a target's mesh) this compiles for hardware not present."""
-        return self._train_jit.lower(self.state, batch)
+        return loss_sum(model, batch, self.packed, self.loss_chunk_size)
 
     def compile(self, batch: Batch) -> float:
         """Compile the train step ahead of time for batches like `batch`; returns seconds.
@@ -130,6 +155,12 @@ class Trainer:
         self._train_compiled = self.lower(batch).compile()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
+
+    def lower(self, batch: Batch, *, train: bool = True):
+        """The train (or eval) step lowered for the current state's and `batch`'s types; with
+        abstract state (ShapeDtypeStructs on a target's mesh) this compiles for hardware not
+        present."""
+        return (self._train_jit if train else self._eval_jit).lower(self.state, batch)
 
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimizer step; returns its metrics as (not yet fetched) device scalars."""
@@ -159,12 +190,9 @@ class Trainer:
             return {}
         # XLA's own FLOP count is left out: it counts a scanned layer body once, not L times,
         # so it undercounts stacked models; MFU uses the config's formula instead.
-        out = {}
-        memory = self._train_compiled.memory_analysis()
-        if memory is not None:
-            out["temp_bytes_per_device"] = int(memory.temp_size_in_bytes)
-            out["argument_bytes_per_device"] = int(memory.argument_size_in_bytes)
-        return out
+        from training.memory import memory_bytes
+
+        return memory_bytes(self._train_compiled)
 
 
 def evaluate(trainer: Trainer, batches: Iterator[Batch]) -> tuple[float, int]:

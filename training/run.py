@@ -75,6 +75,7 @@ class Setup:
         from training.distributed import to_global
         from training.loop import Trainer
         from training.tokenizers import make_tokenizer
+        from zoo.layers import remat
 
         self.workdir = workdir
         self.notes: list[str] = []  # printed when training starts
@@ -89,6 +90,7 @@ class Setup:
         strategy = get_strategy(run.training.sharding_strategy)
         model_cfg = run.model.decoder_config()
         mesh = strategy.make_mesh(shape=run.training.mesh_shape or None, config=model_cfg)
+        remat.check_platform(model_cfg.remat, mesh.devices.flat[0].platform)
         self.strategy, self.mesh = strategy, mesh
         batch_spec = strategy.batch_spec()
         self.batch_spec = batch_spec
@@ -145,8 +147,15 @@ class Setup:
             optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         self.model_cfg, self.model, self.optimizer = model_cfg, model, optimizer
         self.trainer = Trainer(
-            model, optimizer, micro_batches=run.optimizer.micro_batches, batch_spec=batch_spec
+            model,
+            optimizer,
+            micro_batches=run.optimizer.micro_batches,
+            batch_spec=batch_spec,
+            loss_chunk_size=run.training.loss_chunk_size,
         )
+        # An attention backend named in the config that cannot run here fails now, in one
+        # line, not while the step compiles.
+        check_attention(model_cfg, mesh, run.data.seq_len)
         # One formula for model FLOPs: the config's (6 * matmul params + causal attention).
         self.flops_per_token = model_cfg.flops_per_token(run.data.seq_len)
         self.peak_per_device = flops.peak_flops_per_device(
@@ -206,6 +215,22 @@ class Setup:
         return self.start_step
 
 
+def check_attention(model_cfg, mesh, seq_len: int) -> str:
+    """The attention backend `model_cfg.attention_impl` runs on `mesh`'s platform for rows of
+    `seq_len`; ValueError (one line: why not, what would) when a backend named explicitly
+    cannot run there."""
+    from zoo.layers.attention_ops import check_implementation
+
+    return check_implementation(
+        model_cfg.attention_impl,
+        dtype=model_cfg.compute_dtype,
+        head_dim=model_cfg.head_dim,
+        seq_len=seq_len,
+        platform=mesh.devices.flat[0].platform,
+        interpret=model_cfg.attention_interpret,
+    )
+
+
 def _create_model(model_cfg, strategy, seed: int):
     from flax import nnx
 
@@ -225,6 +250,7 @@ def _from_pretrained(path: str, strategy, model_section):
         scan_layers=model_section.scan_layers,
         remat=model_section.remat,
         attention_impl=model_section.attention_impl,
+        attention_interpret=model_section.attention_interpret,
     )
     return from_pretrained(path, strategy, **runtime)
 
@@ -274,7 +300,11 @@ def train(setup: Setup) -> list[dict]:
             if start_step < total:
                 first = next(batches)
                 seconds = trainer.compile(first)
-                _say(f"compiled the train step in {seconds:.1f}s {trainer.compiled_cost()}")
+                memory = trainer.compiled_cost()
+                _say(f"compiled the train step in {seconds:.1f}s; memory per device {memory}")
+                if is_main:
+                    setup.run_info["memory"] = memory
+                    write_json_atomic(os.path.join(workdir, "run_info.json"), setup.run_info)
                 batches = itertools.chain([first], batches)
             options = LoopOptions(
                 total_steps=run.training.steps,

@@ -250,7 +250,8 @@ def generate(
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _full_logits(graphdef, state, tokens_BT, segment_ids_BT, positions_BT):
     model = nnx.merge(graphdef, state)
-    return model(tokens_BT, segment_ids=segment_ids_BT, positions=positions_BT)
+    # One document per row from index 0, then padding: length-only attention paths apply.
+    return model(tokens_BT, segment_ids=segment_ids_BT, positions=positions_BT, packed=False)
 
 
 def greedy_reference(model, prompt: Sequence[int], n: int) -> list[int]:

@@ -9,7 +9,8 @@ import jax
 from flax import nnx
 
 from shardings.specs import AttentionSharding
-from zoo.layers import attention_ops, context_parallel, rope
+from zoo.layers import attention_ops, context_parallel, remat, rope
+from zoo.layers.attention_mask import Segments
 from zoo.layers.basic import Einsum, Norm
 
 
@@ -20,6 +21,7 @@ class Attention(nnx.Module):
         self.scale = cfg.softmax_scale
         self.use_rope = cfg.position == "rope"
         self.implementation = cfg.attention_impl
+        self.interpret = cfg.attention_interpret
         common = dict(rngs=rngs, use_bias=cfg.use_bias, dtype=cfg.compute_dtype)
         self.q = Einsum("BTM,MND->BTND", (M, N, D), sharding.q, **common)
         self.k = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.k, **common)
@@ -32,18 +34,23 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_R, kv=None):
-        """`kv`: None, or this layer's `LayerCache`, into which this step's keys and values
-        are written at `kv.index`. Returns (out_BTM, kv'), kv' None when kv is."""
-        q_BTND, k_BTKD, v_BTKD = self.q(x_BTM), self.k(x_BTM), self.v(x_BTM)
+    def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_R, kv=None):
+        """`segments`: this call's tokens (ids, positions, whether rows are packed). `kv`:
+        None, or this layer's `LayerCache`, into which this step's keys and values are
+        written at `kv.index`. Returns (out_BTM, kv'), kv' None when kv is."""
+        segment_ids_BT, positions_BT = segments.q_ids_BT, segments.q_positions_BT
+        with jax.named_scope("qkv_proj"):
+            q_BTND = remat.tag(self.q(x_BTM), remat.Q_PROJ)
+            k_BTKD = remat.tag(self.k(x_BTM), remat.K_PROJ)
+            v_BTKD = remat.tag(self.v(x_BTM), remat.V_PROJ)
         if self.q_norm is not None:
             q_BTND, k_BTKD = self.q_norm(q_BTND), self.k_norm(k_BTKD)
         if self.use_rope:
             q_BTND = rope.rotate(q_BTND, positions_BT, inv_freq_R)
             k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_R)
-        kv_segment_ids, kv_positions = segment_ids_BT, positions_BT
         if kv is not None:
-            kv_segment_ids, kv_positions = kv.segment_ids, kv.positions
+            # Keys are the cache's slots; earlier prompts sit in it: rows count as packed.
+            segments = Segments(segment_ids_BT, kv.segment_ids, positions_BT, kv.positions)
             k_BTKD = jax.lax.dynamic_update_slice_in_dim(
                 kv.k, k_BTKD.astype(kv.k.dtype), kv.index, axis=1
             )
@@ -66,20 +73,22 @@ class Attention(nnx.Module):
                 implementation=self.implementation,
                 out_sharding=self.sharding.q.out,
             )
-            return self.o(out_BTND), kv
+            return self._out(out_BTND), kv
         # --- end of hook ---
         out_BTND = attention_ops.attention(
             q_BTND,
             k_BTKD,
             v_BTKD,
-            q_segment_ids_BT=segment_ids_BT,
-            kv_segment_ids_BS=kv_segment_ids,
-            q_positions_BT=positions_BT,
-            kv_positions_BS=kv_positions,
+            segments,
             scale=self.scale,
             out_sharding=self.sharding.q.out,
             causal=True,
             sliding_window=window,
             implementation=self.implementation,
+            interpret=self.interpret,
         )
-        return self.o(out_BTND), kv
+        return self._out(out_BTND), kv
+
+    def _out(self, out_BTND):
+        with jax.named_scope("out_proj"):
+            return remat.tag(self.o(out_BTND), remat.OUT_PROJ)

@@ -1,38 +1,35 @@
-"""The attention function every family calls, with pluggable backends (xla, cudnn, auto).
+"""The attention function every family calls, with pluggable backends (xla, splash, cudnn).
 
 Dims: B batch, T query positions, S key/value positions, N query heads, K key/value heads,
 G = N // K query heads per kv head (MHA G=1, GQA, MQA K=1), D head dim.
 
-Masking is by segment ids and positions, which serves packed training rows and KV caches
-alike. Query t attends key s iff
+Masking is by segment ids and positions (`attention_mask.Segments`, and the rule in
+zoo/layers/attention_mask.py), which serves packed training rows and KV caches alike.
 
-    q_seg[t] == kv_seg[s]
-    and (not causal or kv_pos[s] <= q_pos[t])
-    and (no window or q_pos[t] - kv_pos[s] < sliding_window)
+Backends, in a registry (`register_backend`, `override_backend`):
 
-so `sliding_window=w` shows a query itself and the w-1 tokens before it (w visible tokens,
-the query included; the window bounds only the past). This is the convention of
-`DecoderConfig.sliding_window`, and of Hugging Face Mistral / Gemma 3 configs (checked
-against transformers 5.23 in tests/hf_reference). `jax.nn.dot_product_attention`'s
-`local_window_size=(l, 0)` counts differently (l = w - 1 tokens to the left).
+| name   | where                 | how                                                      |
+|--------|-----------------------|----------------------------------------------------------|
+| xla    | everywhere            | einsums with every layout declared; [B, N, T, S] scores  |
+| splash | TPU (CPU: interpret)  | Pallas splash kernel, segment ids, index masks           |
+| cudnn  | NVIDIA GPU, bf16/fp16 | cuDNN fused attention: lengths (unpacked) / mask (packed) |
 
-Segment id 0 is padding (or an empty cache slot). Padding queries attend padding keys
-(all at position 0), so no row is fully masked and nothing is NaN; the loss ignores them.
-A query with no visible key at all (e.g. a padding query against a full cache) gets a
-uniform average rather than NaN, because masked logits are a finite minimum, not -inf.
-
-Backends live in a registry (`register_backend`, `override_backend`). Each says whether its
-output keeps the declared layout under an explicit mesh (`keeps_layout`) and whether it
-honours arbitrary segment ids / positions (`segment_aware`); the dispatcher runs the ones
-that do not keep layouts inside shard_map (see `_per_shard`), and sends what a
-segment-unaware backend cannot do to xla.
+`auto` is splash on TPU, cudnn on GPU, xla elsewhere. Each backend declares what it can do
+(`AttentionBackend`): whether its output keeps the declared layout under an explicit mesh
+(else the dispatcher runs it per device inside shard_map, `_per_shard`), whether it keeps
+documents of packed rows apart, whether it needs T == S (index-based masks: a KV-cache decode
+step has T != S) and whether it needs a window known at trace time (a per-layer window of
+stacked layers is traced). A call a backend cannot express goes to xla, and the reason is
+logged once (a warning when the backend was named explicitly). A backend named explicitly
+that cannot run at all here (platform, dtype, head dim, length) raises ValueError saying why,
+at trace time, before any compile; `check_implementation` asks the same question up front.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -43,25 +40,52 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zoo.layers import attention_cudnn, attention_splash
+from zoo.layers.attention_mask import Segments, attention_mask, is_static
+from zoo.layers.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "AttentionBackend",
+    "CallInfo",
+    "Segments",
+    "attention",
+    "attention_mask",
+    "backend_names",
+    "check_implementation",
+    "override_backend",
+    "register_backend",
+    "resolve_implementation",
+]
+
+# What `auto` runs on each platform (where it can; else xla).
+_AUTO = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}
+
 # Where a mask excludes a logit. Finite, not -inf: a row with nothing visible then softmaxes
 # to a uniform average instead of NaN, and its gradient stays finite.
 _MASKED_LOGIT = float(np.finfo(np.float32).min)
 
-# Platforms on which the cuDNN path can run. jax reports NVIDIA GPUs as 'gpu' (and the
-# plugin as 'cuda' in some builds); ROCm is also 'gpu', where jax's own error then applies.
-_GPU_PLATFORMS = ("gpu", "cuda")
-_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# cuDNN flash attention: head dim a multiple of 8, at most 128 before Hopper and 256 on it.
-# `auto` keeps to 128 (safe on every generation); an explicit 'cudnn' allows up to 256 and
-# leaves the pre-Hopper case to jax's own check.
-_CUDNN_AUTO_MAX_HEAD_DIM = 128
-_CUDNN_MAX_HEAD_DIM = 256
+_log = logging.getLogger(__name__)
 
-# A backend: fn(q_BTND, k_BSKD, v_BSKD, *, q_segment_ids_BT, kv_segment_ids_BS,
-# q_positions_BT, kv_positions_BS, scale, causal, sliding_window, out_sharding) -> out_BTND.
+
+@dataclasses.dataclass(frozen=True)
+class CallInfo:
+    """What a backend is asked to run, as known at trace time (or from a config up front)."""
+
+    dtype: Any
+    head_dim: int
+    q_len: int
+    kv_len: int
+    platform: str  # the platform the program is compiled for: 'cpu' | 'tpu' | 'gpu' | 'cuda'
+    interpret: bool = False  # Pallas kernels may run in interpret mode (CPU tests)
+    auto: bool = False  # chosen by 'auto' (conservative limits) rather than by name
+
+
+# A backend: fn(q_BTND, k_BSKD, v_BSKD, segments, *, scale, causal, sliding_window,
+# out_sharding, interpret) -> out_BTND.
 BackendFn = Callable[..., jax.Array]
-# Why a backend cannot run here, or None: (dtype, head_dim, platform, max_head_dim) -> str.
-UnavailableFn = Callable[[Any, int, str, int], "str | None"]
+# Why a backend cannot run a call here at all, or None.
+UnavailableFn = Callable[[CallInfo], "str | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,24 +94,21 @@ class AttentionBackend:
     fn: BackendFn
     # True: under an explicit mesh the output (and the gradients of q, k, v) are already
     # typed with their layouts (the backend builds them with out_sharding-aware ops).
-    # False: a black box to sharding types (the cuDNN custom call); the dispatcher runs it
-    # per device inside jax.shard_map and reshards the result to `out_sharding`.
+    # False: a black box to sharding types (custom calls: cuDNN, Pallas); the dispatcher runs
+    # it per device inside jax.shard_map and reshards the result to `out_sharding`.
     keeps_layout: bool
-    # True: honours any segment ids and positions (packed rows, KV caches, traced windows).
-    # False: only gets rows with one document starting at index 0 (positions == index,
-    # padding only at the end), T == S, and a static window used with causal masking;
-    # anything else goes to xla (with a one-time warning when it was asked for by name).
-    segment_aware: bool
-    unavailable: UnavailableFn
+    # True: keeps documents of packed rows apart (segment ids). False: only gets unpacked
+    # rows (Segments.packed=False: one document from index 0, then padding).
+    packed_rows: bool = True
+    # True: masks by index, so only T == S (no KV-cache decode step).
+    equal_lengths: bool = False
+    # True: needs the window as a Python int (not the traced per-layer value under a scan).
+    static_window: bool = False
+    unavailable: UnavailableFn | None = None
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
-_WARNED: set[tuple[str, str]] = set()
-
-
-def _always_available(dtype, head_dim, platform, max_head_dim) -> str | None:
-    del dtype, head_dim, platform, max_head_dim
-    return None
+_LOGGED: set[tuple[str, str]] = set()
 
 
 def register_backend(
@@ -95,7 +116,9 @@ def register_backend(
     fn: BackendFn,
     *,
     keeps_layout: bool,
-    segment_aware: bool = True,
+    packed_rows: bool = True,
+    equal_lengths: bool = False,
+    static_window: bool = False,
     unavailable: UnavailableFn | None = None,
     replace: bool = False,
 ) -> AttentionBackend:
@@ -108,27 +131,25 @@ def register_backend(
         name=name,
         fn=fn,
         keeps_layout=keeps_layout,
-        segment_aware=segment_aware,
-        unavailable=unavailable or _always_available,
+        packed_rows=packed_rows,
+        equal_lengths=equal_lengths,
+        static_window=static_window,
+        unavailable=unavailable,
     )
     _BACKENDS[name] = backend
     return backend
 
 
 @contextlib.contextmanager
-def override_backend(
-    name: str, fn: BackendFn, *, keeps_layout: bool, segment_aware: bool = True
-) -> Iterator[AttentionBackend]:
+def override_backend(name: str, fn: BackendFn, **flags) -> Iterator[AttentionBackend]:
     """Registers `fn` as `name` (available on every platform) for the `with` block only.
 
     For tests: e.g. a stand-in for 'cudnn' that drops the layout, as the cuDNN call does,
-    reached through a model whose config only names 'xla' / 'cudnn' / 'auto'.
+    reached through a model whose config only names 'xla' / 'cudnn' / 'splash' / 'auto'.
     """
     previous = _BACKENDS.get(name)
     try:
-        yield register_backend(
-            name, fn, keeps_layout=keeps_layout, segment_aware=segment_aware, replace=True
-        )
+        yield register_backend(name, fn, replace=True, **flags)
     finally:
         if previous is None:
             _BACKENDS.pop(name, None)
@@ -140,181 +161,220 @@ def backend_names() -> tuple[str, ...]:
     return tuple(sorted(_BACKENDS))
 
 
-def resolve_implementation(
-    name: str, *, dtype, head_dim: int, platform: str, packed: bool = False
-) -> str:
-    """The registered backend that `name` runs on; pure, so the GPU branch is testable on CPU.
+def _why_unavailable(backend: AttentionBackend, call: CallInfo) -> str | None:
+    return None if backend.unavailable is None else backend.unavailable(call)
 
-    'auto': 'cudnn' when it is available here (GPU platform, bf16/fp16, head dim a multiple
-    of 8 and <= 128) and the rows are not packed (or the registered cudnn is segment-aware),
-    else 'xla'. A backend asked for by name that cannot run here raises ValueError saying
-    why, at trace time, before jax's own (less clear) error.
-    """
+
+def resolve_implementation(name: str, call: CallInfo) -> str:
+    """The registered backend that `name` runs on; pure, so every platform's branch is
+    testable on CPU. 'auto': the platform's flash backend where it can run this call, else
+    'xla'. A backend asked for by name that cannot run here raises ValueError saying why."""
     if name == "auto":
-        cudnn = _BACKENDS.get("cudnn")
-        if (
-            cudnn is not None
-            and cudnn.unavailable(dtype, head_dim, platform, _CUDNN_AUTO_MAX_HEAD_DIM) is None
-            and (cudnn.segment_aware or not packed)
-        ):
-            return "cudnn"
+        pick = _AUTO.get(call.platform)
+        backend = _BACKENDS.get(pick) if pick else None
+        auto_call = dataclasses.replace(call, auto=True)
+        if backend is not None and _why_unavailable(backend, auto_call) is None:
+            return pick
         return "xla"
     if name not in _BACKENDS:
         valid = ", ".join((*backend_names(), "auto"))
         raise ValueError(f"unknown attention implementation {name!r}; valid: {valid}")
-    reason = _BACKENDS[name].unavailable(dtype, head_dim, platform, _CUDNN_MAX_HEAD_DIM)
+    reason = _why_unavailable(_BACKENDS[name], call)
     if reason is not None:
         raise ValueError(f"attention implementation {name!r} {reason}; use 'xla' or 'auto'")
     return name
+
+
+def check_implementation(
+    name: str,
+    *,
+    dtype,
+    head_dim: int,
+    seq_len: int,
+    platform: str | None = None,
+    interpret: bool = False,
+) -> str:
+    """For entry points, before building anything: the backend `name` will run for a model
+    of this dtype / head dim / sequence length on `platform` (default: this process's), or
+    ValueError with one line saying why it cannot and what would."""
+    call = CallInfo(
+        dtype=jnp.dtype(dtype),
+        head_dim=head_dim,
+        q_len=seq_len,
+        kv_len=seq_len,
+        platform=platform or jax.default_backend(),
+        interpret=interpret,
+    )
+    return resolve_implementation(name, call)
+
+
+def compile_platform() -> str:
+    """The platform the current trace compiles for: the mesh's devices when a mesh is set
+    (an abstract TPU / GPU target on a CPU host), else this process's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    return platform or jax.default_backend()
 
 
 def attention(
     q_BTND: jax.Array,
     k_BSKD: jax.Array,
     v_BSKD: jax.Array,
+    segments: Segments,
     *,
-    q_segment_ids_BT: jax.Array,
-    kv_segment_ids_BS: jax.Array,
-    q_positions_BT: jax.Array,
-    kv_positions_BS: jax.Array,
     scale: float,
     out_sharding: P | None,
     causal: bool = True,
     sliding_window: int | jax.Array | None = None,
     implementation: str = "xla",
-    packed: bool = True,
+    interpret: bool = False,
 ) -> jax.Array:
     """Softmax attention of q over k/v under the segment/position mask; out_BTND, q's dtype.
 
+    segments: ids and positions of queries and keys, and whether rows are packed.
     sliding_window: None, a Python int, or a (traced) int32 scalar -- e.g. the per-layer
       value of layers stacked under nnx.scan; a value <= 0 means no window.
     out_sharding: the declared layout of the output (None: q's layout).
-    packed: whether a row may hold more than one document. Segment ids are traced, so this
-      cannot be read off the data at trace time; the caller states it. True (the default)
-      is always correct. A segment-unaware backend (the public cuDNN path, which takes
-      sequence lengths and not segment ids) runs only with packed=False, where each row is
-      one document from index 0 followed by padding; with packed=True the call falls back
-      to xla with a one-time warning rather than attend across documents.
+    interpret: let Pallas backends run in interpret mode (on CPU; tests and debugging).
     """
-    _check_shapes(
-        q_BTND, k_BSKD, v_BSKD, q_segment_ids_BT, kv_segment_ids_BS, q_positions_BT, kv_positions_BS
-    )
-    name = resolve_implementation(
-        implementation,
+    _check_shapes(q_BTND, k_BSKD, v_BSKD, segments)
+    call = CallInfo(
         dtype=q_BTND.dtype,
         head_dim=q_BTND.shape[-1],
-        platform=jax.default_backend(),
-        packed=packed,
+        q_len=q_BTND.shape[1],
+        kv_len=k_BSKD.shape[1],
+        platform=compile_platform(),
+        interpret=interpret,
     )
+    # What this call asks that a backend's masks cannot say (a decode step, a traced window,
+    # packed rows for a lengths-only backend) is checked before whether the backend can run
+    # here at all: a decode step of a splash model goes to xla rather than fail on its T.
+    name = implementation if implementation in _BACKENDS else None
+    if name is None:
+        name = resolve_implementation(implementation, call)
+    reason = _cannot_express(_BACKENDS[name], q_BTND, k_BSKD, segments, sliding_window)
+    if reason is None:
+        name = resolve_implementation(implementation, call)
+        reason = _cannot_express(_BACKENDS[name], q_BTND, k_BSKD, segments, sliding_window)
+    if reason is not None:
+        _log_once(name, reason, explicit=implementation != "auto")
+        name = "xla"
     backend = _BACKENDS[name]
-    if not backend.segment_aware:
-        reason = _segment_unaware_limit(q_BTND, k_BSKD, packed, causal, sliding_window)
-        if reason is not None:
-            if implementation != "auto":
-                _warn_once(name, reason)
-            backend = _BACKENDS["xla"]
 
-    call = dict(
-        q_segment_ids_BT=q_segment_ids_BT,
-        kv_segment_ids_BS=kv_segment_ids_BS,
-        q_positions_BT=q_positions_BT,
-        kv_positions_BS=kv_positions_BS,
-        scale=scale,
-        causal=causal,
-        sliding_window=sliding_window,
-    )
+    options = dict(scale=scale, causal=causal, interpret=interpret)
     if backend.keeps_layout or not _explicit_axes():
-        out_BTND = backend.fn(q_BTND, k_BSKD, v_BSKD, **call, out_sharding=out_sharding)
+        out_BTND = backend.fn(
+            q_BTND,
+            k_BSKD,
+            v_BSKD,
+            segments,
+            sliding_window=sliding_window,
+            out_sharding=out_sharding,
+            **options,
+        )
     else:
-        out_BTND = _per_shard(backend.fn, q_BTND, k_BSKD, v_BSKD, **call)
+        out_BTND = _per_shard(
+            backend.fn, q_BTND, k_BSKD, v_BSKD, segments, sliding_window, **options
+        )
         if out_sharding is not None:
             out_BTND = _reshard_to(out_BTND, out_sharding)
     return out_BTND.astype(q_BTND.dtype)
 
 
-def _per_shard(fn: BackendFn, q_BTND, k_BSKD, v_BSKD, *, sliding_window, **call) -> jax.Array:
+def _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window) -> str | None:
+    """Why `backend` cannot compute this particular call exactly, or None."""
+    if segments.packed and not backend.packed_rows:
+        return (
+            "cannot keep the documents of packed rows apart (it takes sequence lengths, not "
+            "segment ids; Segments.packed=False states one document per row)"
+        )
+    if backend.equal_lengths and q_BTND.shape[1] != k_BSKD.shape[1]:
+        return (
+            "masks by index and needs T == S (a KV-cache decode step has "
+            f"T={q_BTND.shape[1]}, S={k_BSKD.shape[1]})"
+        )
+    if backend.static_window and not is_static(sliding_window):
+        return (
+            "needs a sliding window known at trace time (this one is traced: layers stacked "
+            "under a scan with different windows)"
+        )
+    return None
+
+
+def _log_once(name: str, reason: str, *, explicit: bool) -> None:
+    if (name, reason) in _LOGGED:
+        return
+    _LOGGED.add((name, reason))
+    message = f"attention implementation {name!r} {reason}; this call runs on 'xla'"
+    if explicit:
+        warnings.warn(message, stacklevel=3)
+    _log.warning(message)
+
+
+def _per_shard(fn: BackendFn, q_BTND, k_BSKD, v_BSKD, segments, sliding_window, **options):
     """The layout fix: run a black-box backend inside jax.shard_map over batch and heads.
 
-    The cuDNN custom call's abstract values carry no sharding outside shard_map: its output
-    *and* the q/k/v gradients of its custom_vjp come back typed unsharded, although q, k, v
-    were `B/data T N/model D`. Forward, an out-projection that names its output layout then
-    silently all-gathers the whole attention output onto every device; one that does not
+    A custom call's abstract values carry no sharding outside shard_map: the cuDNN call's
+    output *and* the q/k/v gradients of its custom_vjp come back typed unsharded, although q,
+    k, v were `B/data T N/model D`. Forward, an out-projection that names its output layout
+    then silently all-gathers the whole attention output onto every device; one that does not
     (fsdp_tp kernel `N/model D M/data`) returns `B T M/data`, and the next op that meets a
     declared layout fails at trace time with a ShardingTypeError (`dot_general requires
     contracting dimensions to have consistent sharding, got ('data',) and ('model',)`, or
     `add got incompatible shardings` at the residual). `jax.sharding.reshard(out, spec)`
-    after the call fixes only the forward. Backward, jax rejects
-    the unsharded gradients against the sharded primal inputs (`Custom VJP bwd rule must
-    produce an output with the same type as the args tuple of the primal function`), which
-    no reshard after the call can reach. Inside shard_map every device runs the call on its
-    own `B/data`, `N/model` block (a plain local attention: heads and batch rows are
-    independent), types are per-device and consistent in both directions, and out_specs
-    gives the result its layout back.
+    after the call fixes only the forward. Backward, jax rejects the unsharded gradients
+    against the sharded primal inputs (`Custom VJP bwd rule must produce an output with the
+    same type as the args tuple of the primal function`), which no reshard after the call can
+    reach. Inside shard_map every device runs the call on its own `B/data`, `N/model` block (a
+    plain local attention: heads and batch rows are independent), types are per-device and
+    consistent in both directions, and out_specs gives the result its layout back. Pallas
+    kernels (splash) are the same kind of black box, and need `check_vma=False` there.
 
-    Sequence dims are gathered: a segment-unaware backend masks by index, which would be
-    wrong on a block of queries. Heads split as the xla path splits them (`_plan_layout`),
-    so each device holds the kv heads of its query heads.
+    Sequence dims are gathered: the kernels mask by index, which would be wrong on a block of
+    queries. Heads split as the xla path splits them (`_plan_layout`), so each device holds
+    the kv heads of its query heads.
     """
     lay = _plan_layout(q_BTND, k_BSKD, split_queries=False)
-    args = [q_BTND, k_BSKD, v_BSKD]
-    specs = [lay.q, lay.kv, lay.kv]
-    for name in ("q_segment_ids_BT", "q_positions_BT", "kv_segment_ids_BS", "kv_positions_BS"):
-        args.append(call.pop(name))
-        specs.append(lay.q_tokens if name.startswith("q_") else lay.kv_tokens)
-    static_window = _is_static(sliding_window)
-    if not static_window:  # a traced per-layer window enters as an argument, replicated
+    args = [
+        _reshard_to(q_BTND, lay.q),
+        _reshard_to(k_BSKD, lay.kv),
+        _reshard_to(v_BSKD, lay.kv),
+        _reshard_segments(segments, lay),
+    ]
+    specs = [
+        lay.q,
+        lay.kv,
+        lay.kv,
+        Segments(lay.q_tokens, lay.kv_tokens, lay.q_tokens, lay.kv_tokens, segments.packed),
+    ]
+    static = is_static(sliding_window)
+    if not static:  # a traced per-layer window enters as an argument, replicated
         args.append(jnp.asarray(sliding_window, jnp.int32))
         specs.append(P())
-    args = [_reshard_to(x, spec) for x, spec in zip(args, specs, strict=True)]
 
-    def local(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *window):
+    def local(q, k, v, segs, *window):
         return fn(
             q,
             k,
             v,
-            q_segment_ids_BT=q_seg,
-            q_positions_BT=q_pos,
-            kv_segment_ids_BS=kv_seg,
-            kv_positions_BS=kv_pos,
-            sliding_window=sliding_window if static_window else window[0],
+            segs,
+            sliding_window=sliding_window if static else window[0],
             out_sharding=None,  # no explicit axes inside: layouts are shard_map's
-            **call,
+            **options,
         )
 
-    return jax.shard_map(local, in_specs=tuple(specs), out_specs=lay.out)(*args)
+    return jax.shard_map(local, in_specs=tuple(specs), out_specs=lay.out, check_vma=False)(*args)
 
 
-# --- the mask ------------------------------------------------------------------------------
-
-
-def attention_mask(
-    q_segment_ids_BT: jax.Array,
-    kv_segment_ids_BS: jax.Array,
-    q_positions_BT: jax.Array,
-    kv_positions_BS: jax.Array,
-    *,
-    causal: bool,
-    sliding_window: int | jax.Array | None,
-) -> jax.Array:
-    """mask_BTS: True where query t may attend key s (see the module docstring)."""
-    mask_BTS = q_segment_ids_BT[:, :, None] == kv_segment_ids_BS[:, None, :]
-    q_pos_BT1 = q_positions_BT[:, :, None]
-    kv_pos_B1S = kv_positions_BS[:, None, :]
-    if causal:
-        mask_BTS &= kv_pos_B1S <= q_pos_BT1
-    if _is_static(sliding_window):
-        if sliding_window is not None and sliding_window > 0:
-            mask_BTS &= q_pos_BT1 - kv_pos_B1S < sliding_window
-    else:
-        window = jnp.asarray(sliding_window, jnp.int32)
-        mask_BTS &= (window <= 0) | (q_pos_BT1 - kv_pos_B1S < window)
-    return mask_BTS
-
-
-def _is_static(sliding_window) -> bool:
-    if isinstance(sliding_window, bool):
-        raise TypeError("sliding_window must be None, an int or an int32 scalar, not a bool")
-    return sliding_window is None or isinstance(sliding_window, int | np.integer)
+def _reshard_segments(segments: Segments, lay) -> Segments:
+    return Segments(
+        _reshard_to(segments.q_ids_BT, lay.q_tokens),
+        _reshard_to(segments.kv_ids_BS, lay.kv_tokens),
+        _reshard_to(segments.q_positions_BT, lay.q_tokens),
+        _reshard_to(segments.kv_positions_BS, lay.kv_tokens),
+        segments.packed,
+    )
 
 
 # --- xla: einsums with every layout declared --------------------------------------------------
@@ -413,16 +473,15 @@ def _xla_attention(
     q_BTND,
     k_BSKD,
     v_BSKD,
+    segments: Segments,
     *,
-    q_segment_ids_BT,
-    kv_segment_ids_BS,
-    q_positions_BT,
-    kv_positions_BS,
     scale,
     causal,
     sliding_window,
     out_sharding,
+    interpret: bool = False,
 ):
+    del interpret
     B, T, N, D = q_BTND.shape
     K = k_BSKD.shape[2]
     G = N // K
@@ -431,22 +490,12 @@ def _xla_attention(
         q_BTND = _reshard_to(q_BTND, lay.q)
         k_BSKD = _reshard_to(k_BSKD, lay.kv)
         v_BSKD = _reshard_to(v_BSKD, lay.kv)
-        q_segment_ids_BT = _reshard_to(q_segment_ids_BT, lay.q_tokens)
-        q_positions_BT = _reshard_to(q_positions_BT, lay.q_tokens)
-        kv_segment_ids_BS = _reshard_to(kv_segment_ids_BS, lay.kv_tokens)
-        kv_positions_BS = _reshard_to(kv_positions_BS, lay.kv_tokens)
+        segments = _reshard_segments(segments, lay)
 
     def spec(name):
         return None if lay is None else getattr(lay, name)
 
-    mask_BTS = attention_mask(
-        q_segment_ids_BT,
-        kv_segment_ids_BS,
-        q_positions_BT,
-        kv_positions_BS,
-        causal=causal,
-        sliding_window=sliding_window,
-    )
+    mask_BTS = attention_mask(segments, causal=causal, sliding_window=sliding_window)
     q_BTKGD = jnp.reshape(q_BTND, (B, T, K, G, D), out_sharding=spec("grouped"))
     # Logits, softmax and the weighted sum accumulate in float32 whatever the input dtype
     # (as jax.nn.dot_product_attention and the cuDNN kernel do); probabilities are cast
@@ -476,87 +525,7 @@ def _xla_attention(
     return out_BTND
 
 
-# --- cudnn: the public jax.nn.dot_product_attention path -----------------------------------
-
-
-def _cudnn_unavailable(dtype, head_dim: int, platform: str, max_head_dim: int) -> str | None:
-    if platform not in _GPU_PLATFORMS:
-        return f"needs an NVIDIA GPU with cuDNN; this process has platform {platform}"
-    if jnp.dtype(dtype) not in _CUDNN_DTYPES:
-        return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
-    if head_dim % 8 or head_dim > max_head_dim:
-        return f"needs a head dim that is a multiple of 8 and <= {max_head_dim}, got {head_dim}"
-    return None
-
-
-def _public_path(
-    q_BTND,
-    k_BSKD,
-    v_BSKD,
-    *,
-    q_segment_ids_BT,
-    kv_segment_ids_BS,
-    q_positions_BT,
-    kv_positions_BS,
-    scale,
-    causal,
-    sliding_window,
-    out_sharding,
-    jax_implementation: str,
-):
-    """jax.nn.dot_product_attention with the mask expressed as sequence lengths.
-
-    Only unpacked rows get here (segment_aware=False): one document from index 0, so
-    positions equal the index and the segment mask reduces to per-row lengths. Registered
-    with jax_implementation='cudnn'; tests run it with 'xla' to check this translation.
-    """
-    del q_positions_BT, kv_positions_BS, out_sharding  # the dispatcher restores the layout
-    q_len_B = jnp.sum(q_segment_ids_BT != 0, axis=1, dtype=jnp.int32)
-    kv_len_B = jnp.sum(kv_segment_ids_BS != 0, axis=1, dtype=jnp.int32)
-    window = None
-    if sliding_window is not None and sliding_window > 0:
-        # jax's (left, right) counts tokens besides the query: w visible = w - 1 to the left.
-        window = (sliding_window - 1, 0)
-    return jax.nn.dot_product_attention(
-        q_BTND,
-        k_BSKD,
-        v_BSKD,
-        scale=scale,
-        is_causal=causal,
-        query_seq_lengths=q_len_B,
-        key_value_seq_lengths=kv_len_B,
-        local_window_size=window,
-        implementation=jax_implementation,
-    )
-
-
-def _segment_unaware_limit(q_BTND, k_BSKD, packed, causal, sliding_window) -> str | None:
-    """Why a segment-unaware backend cannot compute this call exactly, or None."""
-    if packed:
-        return (
-            "cannot honour document boundaries in packed rows (the public cuDNN path takes "
-            "sequence lengths, not segment ids; pass packed=False for one document per row)"
-        )
-    if q_BTND.shape[1] != k_BSKD.shape[1]:
-        return "needs T == S (its causal mask counts from index 0 of both; KV-cache decoding)"
-    if not _is_static(sliding_window):
-        return "needs a static sliding window (this one is traced, e.g. per stacked layer)"
-    if sliding_window is not None and sliding_window > 0 and not causal:
-        return "supports a sliding window only with causal masking"
-    return None
-
-
-def _warn_once(name: str, reason: str) -> None:
-    if (name, reason) in _WARNED:
-        return
-    _WARNED.add((name, reason))
-    warnings.warn(
-        f"attention implementation {name!r} {reason}; falling back to 'xla' for this call",
-        stacklevel=3,
-    )
-
-
-def _check_shapes(q, k, v, q_seg, kv_seg, q_pos, kv_pos) -> None:
+def _check_shapes(q, k, v, segments: Segments) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(
             f"attention wants q [B, T, N, D] and k, v [B, S, K, D] of one shape; got "
@@ -569,20 +538,28 @@ def _check_shapes(q, k, v, q_seg, kv_seg, q_pos, kv_pos) -> None:
             f"q {q.shape} and k {k.shape} disagree: same B and D needed, and K must divide N"
         )
     for name, x, want in (
-        ("q_segment_ids_BT", q_seg, (B, T)),
-        ("q_positions_BT", q_pos, (B, T)),
-        ("kv_segment_ids_BS", kv_seg, (B, S)),
-        ("kv_positions_BS", kv_pos, (B, S)),
+        ("q_ids_BT", segments.q_ids_BT, (B, T)),
+        ("q_positions_BT", segments.q_positions_BT, (B, T)),
+        ("kv_ids_BS", segments.kv_ids_BS, (B, S)),
+        ("kv_positions_BS", segments.kv_positions_BS, (B, S)),
     ):
         if tuple(x.shape) != want:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {want}")
+            raise ValueError(f"segments.{name} has shape {tuple(x.shape)}, expected {want}")
 
 
-register_backend("xla", _xla_attention, keeps_layout=True, segment_aware=True)
+register_backend("xla", _xla_attention, keeps_layout=True)
+register_backend(
+    "splash",
+    attention_splash.splash_attention,
+    keeps_layout=False,
+    equal_lengths=True,
+    static_window=True,
+    unavailable=attention_splash.unavailable,
+)
 register_backend(
     "cudnn",
-    functools.partial(_public_path, jax_implementation="cudnn"),
+    attention_cudnn.cudnn_attention,
     keeps_layout=False,
-    segment_aware=False,
-    unavailable=_cudnn_unavailable,
+    equal_lengths=True,
+    unavailable=attention_cudnn.unavailable,
 )

@@ -11,8 +11,12 @@ import math
 
 import jax.numpy as jnp
 
+from zoo.layers import remat
+
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
+# attention_impl values: the backends of zoo/layers/attention_ops.py, and the choice between them.
+ATTENTION_IMPLEMENTATIONS = ("xla", "splash", "cudnn", "auto")
 
 
 def causal_keys_per_query(seq_len: int, window: int | None = None) -> float:
@@ -77,8 +81,15 @@ class DecoderConfig:
 
     dtype: str = "float32"  # compute dtype; parameters stay float32
     scan_layers: bool = True  # stack layers and run them with nnx.scan (one compiled block)
-    remat: str = "none"  # 'none' | 'full' | 'dots' (save matmul outputs)
-    attention_impl: str = "xla"  # 'xla' | 'cudnn' | 'auto'
+    # What the backward pass recomputes, by policy name (zoo/layers/remat.py): 'none' |
+    # 'full' | 'dots' | 'save_qkv_proj' | 'save_out_proj' | 'offload'.
+    remat: str = "none"
+    # 'xla' | 'splash' (TPU) | 'cudnn' (NVIDIA GPU) | 'auto' (splash on TPU, cudnn on GPU,
+    # xla elsewhere); see zoo/layers/attention_ops.py.
+    attention_impl: str = "xla"
+    # Run Pallas attention kernels (splash) in interpret mode, so they run on CPU: for tests
+    # and debugging only (slow).
+    attention_interpret: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -86,12 +97,14 @@ class DecoderConfig:
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads="
                 f"{self.num_kv_heads}; grouped-query attention needs K | N"
             )
-        if self.remat not in ("none", "full", "dots"):
-            raise ValueError(f"remat={self.remat!r}; valid: none, full, dots")
+        remat.check_name(self.remat)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}; valid: float32, bfloat16")
-        if self.attention_impl not in ("xla", "cudnn", "auto"):
-            raise ValueError(f"attention_impl={self.attention_impl!r}; valid: xla, cudnn, auto")
+        if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention_impl={self.attention_impl!r}; valid: "
+                f"{', '.join(ATTENTION_IMPLEMENTATIONS)}"
+            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="

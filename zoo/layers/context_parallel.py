@@ -150,14 +150,13 @@ def attention(
 
     def local(q, k, v, seg, pos, *window):
         gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
+        # Each device's T/c queries against all T keys: T != S, so index-masking kernels
+        # (splash, cuDNN) hand these calls to xla (attention_ops logs why once).
         return attention_ops.attention(
             q,
             gather(k),
             gather(v),
-            q_segment_ids_BT=seg,
-            kv_segment_ids_BS=gather(seg),
-            q_positions_BT=pos,
-            kv_positions_BS=gather(pos),
+            attention_ops.Segments(seg, gather(seg), pos, gather(pos)),
             scale=scale,
             out_sharding=None,
             causal=True,
@@ -188,10 +187,9 @@ def visible_pairs_per_device(segment_ids_BT, positions_BT, context: int, *, wind
     counts = []
     for i in range(context):
         mask = attention_ops.attention_mask(
-            seg[:, i * per : (i + 1) * per],
-            seg,
-            pos[:, i * per : (i + 1) * per],
-            pos,
+            attention_ops.Segments(
+                seg[:, i * per : (i + 1) * per], seg, pos[:, i * per : (i + 1) * per], pos
+            ),
             causal=True,
             sliding_window=window,
         )

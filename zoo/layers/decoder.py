@@ -12,20 +12,16 @@ import numpy as np
 from flax import nnx
 
 from shardings.specs import BlockSharding, LmSharding
-from zoo.layers import context_parallel, rope
+from zoo import loss
+from zoo.layers import context_parallel, remat, rope
 from zoo.layers.attention import Attention
+from zoo.layers.attention_mask import Segments
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.kv_cache import KVCache, LayerCache
 from zoo.layers.mlp import Mlp
 from zoo.layers.moe import Moe, moe_stats
-
-REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the block in the backward pass
-    # Keep projection outputs, recompute the rest; attention scores (dots with batch dims)
-    # are recomputed, so their O(T^2) memory is never kept.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+from zoo.lm_head_loss import chunked_token_nll, head_logits
 
 
 class Block(nnx.Module):
@@ -47,25 +43,27 @@ class Block(nnx.Module):
         else:
             self.post_attn_norm = self.post_mlp_norm = None
 
-    def __call__(self, x_BTM, segment_ids_BT, positions_BT, *, window, inv_freq_R, kv=None):
-        h_BTM, kv = self.attention(
-            self.attn_norm(x_BTM),
-            segment_ids_BT,
-            positions_BT,
-            window=window,
-            inv_freq_R=inv_freq_R,
-            kv=kv,
-        )
-        if self.post_attn_norm is not None:
-            h_BTM = self.post_attn_norm(h_BTM)
-        x_BTM = x_BTM + h_BTM
+    def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_R, kv=None):
+        x_BTM = remat.tag(x_BTM, remat.RESIDUAL)
+        with jax.named_scope("attention"):
+            h_BTM, kv = self.attention(
+                self.attn_norm(x_BTM),
+                segments,
+                window=window,
+                inv_freq_R=inv_freq_R,
+                kv=kv,
+            )
+            if self.post_attn_norm is not None:
+                h_BTM = self.post_attn_norm(h_BTM)
+        x_BTM = remat.tag(x_BTM + h_BTM, remat.RESIDUAL)
         router_stats = None
-        if self.moe is None:
-            h_BTM = self.mlp(self.mlp_norm(x_BTM))
-        else:
-            h_BTM, router_stats = self.moe(self.mlp_norm(x_BTM), segment_ids_BT != 0)
-        if self.post_mlp_norm is not None:
-            h_BTM = self.post_mlp_norm(h_BTM)
+        with jax.named_scope("mlp"):
+            if self.moe is None:
+                h_BTM = self.mlp(self.mlp_norm(x_BTM))
+            else:
+                h_BTM, router_stats = self.moe(self.mlp_norm(x_BTM), segments.q_ids_BT != 0)
+            if self.post_mlp_norm is not None:
+                h_BTM = self.post_mlp_norm(h_BTM)
         return x_BTM + h_BTM, (kv, router_stats)
 
 
@@ -123,11 +121,56 @@ class DecoderLM(nnx.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def __call__(self, tokens_BT, *, segment_ids, positions, cache=None, router_stats=False):
+    def __call__(
+        self, tokens_BT, *, segment_ids, positions, cache=None, router_stats=False, packed=True
+    ):
         """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
 
         `router_stats=True` (no cache) returns (logits, MoeStats or None for a dense model).
         """
+        x_BTM, new_cache, stats = self.hidden(
+            tokens_BT, segment_ids=segment_ids, positions=positions, cache=cache, packed=packed
+        )
+        logits_BTV = self._logits(x_BTM)
+        if router_stats:
+            return logits_BTV, stats
+        return logits_BTV if cache is None else (logits_BTV, new_cache)
+
+    def token_nll(
+        self,
+        tokens_BT,
+        *,
+        segment_ids,
+        positions,
+        chunk_size: int = 0,
+        router_stats=False,
+        packed=True,
+    ):
+        """(nll_BT, mask_BT): next-token NLL in float32 per position, and which count; with
+        `router_stats=True`, (nll_BT, mask_BT, MoeStats or None for a dense model).
+
+        `chunk_size` > 0 fuses the LM head with the loss over chunks of about that many
+        tokens per device (zoo/lm_head_loss.py), so full `[B, T, V]` logits never exist, in
+        the forward or the backward pass; 0 computes the full logits first
+        (`zoo.loss.token_nll`).
+        """
+        x_BTM, _, stats = self.hidden(
+            tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed
+        )
+        if not chunk_size:
+            nll_BT, mask_BT = loss.token_nll(self._logits(x_BTM), tokens_BT, segment_ids)
+        else:
+            targets_BT, mask_BT = loss.target_mask(tokens_BT, segment_ids)
+            with jax.named_scope("lm_head_loss"):
+                weight, logits_fn = self._head()
+                nll_BT = chunked_token_nll(
+                    x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size
+                )
+        return (nll_BT, mask_BT, stats) if router_stats else (nll_BT, mask_BT)
+
+    def hidden(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True):
+        """(final-normed hidden states x_BTM, updated cache or None, MoeStats or None): the
+        model up to its LM head."""
         cfg = self.cfg
         # Context parallelism: rows run in load-balanced chunk order inside the model
         # (zoo/layers/context_parallel.py); the residual goes back before the LM head.
@@ -143,12 +186,16 @@ class DecoderLM(nnx.Module):
                 context_parallel.to_balanced(a, cp_axis)
                 for a in (tokens_BT, segment_ids, positions)
             )
-        x_BTM = self.embed(tokens_BT)
-        if cfg.embed_scale:
-            x_BTM = x_BTM * jnp.asarray(cfg.hidden_dim**0.5, x_BTM.dtype)
-        if self.position_embed is not None:
-            x_BTM = x_BTM + self.position_embed(positions)
+        with jax.named_scope("embed"):
+            x_BTM = self.embed(tokens_BT)
+            if cfg.embed_scale:
+                x_BTM = x_BTM * jnp.asarray(cfg.hidden_dim**0.5, x_BTM.dtype)
+            if self.position_embed is not None:
+                x_BTM = x_BTM + self.position_embed(positions)
 
+        # `packed=False` states one document per row from index 0, then padding: attention
+        # backends that take sequence lengths (cuDNN) then need no document mask.
+        segments = Segments.self_attention(segment_ids, positions, packed=packed)
         # What every layer's cache shares: segment ids and positions with this step's tokens.
         kv_ctx = None
         if cache is not None:
@@ -162,33 +209,32 @@ class DecoderLM(nnx.Module):
 
         windows, freqs_LR = self._layer_tables()
         run = self._run_scanned if cfg.scan_layers else self._run_unscanned
-        x_BTM, (new_kv, stats) = run(
-            x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx
-        )
+        x_BTM, (new_kv, stats) = run(x_BTM, segments, windows, freqs_LR, cache, kv_ctx)
 
         if balanced:
             x_BTM = context_parallel.from_balanced(x_BTM, cp_axis)
         x_BTM = self.final_norm(x_BTM)
-        logits_BTV = self._logits(x_BTM)
-        if router_stats:
-            return logits_BTV, (moe_stats(stats, cfg.num_experts) if cfg.is_moe else None)
+        stats = moe_stats(stats, cfg.num_experts) if cfg.is_moe else None
         if cache is None:
-            return logits_BTV
+            return x_BTM, None, stats
         k_LBSKD, v_LBSKD = new_kv
         new_cache = KVCache(k_LBSKD, v_LBSKD, *kv_ctx[:2], cache.index + tokens_BT.shape[1])
-        return logits_BTV, new_cache
+        return x_BTM, new_cache, stats
 
-    def _call_block(self, block, x_BTM, segment_ids, positions, window, inv_freq_R, kv):
+    def _call_block(self, block, x_BTM, segments, window, inv_freq_R, kv):
         def call(block, x_BTM):
-            return block(x_BTM, segment_ids, positions, window=window, inv_freq_R=inv_freq_R, kv=kv)
+            return block(x_BTM, segments, window=window, inv_freq_R=inv_freq_R, kv=kv)
 
         if self.cfg.remat != "none":
             # Only the block and the residual are arguments; everything else is closed over,
             # so a per-layer window (traced under the scan) needs no static handling.
-            call = nnx.remat(call, policy=REMAT_POLICIES[self.cfg.remat])
+            device = getattr(jax.typeof(x_BTM).sharding.mesh, "abstract_device", None)
+            if device is not None:
+                remat.check_platform(self.cfg.remat, device.platform)
+            call = nnx.remat(call, policy=remat.policy(self.cfg.remat))
         return call(block, x_BTM)
 
-    def _run_scanned(self, x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx):
+    def _run_scanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
         uniform_window = len(set(windows)) == 1
         static_window = (windows[0] or None) if uniform_window else None
         windows_L = jnp.asarray(windows, jnp.int32)
@@ -203,21 +249,19 @@ class DecoderLM(nnx.Module):
         def run(x, block, window, inv_freq_R, layer_kv):
             kv = None if layer_kv is None else LayerCache(*layer_kv, *kv_ctx)
             w = static_window if uniform_window else window
-            x, (kv, layer_stats) = self._call_block(
-                block, x, segment_ids, positions, w, inv_freq_R, kv
-            )
+            x, (kv, layer_stats) = self._call_block(block, x, segments, w, inv_freq_R, kv)
             # Only keys and values are per layer; the rest is shared, not stacked over L.
             return x, ((None if kv is None else (kv.k, kv.v)), layer_stats)
 
         # Per layer: (kv cache, router stats), stacked on L by the scan.
         return run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
 
-    def _run_unscanned(self, x_BTM, segment_ids, positions, windows, freqs_LR, cache, kv_ctx):
+    def _run_unscanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
         ks, vs, stats = [], [], []
         for i, block in enumerate(self.blocks):
             kv = None if cache is None else LayerCache(cache.k[i], cache.v[i], *kv_ctx)
             x_BTM, (kv, layer_stats) = self._call_block(
-                block, x_BTM, segment_ids, positions, windows[i] or None, freqs_LR[i], kv
+                block, x_BTM, segments, windows[i] or None, freqs_LR[i], kv
             )
             if kv is not None:
                 ks.append(kv.k)
@@ -227,20 +271,30 @@ class DecoderLM(nnx.Module):
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if self.cfg.is_moe else None
         return x_BTM, (new_kv, stacked)
 
-    def _logits(self, x_BTM):
+    def _head(self):
+        """(weight, logits_fn): the float32 LM head `[M, V]` (or, tied, the embedding table
+        `[V, M]`) and `logits_fn(x_BCM, weight)` -> float32 logits, soft-capped if the
+        family caps them."""
         cfg = self.cfg
-        if self.lm_head is not None:
-            logits_BTV = self.lm_head(x_BTM)
-        else:
-            table_VM = self.embed.table[...].astype(x_BTM.dtype)
-            logits_BTV = jnp.einsum(
-                "BTM,VM->BTV", x_BTM, table_VM, out_sharding=self.sharding.lm_head.out
+        tied = self.lm_head is None
+        weight = self.embed.table[...] if tied else self.lm_head.weight[...]
+
+        def logits_fn(x_BCM, weight):
+            return head_logits(
+                x_BCM,
+                weight,
+                tied=tied,
+                dtype=cfg.compute_dtype,
+                out_spec=self.sharding.lm_head.out,
+                softcap=cfg.final_logit_softcap,
             )
-        logits_BTV = logits_BTV.astype(jnp.float32)
-        if cfg.final_logit_softcap:
-            cap = cfg.final_logit_softcap
-            logits_BTV = cap * jnp.tanh(logits_BTV / cap)
-        return logits_BTV
+
+        return weight, logits_fn
+
+    def _logits(self, x_BTM):
+        with jax.named_scope("lm_head"):
+            weight, logits_fn = self._head()
+            return logits_fn(x_BTM, weight)
 
     # -- generation ----------------------------------------------------------------------
 

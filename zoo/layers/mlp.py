@@ -6,6 +6,7 @@ import jax
 from flax import nnx
 
 from shardings.specs import MlpSharding
+from zoo.layers import remat
 from zoo.layers.basic import Einsum
 
 ACTIVATIONS = {
@@ -29,8 +30,10 @@ class Mlp(nnx.Module):
 
     def __call__(self, x_BTM):
         act = ACTIVATIONS[self.activation]
+        up_BTF = remat.tag(self.up(x_BTM), remat.MLP_UP)
         if self.gate is None:
-            h_BTF = act(self.up(x_BTM))
+            h_BTF = act(up_BTF)
         else:
-            h_BTF = act(self.gate(x_BTM)) * self.up(x_BTM)
-        return self.down(h_BTF)
+            h_BTF = act(remat.tag(self.gate(x_BTM), remat.MLP_GATE)) * up_BTF
+        with jax.named_scope("down"):
+            return self.down(h_BTF)
