@@ -17,11 +17,15 @@ from __future__ import annotations
 import os
 import sys
 
-# Before jax is imported: plans never run on this host's accelerator, and XLA's start-up
-# chatter stays off stderr, which carries errors.
+# Before jax is imported: plans never run on this host's accelerator, and the native
+# libraries' start-up lines stay off stderr, which carries errors (training/host.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from training.host import import_jax_quietly  # noqa: E402
+
+import_jax_quietly()
 
 from absl import app, flags, logging  # noqa: E402
 

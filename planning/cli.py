@@ -40,7 +40,8 @@ class Request:
 
 def load_run(request: Request, num_devices: int):
     """The typed run config: a config file's, or a preset's with planning defaults (bf16
-    compute, one row per device), with the request's overrides folded in."""
+    compute, full remat, one row per device, and the target's flash attention through `auto`,
+    since the plan is for the target's kernels), with the request's overrides folded in."""
     from training.config import RunConfig
 
     if request.config and request.model:
@@ -55,7 +56,12 @@ def load_run(request: Request, num_devices: int):
     elif request.model:
         raw = {
             "name": request.model,
-            "model": {"preset": request.model, "dtype": "bfloat16", "remat": "full"},
+            "model": {
+                "preset": request.model,
+                "dtype": "bfloat16",
+                "remat": "full",
+                "attention_impl": "auto",
+            },
             "data": {"seq_len": 2048, "global_batch_size": num_devices},
         }
     else:
