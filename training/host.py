@@ -43,7 +43,10 @@ def import_jax_quietly() -> None:
 
         # The CUDA plugin's library logs the missing driver when jax first loads it (at
         # backend start-up, later than this); loaded now, it has said so into /dev/null.
-        spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
+        try:
+            spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
+        except ModuleNotFoundError:  # no plugin package at all: the [gpu] extra is absent
+            spec = None
         for library in (
             glob.glob(os.path.join(os.path.dirname(spec.origin), "*.so")) if spec else ()
         ):

@@ -1,0 +1,17 @@
+"""Start-up on a host without an accelerator must work with or without the [gpu] extra."""
+
+import importlib.util
+
+from training import host
+
+
+def test_quiet_import_works_without_the_cuda_plugin_package(monkeypatch):
+    # A base install (`pip install -e .`) has no `jax_plugins` package at all: find_spec of a
+    # submodule then raises instead of returning None.
+    def no_plugins(name, *args):
+        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+
+    monkeypatch.setattr(host, "has_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(host, "has_tpu", lambda: False)
+    monkeypatch.setattr(importlib.util, "find_spec", no_plugins)
+    host.import_jax_quietly()
