@@ -62,6 +62,15 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per row; default: the r
 _TOKENIZER = flags.DEFINE_string(
     "tokenizer", None, "'byte', tokenizer.json or .model; default: the run's (or the HF dir's)."
 )
+_ATTENTION = flags.DEFINE_enum(
+    "attention_impl",
+    None,
+    ["xla", "cudnn", "splash", "auto"],
+    "Attention backend; default: the run's. A backend that cannot run here is an error.",
+)
+_LOSS_CHUNK = flags.DEFINE_integer(
+    "loss_chunk_size", None, "Tokens per device per LM-head+loss chunk (0: full logits)."
+)
 _PROMPT = flags.DEFINE_string("prompt", None, "Text to continue (greedy unless --temperature).")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling.")
@@ -143,7 +152,9 @@ def main(argv):
             hf_checkpoint=hf_dir,
             data=_DATA.value,
             mesh_shape=_MESH_SHAPE.value,
+            attention_impl=_ATTENTION.value,
             strategy=_STRATEGY.value,
+            loss_chunk_size=_LOSS_CHUNK.value,
             tokenizer=_TOKENIZER.value,
             seq_len=_SEQ_LEN.value,
             batch_size=_BATCH_SIZE.value,

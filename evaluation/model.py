@@ -34,16 +34,19 @@ def load_from_hf(hf_dir: str, settings: EvalSettings):
     import jax
 
     from shardings import get_strategy
+    from training.run import check_attention
     from zoo import from_pretrained
     from zoo.hf_io import read_config
 
     strategy = get_strategy(settings.strategy)
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"--hf_checkpoint={hf_dir!r} is not a directory")
-    cfg = read_config(hf_dir)
+    overrides = {"attention_impl": settings.attention_impl} if settings.attention_impl else {}
+    cfg = read_config(hf_dir, **overrides)
     mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
+    check_attention(cfg, mesh, settings.seq_len)
     with jax.set_mesh(mesh):
-        model = from_pretrained(hf_dir, strategy)
+        model = from_pretrained(hf_dir, strategy, **overrides)
     return model, mesh
 
 
@@ -63,6 +66,8 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     # Evaluation takes no gradients: what the backward pass would keep does not matter, and
     # a policy the evaluating backend lacks (offload, on CPU) must not stop it.
     cfg = model_config_from_run_info(run_info).replace(remat="none")
+    if settings.attention_impl:
+        cfg = cfg.replace(attention_impl=settings.attention_impl)
     mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
     # The run's attention backend must run here (a TPU run's splash on a CPU host does not):
     # one line now, not an error deep in the compile.

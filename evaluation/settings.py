@@ -24,6 +24,8 @@ class EvalSettings:
     # Tokens per device per chunk of the LM head fused with the loss (0: full logits): the
     # run's `training.loss_chunk_size`, or its default for a Hugging Face checkpoint.
     loss_chunk_size: int
+    # The attention backend to evaluate with (xla|cudnn|splash|auto); None: the run's own.
+    attention_impl: str | None = None
 
 
 def _default_loss_chunk_size() -> int:
@@ -47,12 +49,13 @@ def from_run_info(
     hf_checkpoint: str | None = None,
     data: str | None = None,
     mesh_shape: str | None = None,
+    attention_impl: str | None = None,
     **overrides,
 ) -> EvalSettings:
     """Settings from the run's record (or the HF defaults when `run_info` is None); each of
-    `overrides` (strategy, tokenizer, seq_len, batch_size, eval_batches) that is not None
-    replaces the recorded value. `data` evaluates all of that source instead of the run's
-    validation split."""
+    `overrides` (strategy, tokenizer, seq_len, batch_size, eval_batches, loss_chunk_size) that
+    is not None replaces the recorded value. `data` evaluates all of that source instead of
+    the run's validation split."""
     if run_info is not None:
         run = run_config(run_info)
         d = run.data
@@ -87,9 +90,14 @@ def from_run_info(
     for key in ("seq_len", "batch_size", "eval_batches"):
         if base[key] < 1:
             raise ValueError(f"--{key}={base[key]} must be >= 1")
+    if base["loss_chunk_size"] < 0:
+        raise ValueError(
+            f"--loss_chunk_size={base['loss_chunk_size']} must be >= 0 (0: full logits)"
+        )
     source = base.pop("source")
     return EvalSettings(
         mesh_shape=mesh_shape,
+        attention_impl=attention_impl,
         source=data or source,
         split="all" if data else "validation",
         **base,

@@ -124,7 +124,8 @@ def test_same_loss_on_any_strategy_and_device_count(saved):
     workdir = saved["workdir"]
     results = {}
     for name, flags, devices in (
-        ("dp8", ["--sharding_strategy=dp"], 8),
+        # Full logits and a named backend: the same loss as the run's chunked default.
+        ("dp8", ["--sharding_strategy=dp", "--loss_chunk_size=0", "--attention_impl=xla"], 8),
         ("one", ["--sharding_strategy=dp", f"--prompt={PROMPT}", "--max_new_tokens=12"], 1),
     ):
         proc = eval_main(workdir, *flags, num_devices=devices)
@@ -154,6 +155,8 @@ def test_same_loss_on_any_strategy_and_device_count(saved):
         (["--mesh_shape=data:3"], "needs 3 devices but 8 are available"),
         (["--step=99"], "no checkpoint for step 99"),
         (["--data=/nonexistent/x.txt"], "does not exist"),
+        (["--attention_impl=cudnn"], "'cudnn' needs an NVIDIA GPU"),
+        (["--loss_chunk_size=-1"], "--loss_chunk_size=-1 must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(saved, flags, message):
