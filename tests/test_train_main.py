@@ -123,7 +123,7 @@ BAD_INPUTS = {
     ),
     "field the config file lacks": (
         ["--config=configs/tiny.py", "--config.model.loss_chunk_size=1"],
-        "no such config field 'loss_chunk_size' (valid in model: attention_impl, dtype,",
+        "no such config field 'loss_chunk_size' (valid in model: attention_impl, attention_int",
     ),
     "unknown flag": (["--shardin_strategy=dp"], "shardin_strategy"),
     "missing config file": (["--config=configs/nope.py"], "configs/nope.py"),
