@@ -1,7 +1,7 @@
 """Compile the product's train step for a target without its hardware, and read the result.
 
 The step is `training.loop.Trainer`'s, built from the run config the way `training.run.Setup`
-builds it (model from `create_model`, AdamW from `training.optim.make_optimizer`, gradient
+builds it (model from `create_model`, AdamW from `training.run.run_optimizer`, gradient
 accumulation over micro-batches), but from abstract state: every array is a
 `jax.ShapeDtypeStruct` with its `NamedSharding` on the target's mesh, so nothing is allocated.
 """
@@ -220,23 +220,12 @@ def _abstract_training_state(run, model_cfg, strategy, mesh):
     """(model, optimizer) with abstract arrays, built by the product's own code."""
     from flax import nnx
 
-    from training import optim
+    from training.run import run_optimizer
     from zoo import create_model
 
     def build():
         model = create_model(model_cfg, strategy, rngs=nnx.Rngs(run.training.seed))
-        tx, _ = optim.make_optimizer(
-            learning_rate=run.optimizer.learning_rate,
-            warmup_steps=run.optimizer.warmup_steps,
-            total_steps=run.decay_steps,
-            end_learning_rate_ratio=run.optimizer.end_learning_rate_ratio,
-            b1=run.optimizer.b1,
-            b2=run.optimizer.b2,
-            eps=run.optimizer.eps,
-            weight_decay=run.optimizer.weight_decay,
-            clip_grad_norm=run.optimizer.clip_grad_norm,
-            decay_norms_and_embeddings=run.optimizer.decay_norms_and_embeddings,
-        )
+        tx, _ = run_optimizer(run)
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     with jax.set_mesh(mesh):

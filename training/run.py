@@ -71,7 +71,7 @@ class Setup:
 
         from shardings import check_batch, get_strategy
         from shardings.hybrid import crossing_axes
-        from training import data, flops, optim
+        from training import data, flops
         from training.distributed import to_global
         from training.loop import Trainer
         from training.tokenizers import make_tokenizer
@@ -132,18 +132,7 @@ class Setup:
                     f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                     f"{tokenizer.vocab_size} ids ({run.data.tokenizer}); {fix}"
                 )
-            tx, self.schedule = optim.make_optimizer(
-                learning_rate=run.optimizer.learning_rate,
-                warmup_steps=run.optimizer.warmup_steps,
-                total_steps=run.decay_steps,
-                end_learning_rate_ratio=run.optimizer.end_learning_rate_ratio,
-                b1=run.optimizer.b1,
-                b2=run.optimizer.b2,
-                eps=run.optimizer.eps,
-                weight_decay=run.optimizer.weight_decay,
-                clip_grad_norm=run.optimizer.clip_grad_norm,
-                decay_norms_and_embeddings=run.optimizer.decay_norms_and_embeddings,
-            )
+            tx, self.schedule = run_optimizer(run)
             optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         self.model_cfg, self.model, self.optimizer = model_cfg, model, optimizer
         self.trainer = Trainer(
@@ -213,6 +202,25 @@ class Setup:
             # Atomically: a run killed here must not leave a half-written record behind.
             write_json_atomic(os.path.join(workdir, "run_info.json"), self.run_info)
         return self.start_step
+
+
+def run_optimizer(run):
+    """(optax transformation, learning-rate schedule) of a run config: the one place the
+    optimizer section becomes an optimizer, for training and for the planner alike."""
+    from training import optim
+
+    return optim.make_optimizer(
+        learning_rate=run.optimizer.learning_rate,
+        warmup_steps=run.optimizer.warmup_steps,
+        total_steps=run.decay_steps,
+        end_learning_rate_ratio=run.optimizer.end_learning_rate_ratio,
+        b1=run.optimizer.b1,
+        b2=run.optimizer.b2,
+        eps=run.optimizer.eps,
+        weight_decay=run.optimizer.weight_decay,
+        clip_grad_norm=run.optimizer.clip_grad_norm,
+        decay_norms_and_embeddings=run.optimizer.decay_norms_and_embeddings,
+    )
 
 
 def check_attention(model_cfg, mesh, seq_len: int) -> str:
