@@ -60,7 +60,7 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     from training.checkpoint import restore_params
     from training.run import check_attention
     from zoo import create_model
-    from zoo.build import check_model_fits, model_class
+    from zoo.build import check_model_fits, fit_vocab, model_class
 
     strategy = get_strategy(settings.strategy)
     # Evaluation takes no gradients: what the backward pass would keep does not matter, and
@@ -72,6 +72,9 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     # The run's attention backend must run here (a TPU run's splash on a CPU host does not):
     # one line now, not an error deep in the compile.
     check_attention(cfg, mesh, settings.seq_len)
+    # The run's padded vocab (if any) where it divides this mesh's split, else padded anew
+    # (restore_params then pads or cuts the rows that hold no token).
+    cfg = fit_vocab(cfg, strategy, mesh)
     check_model_fits(cfg, strategy, mesh)
     with jax.set_mesh(mesh):
         # Shapes only: the checkpoint's arrays are read straight into the layout, so the model

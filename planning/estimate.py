@@ -65,7 +65,7 @@ def recompute_flops_per_token(cfg, seq_len: int, remat: str) -> float:
     """
     if remat == "none":
         return 0.0
-    M, V, N, D = cfg.hidden_dim, cfg.vocab_size, cfg.num_heads, cfg.head_dim
+    M, V, N, D = cfg.hidden_dim, cfg.vocab_rows, cfg.num_heads, cfg.head_dim
     attention_forward = 0.0
     for window in cfg.layer_windows():
         attention_forward += 4.0 * N * D * causal_keys_per_query(seq_len, window or None)

@@ -50,7 +50,9 @@ LOGICAL_DIMS: dict[str, str | None] = {
     "heads": "num_heads",  # N of the query projection and query heads
     "kv_heads": "num_kv_heads",  # K of the key/value projections, heads and cache
     "ffn": "ffn_dim",  # F of the MLP
-    "vocab": "vocab_size",  # V of the LM head and the logits
+    # V of the LM head and the logits: no limit on the axis, since a vocab that does not
+    # divide is padded until it does (zoo.build.fit_vocab).
+    "vocab": None,
     "expert": "num_experts",  # E of the stacked MoE expert weights
     "expert_ffn": "moe_ffn_dim",  # F of one MoE expert
 }
@@ -102,9 +104,9 @@ class Strategy:
         1 on one host); the other axes share the devices of one slice. In `axes` order,
         every axis but `data` gets the largest size that divides the devices left and every
         `config` size the axis splits (the config fields of the dims its rules name: heads,
-        kv heads, FFN width, vocab, M), at most its cap; `data` takes the rest. Without a
-        config those sizes are unknown, so such an axis gets 1: the one mesh every model
-        accepts (pass `config` to get a split).
+        kv heads, FFN width, M; not the vocab, which is padded to fit), at most its cap;
+        `data` takes the rest. Without a config those sizes are unknown, so such an axis
+        gets 1: the one mesh every model accepts (pass `config` to get a split).
         """
         sizes = {}
         if REPLICA in self.axes:

@@ -19,8 +19,9 @@ from training.loop import Trainer
 
 def abstract_trainer(cfg, strategy, mesh, *, packed: bool = True) -> Trainer:
     """A Trainer over shape-only model and AdamW state, laid out by `strategy` on `mesh`."""
-    from zoo.build import model_class
+    from zoo.build import fit_vocab, model_class
 
+    cfg = fit_vocab(cfg, strategy, mesh)
     tx, _ = optim.make_optimizer(learning_rate=1e-3, warmup_steps=1, total_steps=10)
 
     def build():

@@ -57,6 +57,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
 from training import integrity
+from zoo.layers.decoder import VOCAB_DIMS
 
 CHECKPOINT_SUBDIR = "checkpoints"
 INVALID_SUBDIR = "invalid"
@@ -187,11 +188,24 @@ def _abstract(tree):
     return jax.tree.map(target, tree)
 
 
-def check_fits(saved_tree: Mapping, live_tree: Mapping, what: str) -> None:
+def _vocab_dim(path: str) -> int | None:
+    """The vocab dim of a saved array's path (a param, or optimizer state shaped like one),
+    or None."""
+    for key, dim in VOCAB_DIMS.items():
+        if path == key or path.endswith("/" + key):
+            return dim
+    return None
+
+
+def check_fits(
+    saved_tree: Mapping, live_tree: Mapping, what: str, *, vocab_padding_differs: bool = False
+) -> bool:
     """One-line ValueError naming every array whose saved shape or dtype differs, or that only
-    one side has."""
+    one side has. With `vocab_padding_differs` (the saved model has the same vocabulary, padded
+    for another mesh: zoo.build.fit_vocab), arrays may differ in their vocab dim alone; returns
+    whether any does (then the restore pads or cuts those rows, which hold no token)."""
     saved, live = _flatten(saved_tree), _flatten(live_tree)
-    diffs = []
+    diffs, resized = [], False
     for path in sorted(saved.keys() | live.keys()):
         if path not in live:
             diffs.append(f"{path} saved {tuple(saved[path].shape)} but not in the model")
@@ -200,11 +214,21 @@ def check_fits(saved_tree: Mapping, live_tree: Mapping, what: str) -> None:
         else:
             s, m = saved[path], live[path]
             if tuple(s.shape) != tuple(m.shape):
-                diffs.append(f"{path} saved {tuple(s.shape)} vs model {tuple(m.shape)}")
+                dim = _vocab_dim(path) if vocab_padding_differs else None
+                others = [d for d in range(len(m.shape)) if d != dim]
+                if (
+                    dim is not None
+                    and len(s.shape) == len(m.shape)
+                    and all(s.shape[d] == m.shape[d] for d in others)
+                ):
+                    resized = True
+                else:
+                    diffs.append(f"{path} saved {tuple(s.shape)} vs model {tuple(m.shape)}")
             elif np.dtype(s.dtype) != np.dtype(m.dtype):
                 diffs.append(f"{path} saved {np.dtype(s.dtype)} vs model {np.dtype(m.dtype)}")
     if diffs:
         raise ValueError(f"checkpoint does not fit the {what}: " + "; ".join(diffs))
+    return resized
 
 
 def _params(model) -> dict:
@@ -221,9 +245,14 @@ def _put_back(module, var_filter, restored: dict) -> None:
     nnx.update(module, state)
 
 
-def _restore(step_dir: str, what: str, args: dict[str, Any]) -> dict:
+def _restore(step_dir: str, what: str, args: dict[str, Any], model_cfg=None) -> dict:
     """Read `args`' items from `step_dir`, shape-checking the tree items against their
-    targets before any array is read."""
+    targets before any array is read. `model_cfg`: the live model's config, whose vocabulary
+    padding may differ from the saved one's (then those rows are padded or cut)."""
+    same_vocab = False
+    if model_cfg is not None:
+        saved_cfg = (_read_meta(step_dir).get("run_info") or {}).get("model_config") or {}
+        same_vocab = saved_cfg.get("vocab_size") == model_cfg.vocab_size
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_handlers()))
     try:
         try:
@@ -232,12 +261,17 @@ def _restore(step_dir: str, what: str, args: dict[str, Any]) -> dict:
             raise CorruptCheckpointError(
                 f"checkpoint {step_dir} cannot be read ({_one_line(e)})"
             ) from e
+        args = dict(args)
         for item in _TREE_ITEMS:
             if item in args:
                 saved = getattr(metadata.get(item), "tree", None)
                 if saved is None:
                     raise CorruptCheckpointError(f"checkpoint {step_dir} holds no {item} tree")
-                check_fits(saved, args[item].item, what if item == "params" else "optimizer")
+                target = args[item].item
+                name = what if item == "params" else "optimizer"
+                if check_fits(saved, target, name, vocab_padding_differs=same_vocab):
+                    # Orbax pads (zeros) or cuts arrays to the target's shape when not strict.
+                    args[item] = ocp.args.StandardRestore(target, strict=False)
         try:
             return checkpointer.restore(step_dir, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 -- tensorstore/OCDBT errors past the checksums
@@ -382,7 +416,7 @@ class Checkpointer:
             _check_data_state(step_dir)
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         args["meta"] = ocp.args.JsonRestore()
-        restored = _restore(step_dir, "model", args)
+        restored = _restore(step_dir, "model", args, getattr(model, "cfg", None))
         _put_back(model, nnx.Param, restored["params"])
         if optimizer is not None:
             _put_back(optimizer, nnx.optimizer.OptState, restored["opt_state"])
@@ -468,11 +502,7 @@ def _check_data_state(step_dir: str) -> None:
 # ----------------------------------------------------------------------------- evaluation side
 
 
-def read_meta(workdir: str, step: int | None = None) -> tuple[int, dict]:
-    """(step, meta) of the latest complete checkpoint (or `step`) without reading arrays."""
-    directory = checkpoint_dir(workdir)
-    step = _resolve_step(directory, step)
-    step_dir = os.path.join(directory, str(step))
+def _read_meta(step_dir: str) -> dict:
     checkpointer = ocp.Checkpointer(
         ocp.CompositeCheckpointHandler(meta=ocp.JsonCheckpointHandler())
     )
@@ -486,7 +516,14 @@ def read_meta(workdir: str, step: int | None = None) -> tuple[int, dict]:
         ) from e
     finally:
         checkpointer.close()
-    return step, dict(restored["meta"])
+    return dict(restored["meta"])
+
+
+def read_meta(workdir: str, step: int | None = None) -> tuple[int, dict]:
+    """(step, meta) of the latest complete checkpoint (or `step`) without reading arrays."""
+    directory = checkpoint_dir(workdir)
+    step = _resolve_step(directory, step)
+    return step, _read_meta(os.path.join(directory, str(step)))
 
 
 def restore_params(workdir: str, model, step: int | None = None) -> int:
@@ -505,6 +542,6 @@ def restore_params(workdir: str, model, step: int | None = None) -> int:
             raise
         raise CorruptCheckpointError(f"{e}; choose another with --step (steps: {others})") from None
     args = {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
-    restored = _restore(step_dir, "model", args)
+    restored = _restore(step_dir, "model", args, getattr(model, "cfg", None))
     _put_back(model, nnx.Param, restored["params"])
     return step

@@ -59,8 +59,9 @@ def compile_train_step(
     """The compiled train step of `model_cfg` under `strategy` on `mesh` (abstract arrays)."""
     from training.loop import Trainer
     from training.optim import make_optimizer
-    from zoo.build import check_model_fits, model_class
+    from zoo.build import check_model_fits, fit_vocab, model_class
 
+    model_cfg = fit_vocab(model_cfg, strategy, mesh)
     check_model_fits(model_cfg, strategy, mesh)
     cls, sharding = model_class(model_cfg), strategy.lm_sharding()
     with jax.set_mesh(mesh):

@@ -122,6 +122,7 @@ class Setup:
                 model_cfg = model.cfg
             else:
                 model = _create_model(model_cfg, strategy, run.training.seed)
+                model_cfg = model.cfg  # with its vocab padding, if the mesh needs one
             if model_cfg.vocab_size < tokenizer.vocab_size:
                 fix = (
                     "use the checkpoint's own tokenizer (--config.data.tokenizer=<its dir>)"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
+
 import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -10,7 +13,19 @@ from shardings.mesh import check_divisible
 from zoo.layers.config import DecoderConfig
 from zoo.registry import family_for_config, get_config
 
-__all__ = ["get_config", "model_class", "param_layouts", "check_model_fits", "create_model"]
+__all__ = [
+    "get_config",
+    "model_class",
+    "param_layouts",
+    "fit_vocab",
+    "check_model_fits",
+    "create_model",
+]
+
+# Megatron's and MaxText's rule: a padded vocab is a multiple of 128 per vocab shard, so every
+# shard's slice of the LM head is lane-aligned on TPU and a whole number of GPU tiles.
+VOCAB_PAD_MULTIPLE = 128
+_log = logging.getLogger(__name__)
 
 
 def model_class(cfg: DecoderConfig):
@@ -38,6 +53,51 @@ def _abstract(cfg: DecoderConfig, strategy):
         return nnx.eval_shape(lambda: cls(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0)))
 
 
+def _split_size(spec, dim: int, mesh) -> int:
+    """How many ways `spec` splits dim `dim` on `mesh` (1 when it does not)."""
+    entry = (*tuple(spec or ()), *(None,) * (dim + 1))[dim]
+    axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def vocab_shards(strategy, mesh) -> int:
+    """How many ways the strategy splits the vocab dim on `mesh`: of the logits, the LM head
+    and the embedding table (their least common multiple; 1 when none is split)."""
+    lm = strategy.lm_sharding()
+    return math.lcm(
+        _split_size(lm.lm_head.out, 2, mesh),
+        _split_size(lm.lm_head.weight, 1, mesh),
+        _split_size(lm.embed.table, 0, mesh),
+    )
+
+
+def fit_vocab(cfg: DecoderConfig, strategy, mesh) -> DecoderConfig:
+    """`cfg` with the vocab padded where its rows do not divide the vocab split on `mesh`.
+
+    Only then: a vocabulary that divides (Llama's 128256 over 8) keeps its exact size, and
+    so do its checkpoints. A padded size already in `cfg` (a checkpoint's) that divides is
+    kept. Else V rounds up to a multiple of 128 x the shards (GPT-2's 50257 over `model`=2:
+    50432); the padded rows are never looked up and their logits are masked, so the numbers
+    are those of the unpadded model. Checkpoints and Hugging Face files convert between
+    paddings (training/checkpoint.py, zoo/hf_io.py).
+    """
+    shards = vocab_shards(strategy, mesh)
+    if cfg.vocab_rows % shards == 0:
+        return cfg
+    multiple = VOCAB_PAD_MULTIPLE * shards
+    padded = -(-cfg.vocab_size // multiple) * multiple
+    _log.info(
+        "vocab_size=%d does not divide over the %d-way vocab split of %s: padded to %d rows "
+        "(the %d extra logits are masked out of the loss and of generation)",
+        cfg.vocab_size,
+        shards,
+        strategy.name,
+        padded,
+        padded - cfg.vocab_size,
+    )
+    return cfg.replace(padded_vocab_size=padded)
+
+
 def param_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[int, ...], object]]:
     """(path, shape, declared spec) of every parameter, in tree order."""
     state = nnx.state(_abstract(cfg, strategy), nnx.Param)
@@ -58,7 +118,7 @@ def activation_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[in
         cfg.num_kv_heads,
         cfg.head_dim,
         cfg.ffn_dim,
-        cfg.vocab_size,
+        cfg.vocab_rows,
     )
     # Batch and sequence are 1 here and unsplit: they are checked where the batch is made
     # (check_batch).
@@ -73,7 +133,9 @@ def activation_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[in
 
 
 def check_model_fits(cfg: DecoderConfig, strategy, mesh) -> None:
-    """Raise ValueError naming the first array whose split does not divide its dim."""
+    """Raise ValueError naming the first array whose split does not divide its dim (the
+    vocab, padded by `fit_vocab` as the model will be, always does)."""
+    cfg = fit_vocab(cfg, strategy, mesh)
     check_divisible(param_layouts(cfg, strategy), mesh, strategy.name)
     check_divisible(activation_layouts(cfg, strategy), mesh, strategy.name)
 
@@ -82,7 +144,8 @@ def create_model(cfg: DecoderConfig, strategy, *, rngs: nnx.Rngs, mesh=None):
     """Build the model for the active mesh (`jax.set_mesh`) or `mesh`.
 
     Parameters are created inside one jit, each directly with its layout, so no device ever
-    holds a full copy of the model.
+    holds a full copy of the model. A vocab that does not divide its split is padded
+    (`fit_vocab`): the model's `cfg` then differs from `cfg` in `padded_vocab_size`.
     """
     mesh = mesh or jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
@@ -92,6 +155,7 @@ def create_model(cfg: DecoderConfig, strategy, *, rngs: nnx.Rngs, mesh=None):
         raise ValueError(
             f"mesh axes {mesh.axis_names} lack {missing}, which strategy {strategy.name!r} uses"
         )
+    cfg = fit_vocab(cfg, strategy, mesh)
     check_model_fits(cfg, strategy, mesh)
     cls = model_class(cfg)
     sharding = strategy.lm_sharding()

@@ -46,6 +46,7 @@ from zoo.hf_mapping import (
     read_hf_config,
 )
 from zoo.layers.config import DecoderConfig
+from zoo.layers.decoder import VOCAB_DIMS
 from zoo.registry import Family
 from zoo.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -95,14 +96,32 @@ class _Plan:
         return self.names[r.hf.format(i=layer)] if r.per_layer else self.names[r.hf]
 
 
-def _our_shapes(flat) -> dict[str, tuple[int, ...]]:
-    """Our key -> one layer's shape (stacked params lose their leading L)."""
+def _on_file(key: str, shape: tuple[int, ...], cfg: DecoderConfig) -> tuple[int, ...]:
+    """Our param `key`'s shape as a checkpoint holds it: a padded vocab dim
+    (cfg.padded_vocab_size) at the true V. Hugging Face files always carry the true V."""
+    dim = VOCAB_DIMS.get(key)
+    if dim is None or cfg.vocab_rows == cfg.vocab_size:
+        return shape
+    return (*shape[:dim], cfg.vocab_size, *shape[dim + 1 :])
+
+
+def _drop_vocab_padding(key: str, x: np.ndarray, cfg: DecoderConfig) -> np.ndarray:
+    """Our param `key` with its padded vocab dim (if any) cut back to the true V."""
+    dim = VOCAB_DIMS.get(key)
+    if dim is None or cfg.vocab_rows == cfg.vocab_size:
+        return x
+    return x[(slice(None),) * dim + (slice(cfg.vocab_size),)]
+
+
+def _our_shapes(flat, cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Our key -> one layer's shape as the checkpoint holds it (stacked params lose their
+    leading L; a padded vocab dim is the true V)."""
     shapes = {}
     for var_path, var in flat:
         key, layer = _param_key(var_path)
         shape = tuple(var.get_value().shape)
         stacked = key.startswith("blocks/") and layer is None
-        shapes[key] = shape[1:] if stacked else shape
+        shapes[key] = _on_file(key, shape[1:] if stacked else shape, cfg)
     return shapes
 
 
@@ -264,12 +283,13 @@ def from_pretrained(path: str, strategy, *, mesh=None, **overrides):
     tensors are missing, misshapen or unexpected, before any device memory is used.
     """
     from shardings.strategies import get_strategy
-    from zoo.build import check_model_fits
+    from zoo.build import check_model_fits, fit_vocab
 
     if isinstance(strategy, str):
         strategy = get_strategy(strategy)
     fam, cfg = family_and_config(path, overrides)
     mesh = _concrete_mesh(mesh)
+    cfg = fit_vocab(cfg, strategy, mesh)
     check_model_fits(cfg, strategy, mesh)
     reader = CheckpointReader(path)
     cls = fam.model_cls
@@ -282,7 +302,7 @@ def from_pretrained(path: str, strategy, *, mesh=None, **overrides):
         if not isinstance(var, nnx.Param):
             name = "/".join(map(str, var_path))
             raise ValueError(f"{name}: a {type(var).__name__}, which no checkpoint holds")
-    plan = _plan(fam, cfg, reader, _our_shapes(flat))
+    plan = _plan(fam, cfg, reader, _our_shapes(flat, cfg))
 
     for var_path, var in flat:
         key, layer = _param_key(var_path)
@@ -291,7 +311,10 @@ def from_pretrained(path: str, strategy, *, mesh=None, **overrides):
         if plan.rules[key][0].per_expert:
             callback = _expert_shard_reader(plan, reader, key, layer, shape)
         else:
-            host = _host_param(plan, reader, key, layer, shape)
+            host = _host_param(plan, reader, key, layer, _on_file(key, shape, cfg))
+            # A padded vocab's extra rows start at zero (never looked up; logits masked).
+            extra = [(0, ours - on_file) for ours, on_file in zip(shape, host.shape, strict=True)]
+            host = np.pad(host, extra)
             callback = lambda index, host=host: host[index]  # noqa: E731
         array = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), callback)
         var.set_value(array)
@@ -334,6 +357,7 @@ def save_pretrained(model, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHAR
                 _save_experts(r, experts, cfg.num_layers, writer_process and writer)
                 continue
             ours = [_gather(params[k]) for k in r.ours]  # per layer: a list, else one array
+            ours = [_drop_vocab_padding(k, o, cfg) for k, o in zip(r.ours, ours, strict=True)]
             if not writer_process:
                 continue
             if r.per_layer:

@@ -20,7 +20,15 @@ from zoo.registry import FAMILIES, Family, family_for_config
 
 CONFIG_FILE = "config.json"
 # Config fields that say how to run a model, not what it is: never in config.json.
-RUNTIME_FIELDS = ("dtype", "scan_layers", "remat", "attention_impl", "attention_interpret")
+# Config fields a checkpoint does not fix: how to run, and the vocab padding of a layout.
+RUNTIME_FIELDS = (
+    "dtype",
+    "scan_layers",
+    "remat",
+    "attention_impl",
+    "attention_interpret",
+    "padded_vocab_size",
+)
 
 # --- layout changes between a Hugging Face tensor and ours -------------------------------
 

@@ -23,7 +23,16 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
-def head_logits(x_BCM, weight, *, tied: bool, dtype, out_spec, softcap: float | None):
+def head_logits(
+    x_BCM,
+    weight,
+    *,
+    tied: bool,
+    dtype,
+    out_spec,
+    softcap: float | None,
+    vocab_size: int | None = None,
+):
     """float32 logits `[B, C, V]` for hidden states `x_BCM` (`out_spec`: their layout).
 
     A chunk of a sequence-split row comes as `[B, S, C, M]` (S: the T shards); its logits
@@ -31,7 +40,10 @@ def head_logits(x_BCM, weight, *, tied: bool, dtype, out_spec, softcap: float | 
 
     `weight` is the LM head `[M, V]`, or with `tied` the embedding table `[V, M]`; both are
     cast to the compute `dtype` here, so the caller differentiates the float32 parameter.
-    `softcap`: Gemma's `cap * tanh(z / cap)` on the final logits, or None.
+    `softcap`: Gemma's `cap * tanh(z / cap)` on the final logits, or None. Columns from
+    `vocab_size` on (a padded vocab's; None: all are tokens) are set to the lowest float32,
+    so they weigh nothing in a softmax or log-sum-exp, an argmax never picks them, and no
+    gradient reaches them.
     """
     eq = "...M,VM->...V" if tied else "...M,MV->...V"
     if out_spec is not None and x_BCM.ndim == 4:
@@ -41,18 +53,41 @@ def head_logits(x_BCM, weight, *, tied: bool, dtype, out_spec, softcap: float | 
     ).astype(jnp.float32)
     if softcap:
         logits_BCV = softcap * jnp.tanh(logits_BCV / softcap)
+    if vocab_size is not None and logits_BCV.shape[-1] > vocab_size:
+        logits_BCV = jnp.where(
+            _vocab_ids(logits_BCV) < vocab_size, logits_BCV, jnp.finfo(jnp.float32).min
+        )
     return logits_BCV
+
+
+def _vocab_ids(logits_BCV):
+    """The vocab id of every logit, laid out like the logits: each shard builds only the ids
+    it owns (nothing of size V is materialised; the comparisons fuse)."""
+    sharding = jax.typeof(logits_BCV).sharding
+    spec = None if sharding.mesh.empty else sharding.spec
+    last = logits_BCV.ndim - 1
+    return jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, last, out_sharding=spec)
+
+
+def drop_vocab_padding(logits_BTV, vocab_size: int):
+    """`logits_BTV[..., :vocab_size]`: the true vocabulary's logits of a padded head.
+
+    The padded V is split over devices and the true one need not divide, so the columns are
+    gathered (V whole on every device) before the slice; without padding, nothing happens.
+    """
+    if logits_BTV.shape[-1] == vocab_size:
+        return logits_BTV
+    sharding = jax.typeof(logits_BTV).sharding
+    if not sharding.mesh.empty:
+        spec = (*tuple(sharding.spec), *(None,) * logits_BTV.ndim)[: logits_BTV.ndim - 1]
+        logits_BTV = jax.sharding.reshard(logits_BTV, P(*spec, None))
+    return logits_BTV[..., :vocab_size]
 
 
 def chunk_nll(logits_BCV, targets_BC):
     """log-sum-exp minus the target's logit, per position, without a one-hot."""
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    sharding = jax.typeof(logits_BCV).sharding
-    # The vocab ids, laid out like the logits: each shard compares only the ids it owns.
-    spec = None if sharding.mesh.empty else sharding.spec
-    last = logits_BCV.ndim - 1
-    vocab_ids_BCV = jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, last, out_sharding=spec)
-    is_target_BCV = vocab_ids_BCV == targets_BC[..., None]
+    is_target_BCV = _vocab_ids(logits_BCV) == targets_BC[..., None]
     target_logit_BC = jnp.sum(jnp.where(is_target_BCV, logits_BCV, 0.0), axis=-1)
     return lse_BC - target_logit_BC
 

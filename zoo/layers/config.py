@@ -29,7 +29,7 @@ def causal_keys_per_query(seq_len: int, window: int | None = None) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    vocab_size: int
+    vocab_size: int  # V, the token ids the model knows (a tokenizer's size)
     hidden_dim: int  # M, the residual width
     num_layers: int  # L
     num_heads: int  # N, query heads
@@ -37,6 +37,10 @@ class DecoderConfig:
     head_dim: int  # D
     ffn_dim: int  # F
     max_seq_len: int = 8192  # KV-cache length, and the table size of learned positions
+    # Rows of the embedding table and columns of the LM head when more than V (0: exactly V).
+    # Set by zoo.build.fit_vocab where V does not divide the mesh axes the vocab is split on
+    # (GPT-2's 50257 under `tp`); the extra logits are masked out, never predicted.
+    padded_vocab_size: int = 0
 
     norm: str = "rms"  # 'rms' | 'layer' (LayerNorm with bias, GPT-2)
     norm_eps: float = 1e-5
@@ -98,6 +102,11 @@ class DecoderConfig:
                 f"{self.num_kv_heads}; grouped-query attention needs K | N"
             )
         remat.check_name(self.remat)
+        if self.padded_vocab_size and self.padded_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"padded_vocab_size={self.padded_vocab_size} is below vocab_size="
+                f"{self.vocab_size}; it is 0 (no padding) or at least vocab_size"
+            )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}; valid: float32, bfloat16")
         if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
@@ -121,6 +130,11 @@ class DecoderConfig:
             bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if bad:
                 raise ValueError(f"layer_types {bad} unknown; valid: {', '.join(LAYER_TYPES)}")
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding table (and LM head columns): V, or V padded."""
+        return max(self.vocab_size, self.padded_vocab_size)
 
     @property
     def compute_dtype(self):
@@ -210,6 +224,7 @@ class DecoderConfig:
             f"{type(self).__name__}: {n / scale:.{1 if math.log10(n) > 7 else 2}f}{unit} params,"
             f" L={self.num_layers} M={self.hidden_dim} N={self.num_heads} K={self.num_kv_heads}"
             f" D={self.head_dim} F={self.ffn_dim} V={self.vocab_size}"
+            + (f" (padded to {self.vocab_rows})" if self.vocab_rows > self.vocab_size else "")
             + (
                 f" E={self.num_experts} k={self.num_experts_per_tok} F_expert={self.moe_ffn_dim}"
                 if self.is_moe

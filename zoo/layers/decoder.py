@@ -21,7 +21,11 @@ from zoo.layers.config import DecoderConfig
 from zoo.layers.kv_cache import KVCache, LayerCache
 from zoo.layers.mlp import Mlp
 from zoo.layers.moe import Moe, moe_stats
-from zoo.lm_head_loss import chunked_token_nll, head_logits
+from zoo.lm_head_loss import chunked_token_nll, drop_vocab_padding, head_logits
+
+# Params with a vocab dim, by path, and which dim it is: the rows a padded vocab
+# (cfg.padded_vocab_size) adds, which checkpoints and Hugging Face files convert.
+VOCAB_DIMS = {"embed/table": 0, "lm_head/weight": 1}
 
 
 class Block(nnx.Module):
@@ -71,7 +75,8 @@ class DecoderLM(nnx.Module):
     def __init__(self, cfg: DecoderConfig, sharding: LmSharding, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.sharding = sharding
-        V, M, dtype = cfg.vocab_size, cfg.hidden_dim, cfg.compute_dtype
+        # V here is the table's rows: the vocabulary, padded when it must divide its split.
+        V, M, dtype = cfg.vocab_rows, cfg.hidden_dim, cfg.compute_dtype
         self.embed = Embed(V, M, sharding.embed, rngs=rngs, dtype=dtype)
         self.position_embed = (
             Embed(cfg.max_seq_len, M, sharding.position_embed, rngs=rngs, dtype=dtype)
@@ -127,11 +132,13 @@ class DecoderLM(nnx.Module):
         """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
 
         `router_stats=True` (no cache) returns (logits, MoeStats or None for a dense model).
+        V is the true vocabulary: with a padded one (`cfg.padded_vocab_size`) the padding
+        columns are dropped, which gathers the logits over the vocab split first.
         """
         x_BTM, new_cache, stats = self.hidden(
             tokens_BT, segment_ids=segment_ids, positions=positions, cache=cache, packed=packed
         )
-        logits_BTV = self._logits(x_BTM)
+        logits_BTV = drop_vocab_padding(self._logits(x_BTM), self.cfg.vocab_size)
         if router_stats:
             return logits_BTV, stats
         return logits_BTV if cache is None else (logits_BTV, new_cache)
@@ -287,11 +294,13 @@ class DecoderLM(nnx.Module):
                 dtype=cfg.compute_dtype,
                 out_spec=self.sharding.lm_head.out,
                 softcap=cfg.final_logit_softcap,
+                vocab_size=cfg.vocab_size,
             )
 
         return weight, logits_fn
 
     def _logits(self, x_BTM):
+        """float32 logits over the table's rows, the padding columns (if any) masked."""
         with jax.named_scope("lm_head"):
             weight, logits_fn = self._head()
             return logits_fn(x_BTM, weight)
