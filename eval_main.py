@@ -30,6 +30,13 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+if __name__ == "__main__":
+    # glibc reads its tunables when a process starts: restart now (before anything heavy is
+    # loaded) with huge pages for the host allocator where that helps (training/cpu_memory.py).
+    from training.cpu_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages()
+
 from training.xla_cpu import set_cpu_flags  # noqa: E402
 
 set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins

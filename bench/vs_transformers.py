@@ -19,7 +19,9 @@ Compilation (JAX) and warm-up steps (both) come before round 1 and are reported 
 1-minute load average is read before every round: this machine's other users slow both
 stacks, and a figure is only worth its load.
 
-JAX runs with the project's CPU flags (training/xla_cpu.py); ZOO_XLA_CPU_DEFAULTS=0 drops them.
+JAX runs with the project's CPU flags (training/xla_cpu.py) and, as train_main does, huge pages
+for the host allocator where the host allows them (training/cpu_memory.py);
+ZOO_XLA_CPU_DEFAULTS=0 drops both.
 """
 
 from __future__ import annotations
@@ -233,7 +235,20 @@ class Worker:
         self.process = ctx.Process(
             target=_worker, args=(stack_name, checkpoint, tokens, child, perturb), daemon=True
         )
-        self.process.start()
+        # The project's processes run with huge pages for the host allocator where that helps
+        # (training/cpu_memory.py: train_main and eval_main restart with it); torch's as a user
+        # starts it. A spawned worker takes the environment it is started with.
+        saved = dict(os.environ)
+        if stack_name == "jax":
+            sys.path.insert(0, ROOT)
+            from training.cpu_memory import huge_page_environ
+
+            os.environ.update(huge_page_environ(os.environ) or {})
+        try:
+            self.process.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         self._expect()
 
     def _expect(self):
@@ -385,6 +400,14 @@ def main() -> None:
     from training.xla_cpu import set_cpu_flags
 
     print(repr(set_cpu_flags(dict(os.environ))), flush=True)
+    from training.cpu_memory import huge_page_environ
+
+    huge = huge_page_environ(os.environ)
+    print(
+        "GLIBC_TUNABLES for the project: "
+        + repr(huge["GLIBC_TUNABLES"] if huge else os.environ.get("GLIBC_TUNABLES", "")),
+        flush=True,
+    )
     ctx = mp.get_context("spawn")
     rows = []
     for name in names:
