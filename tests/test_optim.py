@@ -113,6 +113,8 @@ def test_global_norm_clipping_precedes_adam():
 def test_bad_schedule_lengths_raise():
     with pytest.raises(ValueError, match="warmup_steps"):
         make_optimizer(learning_rate=1e-3, warmup_steps=20, total_steps=10)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        make_optimizer(learning_rate=1e-3, warmup_steps=10, total_steps=10)
 
 
 # --- gradient accumulation ---------------------------------------------------------------

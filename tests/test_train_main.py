@@ -197,6 +197,8 @@ def test_init_from_with_a_too_small_vocab_is_a_usage_error(tmp_path):
     ("change", "message"),
     [
         (lambda c: c.optimizer.update({"warmup_steps": 10**6}), "optimizer.warmup_steps"),
+        # A warmup as long as the run leaves the cosine decay no step (optax refuses it).
+        (lambda c: c.optimizer.update({"warmup_steps": 200}), "must be < the schedule length"),
         (lambda c: c.model.update({"remat": "some"}), "valid: none, full, dots"),
         (lambda c: c.data.update({"validation_fraction": 1.5}), "data.validation_fraction"),
         (lambda c: c.optimizer.update({"micro_batches": 3}), "must divide"),

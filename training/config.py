@@ -217,12 +217,14 @@ class RunConfig:
                 k,
                 f"must divide data.global_batch_size={self.data.global_batch_size}",
             )
-        if self.optimizer.warmup_steps > self.decay_steps:
+        # The cosine decay after the warmup needs at least one step.
+        if self.optimizer.warmup_steps >= self.decay_steps:
             _fail(
                 "optimizer",
                 "warmup_steps",
                 self.optimizer.warmup_steps,
-                f"must be <= the schedule length ({self.decay_steps} steps)",
+                f"must be < the schedule length ({self.decay_steps} steps: training.steps, "
+                "or optimizer.decay_steps when set)",
             )
 
     @property

@@ -102,9 +102,10 @@ def make_optimizer(
       (tx, schedule): the optax transformation and the step -> learning-rate function (for
       logging the rate actually used at a step).
     """
-    if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+    # optax's cosine decay needs at least one step after the warmup.
+    if total_steps < 1 or not 0 <= warmup_steps < total_steps:
         raise ValueError(
-            f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got "
+            f"need 0 <= warmup_steps < total_steps, got "
             f"warmup_steps={warmup_steps}, total_steps={total_steps}"
         )
     schedule = optax.warmup_cosine_decay_schedule(
