@@ -537,32 +537,21 @@ def _xla_attention(
     mask_BTS = attention_mask(segments, causal=causal, sliding_window=sliding_window)
     q_BTKGD = jnp.reshape(q_BTND, (B, T, K, G, D), out_sharding=spec("grouped"))
 
-    def one(q_BTKGD, k_BSKD, v_BSKD, mask_BTS):
-        # Logits, softmax and the weighted sum accumulate in float32 whatever the input dtype
-        # (as jax.nn.dot_product_attention and the cuDNN kernel do); probabilities are cast
-        # back to v's dtype for the second matmul.
-        logits_BKGTS = jnp.einsum(
-            "BTKGD,BSKD->BKGTS",
-            q_BTKGD,
-            k_BSKD,
-            preferred_element_type=jnp.float32,
-            out_sharding=spec("logits"),
-        )
-        logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS * scale, _MASKED_LOGIT)
-        probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKD.dtype)
-        return jnp.einsum(
-            "BKGTS,BSKD->BTKGD",
-            probs_BKGTS,
-            v_BSKD,
-            preferred_element_type=jnp.float32,
-            out_sharding=spec("grouped"),
-        )
-
     blocks = _causal_blocks(T, k_BSKD.shape[1], causal, sliding_window, self_attention, lay)
     if self_attention:
         out_BTKGD = _heads_major(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, blocks, scale, lay)
     else:
-        out_BTKGD = one(q_BTKGD, k_BSKD, v_BSKD, mask_BTS)
+        out_BTKGD = _attend(
+            "BTKGD,BSKD->BKGTS",
+            "BKGTS,BSKD->BTKGD",
+            q_BTKGD,
+            k_BSKD,
+            v_BSKD,
+            mask_BTS[:, None, None],
+            scale,
+            spec("logits"),
+            spec("grouped"),
+        )
     out_BTND = jnp.reshape(out_BTKGD, (B, T, N, D), out_sharding=spec("out"))
     out_BTND = out_BTND.astype(q_BTND.dtype)
     if lay is not None and out_sharding is not None:
@@ -572,15 +561,31 @@ def _xla_attention(
     return out_BTND
 
 
+def _attend(logits_eq, out_eq, q, k, v, mask, scale, logits_spec, out_spec):
+    """softmax(mask(q.k * scale)).v with the two einsums given; `mask` broadcasts to the logits.
+
+    Logits, softmax and the weighted sum accumulate in float32 whatever the input dtype (as
+    jax.nn.dot_product_attention and the cuDNN kernel do); probabilities are cast back to
+    v's dtype for the second matmul.
+    """
+    logits = jnp.einsum(
+        logits_eq, q, k, preferred_element_type=jnp.float32, out_sharding=logits_spec
+    )
+    logits = jnp.where(mask, logits * scale, _MASKED_LOGIT)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum(out_eq, probs, v, preferred_element_type=jnp.float32, out_sharding=out_spec)
+
+
 def _heads_major(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, blocks, scale, lay):
     """Self-attention with heads ahead of positions: logits [B, K, T, G, S], S minor.
 
     The [T, D]-sized q, k and v are transposed once so each (b, k) pair is a plain
     row-major [T*G, D] x [D, S] and [T*G, S] x [S, D] matmul: the [T, S]-sized logits and
     probabilities, which the token-major einsums made XLA CPU transpose before and after
-    each matmul, are then written and read once each in the order they are stored. On the
-    `small` model (4x512, CPU) this halves the attention forward and cuts its backward by
-    about a fifth (bench/vs_transformers.py).
+    each matmul, are then written and read once each in the order they are stored. At the
+    `small` model's shape (4x512, CPU) this halves the attention forward and cuts forward +
+    backward by about a fifth; the 3.4M model of bench/vs_transformers.py trains ~20% faster.
+    KV-cache calls (T != S) keep the token-major path: there it would transpose the cache.
     """
     qb, qt, kv_heads, group = (None,) * 4 if lay is None else tuple(lay.grouped)[:4]
     grouped = None if lay is None else P(qb, kv_heads, qt, group, None)
@@ -589,21 +594,16 @@ def _heads_major(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, blocks, scale, lay):
     v_BKSD = jnp.transpose(v_BSKD, (0, 2, 1, 3))
 
     def one(q_BKTGD, k_BKSD, v_BKSD, mask_BTS):
-        logits_BKTGS = jnp.einsum(
+        return _attend(
             "BKTGD,BKSD->BKTGS",
+            "BKTGS,BKSD->BKTGD",
             q_BKTGD,
             k_BKSD,
-            preferred_element_type=jnp.float32,
-            out_sharding=None if lay is None else P(qb, kv_heads, qt, group, None),
-        )
-        logits_BKTGS = jnp.where(mask_BTS[:, None, :, None], logits_BKTGS * scale, _MASKED_LOGIT)
-        probs_BKTGS = jax.nn.softmax(logits_BKTGS, axis=-1).astype(v_BKSD.dtype)
-        return jnp.einsum(
-            "BKTGS,BKSD->BKTGD",
-            probs_BKTGS,
             v_BKSD,
-            preferred_element_type=jnp.float32,
-            out_sharding=grouped,
+            mask_BTS[:, None, :, None],
+            scale,
+            grouped,
+            grouped,
         )
 
     if blocks is None:
