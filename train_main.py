@@ -193,7 +193,20 @@ def main(argv):
         setup.resume()
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         _usage_error(device_hint(e))
-    train(setup)
+    from training.loop import DivergedError
+
+    try:
+        train(setup)
+    except DivergedError as e:
+        # Not a mistake in the input (exit 2) nor a bug (a traceback): a run that failed.
+        print(
+            f"error: {e}; its metrics are in {os.path.join(workdir, 'metrics.jsonl')}; lower "
+            "--config.optimizer.learning_rate or raise --config.optimizer.warmup_steps, then "
+            "run again (the same --workdir resumes from the last save)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -31,6 +30,16 @@ from training.optim import accumulate_gradients
 from zoo.loss import token_nll
 
 Batch = Mapping[str, jax.Array]
+
+
+class DivergedError(FloatingPointError):
+    """The loss or the gradient norm stopped being finite. Raised before that step's state is
+    saved, so every checkpoint in the workdir holds finite parameters."""
+
+    def __init__(self, step: int, what: str, saved_step: int | None):
+        self.step, self.saved_step = step, saved_step
+        kept = "nothing was saved" if saved_step is None else f"the last save is step {saved_step}"
+        super().__init__(f"training diverged: {what} at step {step}; {kept}")
 
 
 def loss_sum(
@@ -241,17 +250,30 @@ def run(
     step = start_step
     tokens_seen = step * options.tokens_per_step
     interval_start, interval_steps = time.perf_counter(), 0
+    metrics: dict[str, jax.Array] = {}
+    saved_step = start_step or None  # resumed: the workdir holds that step
+
+    def check_finite(fetched) -> None:
+        # A finite loss with a non-finite gradient norm still writes NaN into the parameters.
+        for name in ("loss", "grad_norm"):
+            value = float(fetched[name])
+            if not math.isfinite(value):
+                raise DivergedError(step, f"{name} is {value}", saved_step)
 
     def save(force: bool) -> None:
+        nonlocal saved_step
         if checkpointer is None:
             return
         if not force and not (options.checkpoint_every and step % options.checkpoint_every == 0):
             return  # the checkpointer would skip it; do not sync the objects for nothing
+        if metrics:  # a step between log steps may have diverged: never save its state
+            check_finite(jax.device_get(metrics))
         model, optimizer = trainer.sync()
         meta = {"step": step, "seed": options.seed, "tokens_seen": tokens_seen}
-        checkpointer.save(
+        if checkpointer.save(
             step, model=model, optimizer=optimizer, data_iter=train_iter, meta=meta, force=force
-        )
+        ):
+            saved_step = step
 
     def validate() -> None:
         if make_val_batches is None:
@@ -290,8 +312,7 @@ def run(
                 record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
             writer.write(step, record)
             records.append({"step": step, **record})
-            if not np.isfinite(record["loss"]):
-                raise FloatingPointError(f"loss is {record['loss']} at step {step}")
+            check_finite(record)
         # Validation and saving sit outside the timed intervals.
         paused = time.perf_counter()
         if options.eval_every and step % options.eval_every == 0 and not last:

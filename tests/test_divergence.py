@@ -1,0 +1,51 @@
+"""A run whose loss stops being finite ends with exit status 1 and one line, and never saves
+a state with NaN in it, also at a save between two log steps."""
+
+import json
+import os
+import subprocess
+import sys
+
+from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
+
+from training.checkpoint import checkpoint_dir, complete_steps
+
+# A learning rate of 1e30 moves every parameter by ~1e30 in the first update (Adam's step is
+# ~lr per element whatever the gradient's scale): step 1's loss is the untrained one, step 2's
+# overflows float32 in the first norm. Saves every step, logs only at step 1 (the first step
+# is always logged) and step 10: step 2's save is what must notice.
+RUN = {
+    **SMALL_RUN,
+    "model.num_layers": 1,
+    "optimizer.learning_rate": 1e30,
+    "optimizer.warmup_steps": 0,
+    "training.steps": 4,
+    "training.eval_every": 0,
+    "logging.log_every": 10,
+    "checkpoint.enabled": True,
+    "checkpoint.every": 1,
+}
+
+
+def test_divergence_exits_1_in_one_line_and_saves_no_nan(tmp_path):
+    workdir = str(tmp_path / "run")
+    flags = ["--sharding_strategy=dp", f"--workdir={workdir}", *cli_flags(RUN)]
+    result = subprocess.run(
+        [sys.executable, TRAIN_MAIN, *flags],
+        env=child_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: training diverged: loss is nan at step 2; "), lines[0]
+    assert "the last save is step 1" in lines[0], lines[0]
+
+    # Only the finite state was saved; the metrics file is whole JSON lines.
+    assert complete_steps(checkpoint_dir(workdir)) == [1]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "loss" in r] == [1]
