@@ -41,7 +41,10 @@ _MESH_SHAPE = flags.DEFINE_string("mesh_shape", None, "e.g. data:4,model:2 (one 
 _BATCH = flags.DEFINE_integer("batch_size", None, "Global batch (rows); default: the config's.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per row; default: the config's.")
 _REMAT = flags.DEFINE_list(
-    "remat", None, "none,dots,full (one or several); default: the config's, all three for auto."
+    "remat",
+    None,
+    "one or several of none,dots,full,save_qkv_proj,save_out_proj,offload (offload: TPU/GPU "
+    "targets); default: the config's, none,dots,full for auto.",
 )
 _MICRO = flags.DEFINE_list(
     "micro_batches", None, "Micro-batch counts; default: the config's, 1,2,4,8 for auto."

@@ -113,6 +113,7 @@ def build(request: Request):
     """(run config, target, candidates, auto?) for a request."""
     from shardings import get_strategy
     from shardings.hybrid import num_granules
+    from zoo.layers import remat as remat_policies
 
     target = make_target(request.topology, request.memory_gib)
     n = len(target.devices)
@@ -122,9 +123,12 @@ def build(request: Request):
         names = distinct_strategies(names, run.model.decoder_config(), target)
     config_remat = run.model.remat
     remats = tuple(request.remat) if request.remat else (REMAT_ORDER if auto else (config_remat,))
+    # `auto` searches REMAT_ORDER; a policy named by flag or config may be any the trainer
+    # runs, offload included (TPU/GPU targets only).
     for r in remats:
-        if r not in REMAT_ORDER:
-            raise ValueError(f"--remat={r}: valid: {', '.join(REMAT_ORDER)}")
+        if r not in remat_policies.POLICIES:
+            raise ValueError(f"--remat={r}: valid: {', '.join(remat_policies.POLICIES)}")
+        remat_policies.check_platform(r, target.chip.platform)
     config_k = int((raw.get("optimizer") or {}).get("micro_batches", 1))
     micro = (
         _ints(request.micro_batches, "micro_batches")

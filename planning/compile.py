@@ -85,6 +85,7 @@ class Plan:
     alias_bytes: int
     temp_bytes: int
     peak_bytes: int
+    host_temp_bytes: int  # pinned host memory the step uses (remat='offload'), not the chip's
     compile_seconds: float
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
@@ -119,6 +120,7 @@ class Plan:
             "output_bytes": self.output_bytes,
             "temp_bytes": self.temp_bytes,
             "peak_bytes": self.peak_bytes,
+            "host_temp_bytes": self.host_temp_bytes,
             "required_bytes": self.required_bytes,
             "memory_bytes": self.target.chip.memory_bytes,
             "fits": self.fits,
@@ -333,6 +335,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
         peak_bytes=int(_peak(memory)),
+        host_temp_bytes=int(getattr(memory, "host_temp_size_in_bytes", 0) or 0),
         compile_seconds=seconds,
         collectives=ops,
         kernels=dict(sorted(hlo.kernels(text).items())),

@@ -61,20 +61,31 @@ def recompute_flops_per_token(cfg, seq_len: int, remat: str) -> float:
     """FLOPs per token that rematerialisation adds to the config's training FLOPs.
 
     Training FLOPs are 3x the forward (forward + backward 2x); a block's forward is then 1/3
-    of its training FLOPs, and the LM head is outside the remat'd blocks.
+    of its training FLOPs, and the LM head is outside the remat'd blocks. What each policy
+    keeps (zoo/layers/remat.py) is not recomputed: `dots` keeps every projection (the
+    attention einsums have batch dims and are recomputed), `save_qkv_proj` / `save_out_proj`
+    keep those projections, `offload` keeps only the residual stream (in host memory), as
+    `full` keeps only the scan's carry: both recompute every matmul of the block.
     """
     if remat == "none":
         return 0.0
-    M, V, N, D = cfg.hidden_dim, cfg.vocab_rows, cfg.num_heads, cfg.head_dim
+    M, N, K, D = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attention_forward = 0.0
     for window in cfg.layer_windows():
         attention_forward += 4.0 * N * D * causal_keys_per_query(seq_len, window or None)
     if remat == "dots":
         return attention_forward
-    if remat == "full":
-        block_matmuls_forward = 2.0 * (cfg.matmul_params() - M * V)
-        return block_matmuls_forward + attention_forward
-    raise ValueError(f"remat={remat!r}; valid: none, dots, full")
+    # matmul_params counts the head at the true vocabulary size: take that term back out.
+    block_matmuls_forward = 2.0 * (cfg.matmul_params() - M * cfg.vocab_size)
+    kept = {
+        "full": 0.0,
+        "offload": 0.0,
+        "save_qkv_proj": 2.0 * cfg.num_layers * M * D * (N + 2 * K),
+        "save_out_proj": 2.0 * cfg.num_layers * N * D * M,
+    }
+    if remat not in kept:
+        raise ValueError(f"remat={remat!r}; valid: none, dots, {', '.join(kept)}")
+    return block_matmuls_forward - kept[remat] + attention_forward
 
 
 def axis_bandwidth(devices_grid: np.ndarray, axis_index: tuple[int, ...], chip: Chip, dims=None):

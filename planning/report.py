@@ -75,6 +75,8 @@ def table(plans: list[Plan]) -> str:
         lines.append(f"  largest parameters (GiB/device): {largest}")
         lines.append(f"  collectives per step: {_collectives(p)}")
         lines.append(f"  custom-call kernels: {kernels}")
+        if p.host_temp_bytes:
+            lines.append(f"  pinned host memory (offloaded activations): {_gib(p.host_temp_bytes)}")
         e = p.estimate
         lines.append(
             f"  step: compute {e.compute_seconds:.4g} s + exposed comm "

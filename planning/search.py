@@ -210,10 +210,17 @@ def search(
     return SearchResult(best, plans, skipped, _why(best, plans, skipped))
 
 
+def _at_least_as_much_remat(a: str, b: str) -> bool:
+    # Policies outside REMAT_ORDER (offload, save_*_proj) are only ordered against themselves.
+    if a in REMAT_ORDER and b in REMAT_ORDER:
+        return REMAT_ORDER.index(a) >= REMAT_ORDER.index(b)
+    return a == b
+
+
 def _dominated(c: Candidate, fitted: Candidate) -> bool:
     return (
         (c.strategy, c.mesh_shape) == (fitted.strategy, fitted.mesh_shape)
-        and REMAT_ORDER.index(c.remat) >= REMAT_ORDER.index(fitted.remat)
+        and _at_least_as_much_remat(c.remat, fitted.remat)
         and c.micro_batches >= fitted.micro_batches
         and c != fitted
     )
@@ -265,7 +272,7 @@ def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -
         )
     lowest = min(plans, key=lambda p: p.required_bytes)
     c = lowest.candidate
-    if c.remat != "full":
+    if c.remat not in ("full", "offload"):
         return (
             f"{head} (least: {lowest.required_bytes / GiB:.1f} GiB with {c.describe()}); "
             f"use more remat: --remat=full"

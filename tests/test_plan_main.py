@@ -48,6 +48,16 @@ BAD_INPUTS = {
         ["--model=llama3.1-8b", "--topology=v5e:2x4", "--sharding_strategy=dp"],
         "use more chips (at least",
     ),
+    "unknown remat policy": (
+        [],
+        ["--model=tiny", "--topology=cpu:8", "--remat=full,bogus"],
+        "--remat=bogus: valid: none, full, dots, save_qkv_proj, save_out_proj, offload",
+    ),
+    "offload on a cpu target": (
+        [],
+        ["--model=tiny", "--topology=cpu:8", "--sharding_strategy=dp", "--remat=offload"],
+        "remat='offload' moves activations to host memory, which the cpu backend",
+    ),
     "missing extra": (
         ["libtpu"],
         ["--model=tiny", "--topology=v5p:2x2x2"],
@@ -112,3 +122,26 @@ def test_train_main_auto_resolves_to_a_strategy_mesh_remat_and_micro_batches():
     assert picked.training.mesh_shape
     assert picked.model.remat in ("none", "dots", "full")
     assert said and said[0].startswith("auto picked")
+
+
+def test_recompute_flops_follow_what_each_policy_keeps():
+    """The estimate's extra forward FLOPs per token per policy: `full` and `offload` redo every
+    block matmul and attention, `save_*_proj` all but those projections, `dots` attention
+    alone; the LM head (and its padding) is never rematerialised."""
+    from planning.estimate import recompute_flops_per_token
+    from zoo.layers.remat import POLICIES
+
+    cfg = _run().model.decoder_config()
+    T = 256
+    extra = {name: recompute_flops_per_token(cfg, T, name) for name in POLICIES}
+    M, N, K, D, L = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    F = cfg.ffn_dim
+    attention = L * 4.0 * N * D * (T + 1) / 2  # no window in tiny: mean (T+1)/2 keys
+    blocks = L * 2.0 * (M * D * (2 * N + 2 * K) + 3 * M * F)
+    assert extra["none"] == 0
+    assert extra["dots"] == pytest.approx(attention)
+    assert extra["full"] == extra["offload"] == pytest.approx(blocks + attention)
+    assert extra["full"] - extra["save_qkv_proj"] == pytest.approx(L * 2.0 * M * D * (N + 2 * K))
+    assert extra["full"] - extra["save_out_proj"] == pytest.approx(L * 2.0 * N * D * M)
+    padded = dataclasses.replace(cfg, padded_vocab_size=cfg.vocab_size + 128)
+    assert recompute_flops_per_token(padded, T, "full") == pytest.approx(extra["full"])

@@ -94,3 +94,28 @@ def test_step_time_comes_from_the_config_flops_not_xla(gpu_plans):
     assert plan.estimate.executed_flops > model_flops
     assert 0 < plan.estimate.mfu < 1
     assert plan.estimate.step_seconds >= plan.estimate.compute_seconds
+
+
+def _offload_check(plans, cfg, topology):
+    """remat='offload' compiled for the target: the residual stream entering each sub-block
+    (two per layer) lives in pinned host memory, exactly its bytes and nothing more, and the
+    step recomputes what `full` does."""
+    run, target = _run(), make_target(topology)
+    full = plans["fsdp"]
+    offload = compile_plan(run, Candidate("fsdp", full.candidate.mesh_shape, "offload", 1), target)
+    rows_per_device = run.data.global_batch_size // full.mesh["data"]
+    stack_bytes = cfg.num_layers * rows_per_device * run.data.seq_len * cfg.hidden_dim * 2  # bf16
+    assert full.host_temp_bytes == 0
+    assert offload.host_temp_bytes == 2 * stack_bytes, (offload.host_temp_bytes, stack_bytes)
+    assert offload.estimate.executed_flops == full.estimate.executed_flops
+    assert offload.fits and offload.to_json()["host_temp_bytes"] == offload.host_temp_bytes
+
+
+@pytest.mark.tpu_compile
+def test_offload_compiles_for_tpu_with_the_residual_stream_in_host_memory(tpu_plans):
+    _offload_check(*tpu_plans, "v5p:2x2x2")
+
+
+@pytest.mark.gpu_compile
+def test_offload_compiles_for_gpu_with_the_residual_stream_in_host_memory(gpu_plans):
+    _offload_check(*gpu_plans, "h100:8")
