@@ -113,7 +113,9 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
                 if line.startswith("ENTRY"):
                     entry = current
             continue
-        if line.startswith("}"):
+        # Only a lone brace closes a computation: a kernel's metadata string can hold a
+        # newline, and its continuation line may start with `}}` (splash on TPU does).
+        if line.rstrip() == "}":
             current = None
             continue
         match = _INSTRUCTION.match(line)

@@ -12,7 +12,9 @@ from shardings.hlo import collectives, kernels
 # tests/hlo/collectives.hlo: a scanned layer stack whose body runs 4 times. Inside it, a
 # GPU-style async all-gather of two weights at once (a combined op), a TPU fused
 # reduce-scatter, and an all-reduce over `model`. Outside, a permute and an all-to-all with
-# list and iota replica groups.
+# list and iota replica groups. Before the loop, a splash kernel whose metadata string holds a
+# newline (as TPU compiles print it): its continuation line starts with `}}`, which must not
+# end the entry computation.
 _HLO = (pathlib.Path(__file__).parent / "hlo" / "collectives.hlo").read_text()
 
 MESH = {"data": 4, "model": 2}  # device id = 2 * data index + model index
@@ -80,4 +82,4 @@ def test_count_collectives_counts_each_op_once_in_the_program_text():
 
 
 def test_kernels_are_custom_call_targets():
-    assert kernels(_HLO) == {"tpu_custom_call": 1}
+    assert kernels(_HLO) == {"tpu_custom_call": 2}
