@@ -7,8 +7,15 @@ NVSwitch, InfiniBand NIC); `planning.estimate` turns them into the bandwidth of 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 
 GiB = 1024**3
+# JAX's GPU client caps its allocator at this fraction of the GPU's memory (preallocated, or
+# grown up to it with XLA_PYTHON_CLIENT_PREALLOCATE=false): docs.jax.dev, "GPU memory
+# allocation". A step that needs more is out of memory on the real chip even where the HBM
+# would hold it (seen on an H100: llama3_1b 8x2048 remat=none, 61 GiB by the plan, ran out).
+DEFAULT_GPU_MEMORY_FRACTION = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +104,40 @@ CHIPS: dict[str, Chip] = {
 }
 
 
+def gpu_memory_fraction(environ: Mapping[str, str] = os.environ) -> float:
+    """The share of a GPU's memory a JAX process may use, from the variables JAX reads."""
+    if environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return 1.0
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        text = environ.get(name)
+        if text:
+            try:
+                value = float(text)
+            except ValueError:
+                value = -1.0
+            if not 0 < value <= 1:
+                raise ValueError(f"{name}={text!r}: must be a number in (0, 1]")
+            return value
+    return DEFAULT_GPU_MEMORY_FRACTION
+
+
 def chip_for(topology: str, memory_gib: float | None = None) -> Chip:
     """The chip of a topology name (`v5p:2x2x2`, `h100:8`, `cpu:8`); `memory_gib` replaces its
-    memory (a synthetic chip: what fits in less, or more, memory)."""
+    memory (a synthetic chip: what fits in less, or more, memory). A GPU's memory is what
+    JAX's allocator may take of it (`gpu_memory_fraction`), not the whole HBM."""
     kind = topology.split(":", 1)[0].lower()
     if kind not in CHIPS:
         raise ValueError(
             f"unknown chip {kind!r} in topology {topology!r}; known: {', '.join(sorted(CHIPS))}"
         )
     chip = CHIPS[kind]
+    if chip.platform == "gpu" and memory_gib is None:
+        fraction = gpu_memory_fraction()
+        chip = dataclasses.replace(
+            chip,
+            name=f"{chip.name} ({fraction:.0%} for JAX)",
+            memory_bytes=int(chip.memory_bytes * fraction),
+        )
     if memory_gib is not None:
         if memory_gib <= 0:
             raise ValueError(f"--memory_gib must be > 0, got {memory_gib}")

@@ -145,3 +145,27 @@ def test_recompute_flops_follow_what_each_policy_keeps():
     assert extra["full"] - extra["save_out_proj"] == pytest.approx(L * 2.0 * N * D * M)
     padded = dataclasses.replace(cfg, padded_vocab_size=cfg.vocab_size + 128)
     assert recompute_flops_per_token(padded, T, "full") == pytest.approx(extra["full"])
+
+
+def test_a_gpu_holds_what_jaxs_allocator_may_take(monkeypatch):
+    """JAX caps its GPU allocator at 75% of the memory by default (seen on an H100: a plan of
+    61 GiB, within 80 GB, ran out); TPU chips and --memory_gib are taken as given."""
+    from planning.chips import chip_for
+
+    for name in (
+        "XLA_CLIENT_MEM_FRACTION",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION",
+        "XLA_PYTHON_CLIENT_ALLOCATOR",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    assert chip_for("h100:8").memory_bytes == int(0.75 * 80e9)
+    assert chip_for("v5p:2x2x2").memory_bytes == 95 * GiB
+    assert chip_for("h100:8", memory_gib=10).memory_bytes == 10 * GiB
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    assert chip_for("h200:8").memory_bytes == int(0.9 * 141e9)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    assert chip_for("h100:8").memory_bytes == 80 * 10**9
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1.5")
+    with pytest.raises(ValueError, match=r"XLA_PYTHON_CLIENT_MEM_FRACTION='1.5': must be"):
+        chip_for("h100:8")
