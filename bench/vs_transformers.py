@@ -15,9 +15,11 @@ Timed, per round, stacks alternated (which goes first flips each round):
   train    one optimizer step (forward, backward, AdamW) on a B x T batch;
   forward  the logits of that batch (no gradients);
   generate a 64-token prompt, 64 greedy tokens with the KV cache (batch 1).
-Compilation (JAX) and warm-up steps (both) come before round 1 and are reported apart. The
-1-minute load average is read before every round: this machine's other users slow both
-stacks, and a figure is only worth its load.
+Each stack repeats a mode for at least --steps / --forward_reps calls and --round_seconds
+per round; the figure is the median over all timed calls. Compilation (JAX) and warm-up
+steps (both) come before round 1 and are reported apart. The 1-minute load average is read
+before every round: this machine's other users slow both stacks, and a figure is only worth
+its load.
 
 JAX runs with the project's CPU flags (training/xla_cpu.py) and, as train_main does, huge pages
 for the host allocator where the host allows them (training/cpu_memory.py);
@@ -214,10 +216,10 @@ def _worker(stack_name: str, checkpoint: str, tokens, conn, perturb: bool) -> No
             return
         try:
             if command == "time":
-                mode, reps = arg
+                mode, reps, min_seconds = arg
                 fn = getattr(stack, mode)
                 seconds = []
-                for _ in range(reps):
+                while len(seconds) < reps or sum(seconds) < min_seconds:
                     start = time.perf_counter()
                     fn()
                     seconds.append(time.perf_counter() - start)
@@ -323,8 +325,8 @@ def bench_model(name: str, args, ctx) -> list[dict]:
             flush=True,
         )
         for w in workers.values():  # warm-up: one of each, untimed
-            w.call("time", ("train", args.warmup))
-            w.call("time", ("forward", 1))
+            w.call("time", ("train", args.warmup, 0.0))
+            w.call("time", ("forward", 1, 0.0))
 
         tokens_per_call = {"train": rows * length, "forward": rows * length, "generate": NEW_TOKENS}
         reps = {"train": args.steps, "forward": args.forward_reps, "generate": 1}
@@ -336,7 +338,7 @@ def bench_model(name: str, args, ctx) -> list[dict]:
             line = [f"[{name}] round {r + 1} load {loads[-1]:.2f}:"]
             for mode in args.modes:
                 for s in order:
-                    seconds = workers[s].call("time", (mode, reps[mode]))
+                    seconds = workers[s].call("time", (mode, reps[mode], args.round_seconds))
                     rates = [tokens_per_call[mode] / t for t in seconds]
                     samples[(s, mode)] += rates
                     line.append(f"{mode} {s} {statistics.median(rates):.0f}")
@@ -370,6 +372,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="train steps per round")
     parser.add_argument("--forward_reps", type=int, default=2, help="forwards per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed train steps")
+    parser.add_argument(
+        "--round_seconds",
+        type=float,
+        default=3.0,
+        help="each stack repeats each mode for at least this long per round (more calls "
+        "for the fast 3.4M model, so one slow call moves its median less)",
+    )
     parser.add_argument(
         "--perturb_torch",
         action="store_true",
@@ -414,7 +423,7 @@ def main() -> None:
         rows += bench_model(name, args, ctx)
     header = f"{'model':6} {'batch':10} {'mode':8} {'project':>9} {'torch':>9} {'ratio':>6}"
     header += f" {'load':>8}"
-    print("\ntokens/s, median over rounds (float32, one device)")
+    print("\ntokens/s, median over every timed call of every round (float32, one device)")
     print(header)
     print("-" * len(header))
     for r in rows:

@@ -119,27 +119,74 @@ def test_scanned_equals_unscanned(model):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
 
 
+def _grads(m, batch):
+    def loss_fn(m):
+        logits = m(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+        return lm_loss(logits, batch["tokens"], batch["segment_ids"])[0]
+
+    with jax.set_mesh(one_device_mesh()):
+        g = nnx.jit(nnx.grad(loss_fn))(m)
+    return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(g)}
+
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_gives_equal_gradients(model, remat):
     batch = packed_batch(batch=2, seq=24, vocab=CFG.vocab_size, seed=4)
     rematted = _model(CFG.replace(remat=remat))
     load_params(rematted, host_params(model))
-
-    def grads(m):
-        def loss_fn(m):
-            logits = m(
-                batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
-            )
-            return lm_loss(logits, batch["tokens"], batch["segment_ids"])[0]
-
-        with jax.set_mesh(one_device_mesh()):
-            g = nnx.jit(nnx.grad(loss_fn))(m)
-        return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(g)}
-
-    ref, got = grads(model), grads(rematted)
+    ref, got = _grads(model, batch), _grads(rematted, batch)
     for path in ref:
         # Recomputation replays the same ops; only XLA's fusion choices may differ.
         np.testing.assert_allclose(got[path], ref[path], atol=1e-7, rtol=1e-6, err_msg=path)
+
+
+def _scan_whiles(cfg, mesh, strategy=DP) -> int:
+    """While loops in the lowered (pre-XLA) eval step: the layer scan is one unless it is
+    unrolled."""
+    from training.abstract import abstract_batch, abstract_trainer
+
+    trainer = abstract_trainer(cfg, strategy, mesh)
+    with jax.set_mesh(mesh):
+        text = trainer.lower(abstract_batch(strategy, mesh, 8, 16), train=False).as_text()
+    return text.count("stablehlo.while")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layer_scan_equals_rolled(model, remat):
+    # scan_unroll=0 (auto, the default) unrolls the layer scan on CPU without remat; 1 keeps
+    # XLA's loop.
+    batch = packed_batch(batch=2, seq=24, vocab=CFG.vocab_size, seed=7)
+    unrolled = model if remat == "none" else _model(CFG.replace(remat=remat, scan_unroll=2))
+    rolled = _model(CFG.replace(scan_unroll=1, remat=remat))
+    load_params(unrolled, host_params(model))
+    load_params(rolled, host_params(model))
+    # Same ops in the same order; XLA fuses a loop body and straight-line code differently.
+    np.testing.assert_allclose(
+        _logits(unrolled, **batch), _logits(rolled, **batch), atol=1e-6, rtol=0
+    )
+    ref, got = _grads(rolled, batch), _grads(unrolled, batch)
+    for path in ref:
+        np.testing.assert_allclose(got[path], ref[path], atol=1e-7, rtol=1e-6, err_msg=path)
+    mesh = one_device_mesh()
+    assert _scan_whiles(CFG, mesh) + 1 == _scan_whiles(CFG.replace(scan_unroll=1), mesh)
+    # Two layers per iteration of a 2-layer model is the whole stack: no loop either.
+    assert _scan_whiles(CFG.replace(scan_unroll=2), mesh) == _scan_whiles(CFG, mesh)
+    # With remat, auto keeps the loop: unrolled, XLA CPU keeps every layer's activations
+    # live and the remat would save no memory (tests/test_remat_policies.py).
+    full = CFG.replace(remat="full")
+    assert _scan_whiles(full, mesh) == _scan_whiles(full.replace(scan_unroll=1), mesh)
+
+
+@pytest.mark.tpu_compile
+def test_layer_scan_stays_rolled_for_tpu_targets():
+    from planning import target_devices
+
+    mesh = make_mesh(DP, devices=target_devices("v5p:2x2x2"))
+    # auto keeps one compiled block on TPU (compile time), like an explicit 1.
+    assert _scan_whiles(CFG, mesh) == _scan_whiles(CFG.replace(scan_unroll=1), mesh)
+    assert (
+        _scan_whiles(CFG, mesh) == _scan_whiles(CFG.replace(scan_unroll=CFG.num_layers), mesh) + 1
+    )
 
 
 def _decode_all(model, tokens, prompt_len, mesh, strategy):

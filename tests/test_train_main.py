@@ -128,6 +128,10 @@ BAD_INPUTS = {
     "unknown flag": (["--shardin_strategy=dp"], "shardin_strategy"),
     "missing config file": (["--config=configs/nope.py"], "configs/nope.py"),
     "bad config value": (["--config.optimizer.learning_rate=-1"], "learning_rate"),
+    "negative scan unroll": (
+        ["--config.model.scan_unroll=-1"],
+        "config model.scan_unroll=-1: valid: 0 (auto), 1 (rolled), or more",
+    ),
 }
 
 

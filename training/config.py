@@ -43,6 +43,7 @@ class ModelSection:
     max_seq_len: int | None = None
     dtype: str = "float32"
     scan_layers: bool = True
+    scan_unroll: int = 0
     remat: str = "none"
     attention_impl: str = "xla"
     attention_interpret: bool = False
@@ -60,6 +61,8 @@ class ModelSection:
 
     def __post_init__(self):
         _positive("model", self, *self.SHAPE_FIELDS)
+        if self.scan_unroll < 0:
+            _fail("model", "scan_unroll", self.scan_unroll, "valid: 0 (auto), 1 (rolled), or more")
         for name, valid in (
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
@@ -73,6 +76,7 @@ class ModelSection:
         out.update(
             dtype=self.dtype,
             scan_layers=self.scan_layers,
+            scan_unroll=self.scan_unroll,
             remat=self.remat,
             attention_impl=self.attention_impl,
             attention_interpret=self.attention_interpret,

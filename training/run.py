@@ -257,6 +257,7 @@ def _from_pretrained(path: str, strategy, model_section):
     runtime = dict(
         dtype=model_section.dtype,
         scan_layers=model_section.scan_layers,
+        scan_unroll=model_section.scan_unroll,
         remat=model_section.remat,
         attention_impl=model_section.attention_impl,
         attention_interpret=model_section.attention_interpret,

@@ -24,6 +24,7 @@ CONFIG_FILE = "config.json"
 RUNTIME_FIELDS = (
     "dtype",
     "scan_layers",
+    "scan_unroll",
     "remat",
     "attention_impl",
     "attention_interpret",

@@ -85,6 +85,13 @@ class DecoderConfig:
 
     dtype: str = "float32"  # compute dtype; parameters stay float32
     scan_layers: bool = True  # stack layers and run them with nnx.scan (one compiled block)
+    # Layers per iteration of that scan: 1 keeps one compiled block; >= num_layers unrolls
+    # it. 0 (auto) unrolls it on CPU when remat is 'none': there XLA's while loop zero-fills
+    # the stacked activations the backward pass keeps and copies each layer's slice in and
+    # out (10-20% of a small model's train step). It stays rolled on TPU / GPU (compile
+    # time) and with remat (unrolled, XLA CPU's schedule keeps every layer's activations
+    # live, so remat would save nothing; bench/memory.py's docstring shows it).
+    scan_unroll: int = 0
     # What the backward pass recomputes, by policy name (zoo/layers/remat.py): 'none' |
     # 'full' | 'dots' | 'save_qkv_proj' | 'save_out_proj' | 'offload'.
     remat: str = "none"
@@ -102,6 +109,11 @@ class DecoderConfig:
                 f"{self.num_kv_heads}; grouped-query attention needs K | N"
             )
         remat.check_name(self.remat)
+        if self.scan_unroll < 0:
+            raise ValueError(
+                f"scan_unroll={self.scan_unroll}; valid: 0 (auto: unrolled on CPU, rolled "
+                "elsewhere), 1 (rolled) or more layers per scan iteration"
+            )
         if self.padded_vocab_size and self.padded_vocab_size < self.vocab_size:
             raise ValueError(
                 f"padded_vocab_size={self.padded_vocab_size} is below vocab_size="

@@ -16,6 +16,7 @@ from zoo import loss
 from zoo.layers import context_parallel, remat, rope
 from zoo.layers.attention import Attention
 from zoo.layers.attention_mask import Segments
+from zoo.layers.attention_ops import compile_platform
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.kv_cache import KVCache, LayerCache
@@ -252,6 +253,7 @@ class DecoderLM(nnx.Module):
             in_axes=(nnx.Carry, 0, 0, 0, 0),
             out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: None},
+            unroll=self._scan_unroll(),
         )
         def run(x, block, window, inv_freq_R, layer_kv):
             kv = None if layer_kv is None else LayerCache(*layer_kv, *kv_ctx)
@@ -262,6 +264,15 @@ class DecoderLM(nnx.Module):
 
         # Per layer: (kv cache, router stats), stacked on L by the scan.
         return run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
+
+    def _scan_unroll(self) -> int:
+        """Layers per scan iteration: the config's, or for 0 (auto) all of them when this
+        trace compiles for CPU without remat (see DecoderConfig.scan_unroll), else 1."""
+        cfg = self.cfg
+        if cfg.scan_unroll:
+            return min(cfg.scan_unroll, cfg.num_layers)
+        cpu = compile_platform() == "cpu"
+        return cfg.num_layers if cpu and cfg.remat == "none" else 1
 
     def _run_unscanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
         ks, vs, stats = [], [], []
