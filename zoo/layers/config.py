@@ -111,8 +111,8 @@ class DecoderConfig:
         remat.check_name(self.remat)
         if self.scan_unroll < 0:
             raise ValueError(
-                f"scan_unroll={self.scan_unroll}; valid: 0 (auto: unrolled on CPU, rolled "
-                "elsewhere), 1 (rolled) or more layers per scan iteration"
+                f"scan_unroll={self.scan_unroll}; valid: 0 (auto: unrolled on CPU without "
+                "remat, rolled otherwise), 1 (rolled) or more layers per scan iteration"
             )
         if self.padded_vocab_size and self.padded_vocab_size < self.vocab_size:
             raise ValueError(
