@@ -32,18 +32,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 if __name__ == "__main__":
     # glibc reads its tunables when a process starts: restart now (before anything heavy is
-    # loaded) with huge pages for the host allocator where that helps (training/cpu_memory.py).
-    from training.cpu_memory import reexec_with_huge_pages
+    # loaded) with huge pages for the host allocator where that helps (runtime/cpu_memory.py).
+    from runtime.cpu_memory import reexec_with_huge_pages
 
     reexec_with_huge_pages()
 
-from training.xla_cpu import set_cpu_flags  # noqa: E402
+from runtime.xla_cpu import set_cpu_flags  # noqa: E402
 
 set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
 
 # Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
-# start-up lines on stderr (see training/host.py).
-from training.host import import_jax_quietly  # noqa: E402
+# start-up lines on stderr (see runtime/host.py).
+from runtime.host import import_jax_quietly  # noqa: E402
 
 import_jax_quietly()
 
@@ -134,19 +134,19 @@ def main(argv):
         _usage_error("--workdir is required (the run directory; eval.json is written there)")
     if not _EVALUATE.value and _PROMPT.value is None:
         _usage_error("--noevaluate leaves nothing to do without --prompt")
-    from training.workdir import check_writable_everywhere, expand
+    from checkpoint.workdir import check_writable_everywhere, expand
 
     workdir = expand(_WORKDIR.value)
     hf_dir = expand(_HF_CHECKPOINT.value) if _HF_CHECKPOINT.value else None
     try:
         import jax
 
+        from checkpoint.manager import read_meta
+        from data.tokenizers import make_tokenizer
         from evaluation import metrics as eval_metrics
         from evaluation import model as eval_model
         from evaluation.settings import from_run_info
-        from training.checkpoint import read_meta
         from training.run import device_hint
-        from training.tokenizers import make_tokenizer
 
         if _EVALUATE.value:
             check_writable_everywhere(workdir)  # before the work, not after it
@@ -209,7 +209,7 @@ def main(argv):
     }
     if generated is not None:
         record.update(prompt=_PROMPT.value, generated=generated[0], generated_tokens=generated[1])
-    from training.files import write_json_atomic
+    from checkpoint.files import write_json_atomic
 
     path = os.path.join(workdir, EVAL_FILE)
     try:

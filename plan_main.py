@@ -18,12 +18,12 @@ import os
 import sys
 
 # Before jax is imported: plans never run on this host's accelerator, and the native
-# libraries' start-up lines stay off stderr, which carries errors (training/host.py).
+# libraries' start-up lines stay off stderr, which carries errors (runtime/host.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from training.host import import_jax_quietly  # noqa: E402
+from runtime.host import import_jax_quietly  # noqa: E402
 
 import_jax_quietly()
 

@@ -18,18 +18,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 if __name__ == "__main__":
     # glibc reads its tunables when a process starts: restart now (before anything heavy is
-    # loaded) with huge pages for the host allocator where that helps (training/cpu_memory.py).
-    from training.cpu_memory import reexec_with_huge_pages
+    # loaded) with huge pages for the host allocator where that helps (runtime/cpu_memory.py).
+    from runtime.cpu_memory import reexec_with_huge_pages
 
     reexec_with_huge_pages()
 
-from training.xla_cpu import set_cpu_flags  # noqa: E402
+from runtime.xla_cpu import set_cpu_flags  # noqa: E402
 
 set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
 
 # Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
-# start-up lines on stderr (see training/host.py).
-from training.host import import_jax_quietly  # noqa: E402
+# start-up lines on stderr (see runtime/host.py).
+from runtime.host import import_jax_quietly  # noqa: E402
 
 import_jax_quietly()
 
@@ -173,9 +173,9 @@ def main(argv):
         # Orbax logs every save at INFO; keep stderr for the progress bar and errors.
         logging.set_verbosity(logging.WARNING)
 
-    from training import distributed
+    from checkpoint.workdir import expand, hold
+    from runtime import distributed
     from training.run import Setup, device_hint, train
-    from training.workdir import expand, hold
 
     # Every mistake in what the user gave surfaces while building (before the first step) as
     # one of these; anything raised later is a bug and keeps its stack trace.

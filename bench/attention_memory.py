@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from training.host import import_jax_quietly  # noqa: E402
+from runtime.host import import_jax_quietly  # noqa: E402
 
 import_jax_quietly()
 

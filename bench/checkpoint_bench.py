@@ -32,9 +32,9 @@ import grain  # noqa: E402
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from checkpoint.manager import Checkpointer, checkpoint_dir  # noqa: E402
 from shardings import get_strategy  # noqa: E402
 from training import integrity, optim  # noqa: E402
-from training.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
 from training.config import RunConfig  # noqa: E402
 from zoo import create_model  # noqa: E402
 

@@ -31,7 +31,7 @@ def main(argv):
             + f" --xla_force_host_platform_device_count={_DEVICES.value}"
         )
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from training.xla_cpu import set_cpu_flags
+        from runtime.xla_cpu import set_cpu_flags
 
         set_cpu_flags()
     import jax

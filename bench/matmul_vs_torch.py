@@ -47,7 +47,7 @@ def _child(backend: str) -> None:
     else:
         if backend == "xla+flags":
             sys.path.insert(0, ROOT)
-            from training.xla_cpu import set_cpu_flags
+            from runtime.xla_cpu import set_cpu_flags
 
             set_cpu_flags()
         import jax
@@ -95,7 +95,7 @@ def main() -> None:
                 sys.exit(f"the {b} child failed:\n{done.stderr[-2000:]}")
             results[b].append(json.loads(done.stdout.strip().splitlines()[-1]))
     sys.path.insert(0, ROOT)
-    from training.xla_cpu import cpu_flags
+    from runtime.xla_cpu import cpu_flags
 
     print(f"\nGFLOP/s, float32, median of {args.rounds} rounds; xla+flags = {cpu_flags('')}")
     print(f"{'m x k x n':16} {'xla':>8} {'xla+flags':>10} {'torch':>8}")

@@ -100,7 +100,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, ROOT)
-    from training.xla_cpu import set_cpu_flags
+    from runtime.xla_cpu import set_cpu_flags
 
     rows = []
     for devices in [int(d) for d in args.devices.split(",")]:

@@ -21,8 +21,8 @@ steps (both) come before round 1 and are reported apart. The 1-minute load avera
 before every round: this machine's other users slow both stacks, and a figure is only worth
 its load.
 
-JAX runs with the project's CPU flags (training/xla_cpu.py) and, as train_main does, huge pages
-for the host allocator where the host allows them (training/cpu_memory.py);
+JAX runs with the project's CPU flags (runtime/xla_cpu.py) and, as train_main does, huge pages
+for the host allocator where the host allows them (runtime/cpu_memory.py);
 ZOO_XLA_CPU_DEFAULTS=0 drops both.
 """
 
@@ -203,7 +203,7 @@ def _worker(stack_name: str, checkpoint: str, tokens, conn, perturb: bool) -> No
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if stack_name == "jax":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        from training.xla_cpu import set_cpu_flags
+        from runtime.xla_cpu import set_cpu_flags
 
         set_cpu_flags()
         stack = JaxStack(checkpoint, tokens)
@@ -238,12 +238,12 @@ class Worker:
             target=_worker, args=(stack_name, checkpoint, tokens, child, perturb), daemon=True
         )
         # The project's processes run with huge pages for the host allocator where that helps
-        # (training/cpu_memory.py: train_main and eval_main restart with it); torch's as a user
+        # (runtime/cpu_memory.py: train_main and eval_main restart with it); torch's as a user
         # starts it. A spawned worker takes the environment it is started with.
         saved = dict(os.environ)
         if stack_name == "jax":
             sys.path.insert(0, ROOT)
-            from training.cpu_memory import huge_page_environ
+            from runtime.cpu_memory import huge_page_environ
 
             os.environ.update(huge_page_environ(os.environ) or {})
         try:
@@ -406,10 +406,10 @@ def main() -> None:
     print(f"needs: {INSTALL}")
     print(f"cores: {os.cpu_count()}; XLA_FLAGS for the project: ", end="")
     sys.path.insert(0, ROOT)
-    from training.xla_cpu import set_cpu_flags
+    from runtime.xla_cpu import set_cpu_flags
 
     print(repr(set_cpu_flags(dict(os.environ))), flush=True)
-    from training.cpu_memory import huge_page_environ
+    from runtime.cpu_memory import huge_page_environ
 
     huge = huge_page_environ(os.environ)
     print(

@@ -15,9 +15,9 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     import numpy as np
     from flax import nnx
 
+    import data
+    from runtime.distributed import to_global
     from shardings.mesh import check_batch
-    from training import data
-    from training.distributed import to_global
     from zoo.loss import target_mask
 
     if model.cfg.vocab_size < tokenizer.vocab_size:

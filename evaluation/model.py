@@ -56,8 +56,8 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     import jax
     from flax import nnx
 
+    from checkpoint.manager import restore_params
     from shardings import get_strategy
-    from training.checkpoint import restore_params
     from training.run import check_attention
     from zoo import create_model
     from zoo.build import check_model_fits, fit_vocab, model_class

@@ -1,4 +1,4 @@
-"""training/checkpoint.py and training/preemption.py in-process: restore onto other strategies
+"""checkpoint/manager.py and runtime/preemption.py in-process: restore onto other strategies
 and device counts bit for bit, the incomplete-checkpoint policy, and the one-line errors."""
 
 import os
@@ -12,9 +12,8 @@ import optax
 import pytest
 from flax import nnx
 
-from shardings import get_strategy
-from training import integrity
-from training.checkpoint import (
+from checkpoint import integrity
+from checkpoint.manager import (
     INVALID_SUBDIR,
     ITEMS,
     Checkpointer,
@@ -24,7 +23,8 @@ from training.checkpoint import (
     read_meta,
     restore_params,
 )
-from training.preemption import PreemptionWatcher
+from runtime.preemption import PreemptionWatcher
+from shardings import get_strategy
 from zoo import create_model, get_config
 
 CFG = get_config("tiny")  # M=64, L=2, stacked layers: every array has a non-trivial layout

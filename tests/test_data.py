@@ -10,8 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from training import data, sources
-from training.tokenizers import ByteTokenizer, make_tokenizer
+import data
+from data import sources
+from data.tokenizers import ByteTokenizer, make_tokenizer
 
 BYTE = ByteTokenizer()
 TEXT = "Grüße, 世界! def f(x):\n    return x  # ✓"
@@ -365,8 +366,9 @@ _MP_SCRIPT = textwrap.dedent(
     import sys
     from absl import app
     import numpy as np
-    from training import data, sources
-    from training.tokenizers import ByteTokenizer
+    import data
+    from data import sources
+    from data.tokenizers import ByteTokenizer
 
     def first(num_workers):
         it = data.make_dataset("default", "train", ByteTokenizer(), 64, 4, seed=1,

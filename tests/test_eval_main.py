@@ -16,12 +16,12 @@ import pytest
 from flax import nnx
 
 import configs.tiny
+import data
+from checkpoint.manager import Checkpointer, checkpoint_dir
+from data.tokenizers import make_tokenizer
 from evaluation.metrics import json_safe
 from shardings import get_strategy
-from training import data
-from training.checkpoint import Checkpointer, checkpoint_dir
 from training.config import RunConfig
-from training.tokenizers import make_tokenizer
 from zoo import create_model
 from zoo.generate import generate
 from zoo.loss import token_nll

@@ -13,11 +13,12 @@ import pytest
 from _train_helpers import SMALL_RUN, run_config
 from flax import nnx
 
+import data
+from data.tokenizers import make_tokenizer
+from runtime.distributed import to_global
 from shardings import get_strategy
-from training import data, optim
-from training.distributed import to_global
+from training import optim
 from training.loop import Trainer
-from training.tokenizers import make_tokenizer
 from zoo import create_model
 
 STEPS = 3

@@ -2,7 +2,7 @@
 
 import importlib.util
 
-from training import host
+from runtime import host
 
 
 def test_quiet_import_works_without_the_cuda_plugin_package(monkeypatch):

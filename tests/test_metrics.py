@@ -134,19 +134,19 @@ def test_restart_from_step_0_keeps_one_history(tmp_path):
 
 
 def test_files_follow_the_umask(tmp_path):
-    from training.files import write_json_atomic
+    from checkpoint.files import write_json_atomic
 
     previous = os.umask(0o027)
     try:
         import importlib
 
-        import training.files
+        import checkpoint.files
 
-        importlib.reload(training.files)  # it reads the umask once
-        training.files.write_json_atomic(str(tmp_path / "a.json"), {})
+        importlib.reload(checkpoint.files)  # it reads the umask once
+        checkpoint.files.write_json_atomic(str(tmp_path / "a.json"), {})
     finally:
         os.umask(previous)
-        importlib.reload(training.files)
+        importlib.reload(checkpoint.files)
     assert oct(os.stat(tmp_path / "a.json").st_mode & 0o777) == oct(0o640)
     write_json_atomic(str(tmp_path / "b.json"), {})
     assert oct(os.stat(tmp_path / "b.json").st_mode & 0o777) == oct(0o666 & ~previous)

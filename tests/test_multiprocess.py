@@ -40,10 +40,10 @@ CASES = {
 
 def _reference_losses(workdir: str, strategy: str) -> list[float]:
     """The 8-device, one-process run fed the two processes' batches, concatenated."""
-    from training import data
+    import data
+    from data.tokenizers import make_tokenizer
+    from runtime.distributed import to_global
     from training import run as train_run
-    from training.distributed import to_global
-    from training.tokenizers import make_tokenizer
 
     mesh, mesh_text = CASES[strategy]
     run = run_config(

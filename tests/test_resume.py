@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from training.checkpoint import checkpoint_dir, complete_steps
+from checkpoint.manager import checkpoint_dir, complete_steps
 from training.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

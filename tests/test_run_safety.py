@@ -19,9 +19,9 @@ import time
 import pytest
 from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
 
-from training.checkpoint import INVALID_SUBDIR, checkpoint_dir
+from checkpoint.manager import INVALID_SUBDIR, checkpoint_dir
+from checkpoint.workdir import LOCK_FILE
 from training.metrics import read_metrics
-from training.workdir import LOCK_FILE
 
 RUN = {
     **SMALL_RUN,

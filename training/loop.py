@@ -243,8 +243,8 @@ def run(
 
     `train_batches` yields global arrays; `train_iter` is the Grain iterator behind it, whose
     state the checkpointer saves. `writer` is a training.metrics.MetricsWriter. The
-    checkpointer and the preemption watcher follow the seam in training/checkpoint.py and
-    training/preemption.py; either may be None.
+    checkpointer and the preemption watcher follow the seam in checkpoint/manager.py and
+    runtime/preemption.py; either may be None.
     """
     records: list[dict[str, Any]] = []
     step = start_step

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from training.files import atomic_write
+from checkpoint.files import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

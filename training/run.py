@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import os
 
-from training.files import write_json_atomic
+from checkpoint.files import write_json_atomic
 
 
 def _say(text: str) -> None:
@@ -42,7 +42,7 @@ def device_hint(error: Exception) -> str:
 def _make_checkpointer(run, workdir: str, run_info: dict):
     if not run.checkpoint.enabled:
         return None, None
-    from training.checkpoint import Checkpointer
+    from checkpoint.manager import Checkpointer
 
     ckpt = Checkpointer(
         workdir,
@@ -53,7 +53,7 @@ def _make_checkpointer(run, workdir: str, run_info: dict):
     )
     import jax
 
-    from training.preemption import PreemptionWatcher
+    from runtime.preemption import PreemptionWatcher
 
     # With several processes every check is a host all-gather, a sync point: check only at
     # logging steps, where the loop blocks anyway. Alone, a check is free.
@@ -69,18 +69,19 @@ class Setup:
         import jax
         from flax import nnx
 
+        import data
+        from data.tokenizers import make_tokenizer
+        from runtime.distributed import to_global
         from shardings import check_batch, get_strategy
         from shardings.hybrid import crossing_axes
-        from training import data, flops
-        from training.distributed import to_global
+        from training import flops
         from training.loop import Trainer
-        from training.tokenizers import make_tokenizer
         from zoo.layers import remat
 
         self.workdir = workdir
         self.notes: list[str] = []  # printed when training starts
         if run.checkpoint.enabled:
-            from training import resume
+            from checkpoint import resume
 
             found = resume.saved_run(workdir)
             if found is not None:
@@ -175,7 +176,7 @@ class Setup:
         before run_info.json is touched. Returns the step training starts from."""
         import jax
 
-        from training import resume
+        from checkpoint import resume
 
         run, workdir = self.run, self.workdir
         ckpt, self.watcher = _make_checkpointer(run, workdir, self.run_info)

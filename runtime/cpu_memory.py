@@ -13,7 +13,7 @@ entry point again (same pid, argv and environment, plus the tunable) before anyt
 imported. It does nothing where it cannot help or is not wanted: not Linux/glibc >= 2.35,
 transparent huge pages not in `madvise` mode (`always` needs no tunable, `never` ignores
 it), a GPU or TPU host, GLIBC_TUNABLES already naming `glibc.malloc.hugetlb`, or
-ZOO_XLA_CPU_DEFAULTS=0 (which also drops the XLA CPU flags, training/xla_cpu.py).
+ZOO_XLA_CPU_DEFAULTS=0 (which also drops the XLA CPU flags, runtime/xla_cpu.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import platform
 import sys
 from collections.abc import Mapping
 
-from training.host import has_nvidia_gpu, has_tpu
-from training.xla_cpu import DISABLE_ENV
+from runtime.host import has_nvidia_gpu, has_tpu
+from runtime.xla_cpu import DISABLE_ENV
 
 TUNABLE = "glibc.malloc.hugetlb"
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"

@@ -32,7 +32,7 @@ STREAM_FIELDS = (
 def saved_run(workdir: str, step: int | None = None):
     """(step, RunConfig) recorded in the latest complete checkpoint (or `step`), or None when
     there is none or it records no config."""
-    from training.checkpoint import (
+    from checkpoint.manager import (
         CorruptCheckpointError,
         checkpoint_dir,
         complete_steps,

@@ -8,7 +8,7 @@ Layout: `<workdir>/checkpoints/<step>/` with four Orbax items and our manifest,
   data            the Grain iterator's state, one JSON file per process (grain.checkpoint)
   meta            JSON: {'step', 'run_info' (config, strategy, mesh), and what the loop adds
                   (e.g. the RNG seed/counter)}
-  checksums.json  size and CRC-32 of every file above (training/integrity.py)
+  checksums.json  size and CRC-32 of every file above (checkpoint/integrity.py)
 
 The model and the optimizer are separate items so evaluation restores the parameters alone
 (Orbax's StandardRestore of part of one saved tree fails on the structure mismatch).
@@ -56,7 +56,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
-from training import integrity
+from checkpoint import integrity
 from zoo.layers.decoder import VOCAB_DIMS
 
 CHECKPOINT_SUBDIR = "checkpoints"

@@ -1,6 +1,6 @@
 """Training and validation batches on Grain: documents -> token ids -> packed rows -> batches.
 
-Documents come from training/sources.py (the `source` string, the train/validation split).
+Documents come from data/sources.py (the `source` string, the train/validation split).
 
 Pipeline, in this order and why:
   process shard   documents[process_index::process_count], so processes never share documents.
@@ -30,8 +30,8 @@ import grain
 import jax
 import numpy as np
 
-from training.sources import DEFAULT_VALIDATION_FRACTION, load_documents
-from training.tokenizers import Tokenizer
+from data.sources import DEFAULT_VALIDATION_FRACTION, load_documents
+from data.tokenizers import Tokenizer
 
 # ----------------------------------------------------------------------------- pipeline
 
@@ -148,7 +148,7 @@ def build_dataset(
     Args:
       source: 'default' or a path/directory/glob (module docstring).
       split: 'train', 'validation' or 'all'.
-      tokenizer: from `training.tokenizers.make_tokenizer`.
+      tokenizer: from `data.tokenizers.make_tokenizer`.
       seq_len: T, the length of each packed row.
       global_batch_size: rows per step over all processes; each process gets
         global_batch_size // process_count of them.

@@ -16,7 +16,7 @@ import json
 import os
 import zlib
 
-from training.files import write_json_atomic
+from checkpoint.files import write_json_atomic
 
 MANIFEST = "checksums.json"
 _CHUNK = 16 * 2**20
