@@ -30,11 +30,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from runtime.cpu_memory import reexec_with_huge_pages  # noqa: E402 -- imports no jax
+
 if __name__ == "__main__":
     # glibc reads its tunables when a process starts: restart now (before anything heavy is
     # loaded) with huge pages for the host allocator where that helps (runtime/cpu_memory.py).
-    from runtime.cpu_memory import reexec_with_huge_pages
-
     reexec_with_huge_pages()
 
 from runtime.xla_cpu import set_cpu_flags  # noqa: E402
@@ -226,5 +226,11 @@ def main(argv):
         )
 
 
-if __name__ == "__main__":
+def cli():
+    """The `zoo-eval` console script (pyproject.toml): `python eval_main.py`'s entry point."""
+    reexec_with_huge_pages()  # as under __main__ above; a no-op in the restarted process
     app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    cli()

@@ -23,6 +23,11 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from configs.locate import resolve_argv
+
+# config_flags reads sys.argv while defining the flag: `--config=tiny` (a packaged config by
+# name, configs/locate.py) is resolved to its file first.
+sys.argv[1:] = resolve_argv(sys.argv[1:])
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "A run config file (as train_main.py's); its model section wins over --model."
@@ -123,5 +128,10 @@ def _compiled_text(cfg, strategy):
         return fn.lower(state, tokens).compile().as_text(), partition_slices(mesh)
 
 
-if __name__ == "__main__":
+def cli():
+    """The `zoo-explain` console script (pyproject.toml): `python explain_main.py`'s entry point."""
     app.run(main)
+
+
+if __name__ == "__main__":
+    cli()

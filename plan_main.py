@@ -104,5 +104,10 @@ def main(argv):
     print(output, flush=True)
 
 
-if __name__ == "__main__":
+def cli():
+    """The `zoo-plan` console script (pyproject.toml): `python plan_main.py`'s entry point."""
     app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    cli()

@@ -16,11 +16,11 @@ import os
 # Before jax is imported: keep XLA's C++ start-up chatter off stderr, which carries errors.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from runtime.cpu_memory import reexec_with_huge_pages  # noqa: E402 -- imports no jax
+
 if __name__ == "__main__":
     # glibc reads its tunables when a process starts: restart now (before anything heavy is
     # loaded) with huge pages for the host allocator where that helps (runtime/cpu_memory.py).
-    from runtime.cpu_memory import reexec_with_huge_pages
-
     reexec_with_huge_pages()
 
 from runtime.xla_cpu import set_cpu_flags  # noqa: E402
@@ -38,8 +38,10 @@ import sys  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CONFIG = os.path.join(HERE, "configs", "tiny.py")
+from configs.locate import config_path, resolve_argv  # noqa: E402
+
+# The packaged configs (configs/locate.py): found from a checkout or an installed package alike.
+DEFAULT_CONFIG = config_path("tiny")
 EXIT_USAGE = 2
 
 
@@ -84,11 +86,9 @@ def _unknown_field_message(error: Exception) -> str | None:
 def _define_config_flag():
     # config_flags applies `--config.<path>=value` overrides while defining the flag (it reads
     # sys.argv), so a misspelt field raises here, before absl parses anything. It does not
-    # expand `~` (the shell does not either, after `=`): every path flag gets it here.
-    sys.argv[1:] = [
-        f"--config={os.path.expanduser(a.split('=', 1)[1])}" if a.startswith("--config=") else a
-        for a in sys.argv[1:]
-    ]
+    # expand `~` (the shell does not either, after `=`), nor know the packaged configs by name
+    # (`--config=tiny`): both are resolved here.
+    sys.argv[1:] = resolve_argv(sys.argv[1:])
     try:
         return config_flags.DEFINE_config_file(
             "config", DEFAULT_CONFIG, "Run config file (a get_config() module).", lock_config=True
@@ -209,5 +209,11 @@ def main(argv):
         sys.exit(1)
 
 
-if __name__ == "__main__":
+def cli():
+    """The `zoo-train` console script (pyproject.toml): `python train_main.py`'s entry point."""
+    reexec_with_huge_pages()  # as under __main__ above; a no-op in the restarted process
     app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    cli()

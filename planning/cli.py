@@ -47,9 +47,15 @@ def load_run(request: Request, num_devices: int):
     if request.config and request.model:
         raise ValueError("give --config or --model, not both")
     if request.config:
-        if not os.path.isfile(request.config):
-            raise ValueError(f"--config={request.config}: no such file")
-        spec = importlib.util.spec_from_file_location("plan_config", request.config)
+        from configs.locate import config_path, names
+
+        path = config_path(request.config)  # a file, or a packaged config by name
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"--config={request.config}: no such file (or a packaged config: "
+                f"{', '.join(names())})"
+            )
+        spec = importlib.util.spec_from_file_location("plan_config", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         raw = module.get_config().to_dict()
