@@ -38,9 +38,9 @@ def config_path(value: str) -> str:
         name = os.path.basename(path).removesuffix(".py")
         parent = os.path.dirname(os.path.normpath(path))
         # Only bare names and `.../configs/NAME(.py)`: another directory's file is not ours.
-        if parent in ("", "configs") or os.path.basename(parent) == "configs":
-            if name in names():
-                path = os.path.join(PACKAGE_DIR, f"{name}.py")
+        ours = parent == "" or os.path.basename(parent) == "configs"
+        if ours and name in names():
+            path = os.path.join(PACKAGE_DIR, f"{name}.py")
     return f"{path}{colon}{arg}"
 
 
