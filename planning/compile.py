@@ -86,6 +86,7 @@ class Plan:
     temp_bytes: int
     peak_bytes: int
     host_temp_bytes: int  # pinned host memory the step uses (remat='offload'), not the chip's
+    host_arrays: list[str]  # what lives there, `dtype[dims]` (shardings.hlo.host_arrays)
     compile_seconds: float
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
@@ -336,6 +337,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         temp_bytes=int(memory.temp_size_in_bytes),
         peak_bytes=int(_peak(memory)),
         host_temp_bytes=int(getattr(memory, "host_temp_size_in_bytes", 0) or 0),
+        host_arrays=hlo.host_arrays(text),
         compile_seconds=seconds,
         collectives=ops,
         kernels=dict(sorted(hlo.kernels(text).items())),
