@@ -10,6 +10,7 @@ that exists always wins, so a user's own `configs/tiny.py` in the working direct
 from __future__ import annotations
 
 import os
+import re
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -21,7 +22,7 @@ def names() -> list[str]:
         if not entry.endswith(".py") or entry.startswith("_"):
             continue
         with open(os.path.join(PACKAGE_DIR, entry), encoding="utf-8") as f:
-            if "def get_config(" in f.read():
+            if re.search(r"^def get_config\(", f.read(), re.MULTILINE):
                 found.append(entry.removesuffix(".py"))
     return found
 

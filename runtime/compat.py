@@ -10,9 +10,9 @@ behaviour of whichever end is installed.
 Known differences:
 - The error a `jax.custom_vjp` backward rule raises when its cotangent's type (here: its
   sharding) differs from the primal input's. jax 0.10.2: "Custom VJP bwd rule must produce
-  an output with the same type ..."; jax 0.12: "Custom VJP bwd rule attached to call at
-  FILE:LINE must produce an output with the same type ...". `CUSTOM_VJP_TYPE_MISMATCH`
-  matches both.
+  an output with the same type ..."; jax 0.11 and 0.12: "Custom VJP bwd rule attached to
+  FUNCTION at FILE:LINE must produce an output with the same type ...".
+  `CUSTOM_VJP_TYPE_MISMATCH` matches both.
 
 `python -m runtime.compat` prints the installed versions (CI prints them at the top of each
 leg).
@@ -28,6 +28,9 @@ from importlib import metadata
 CUSTOM_VJP_TYPE_MISMATCH = re.compile(
     r"Custom VJP bwd rule (?:attached to .+? )?must produce an output with the same type"
 )
+
+# The first jax whose wording names the call site (checked: 0.10.2 does not, 0.11.2 does).
+CUSTOM_VJP_NAMES_CALL_SITE_SINCE = (0, 11)
 
 # The distributions whose versions decide behaviour here (the extras' when installed).
 DISTRIBUTIONS = (
@@ -54,6 +57,11 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return found
+
+
+def jax_version() -> tuple[int, ...]:
+    """The installed jax's release numbers, e.g. (0, 12, 0, 1)."""
+    return tuple(int(p) for p in re.findall(r"\d+", metadata.version("jax").split("+")[0]))
 
 
 if __name__ == "__main__":
