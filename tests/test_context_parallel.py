@@ -14,6 +14,7 @@ from model_utils import put_batch
 
 from shardings import check_batch, get_strategy
 from training.loop import Trainer
+from training.step_memory import step_memory
 from zoo import create_model, get_config
 from zoo.layers.attention import Segments, attention_mask, context_parallel
 
@@ -79,7 +80,7 @@ def _train_step_temp_bytes(context: int, seq_len: int) -> int:
         seg, pos = _one_document_rows(2, seq_len)
         batch = {"tokens": pos % cfg.vocab_size, "segment_ids": seg, "positions": pos}
         trainer.compile(put_batch(batch, strategy.batch_spec()))
-        return trainer.compiled_cost()["temp_bytes"]
+        return step_memory(trainer.compiled).temp_bytes
 
 
 def test_context_axis_cuts_activation_memory_at_long_sequence():
