@@ -27,6 +27,7 @@ from shardings.specs import (
     MlpSharding,
     MoeSharding,
     NormSharding,
+    axes_of,
 )
 
 DATA = "data"  # batch, and the FSDP weight shards
@@ -143,9 +144,7 @@ class Strategy:
 
 
 def _as_tuple(axes: Axes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    return axes if isinstance(axes, tuple) else (axes,)
+    return axes_of(axes)
 
 
 def _largest_divisor(num_devices: int, dims: list[int], cap: int) -> int:

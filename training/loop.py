@@ -6,8 +6,8 @@ in place). The `model` / `optimizer` objects are brought up to date from it (`Tr
 only where something needs them: a checkpoint save, and the end of training.
 
 Nothing here knows a model family: a model is anything with
-`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., router_stats=...,
-packed=...) -> (nll_BT, mask_BT[, MoE routing statistics or None for a dense model])`: the LM
+`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., packed=...) ->
+(nll_BT, mask_BT, MoE routing statistics or None for a dense model)`: the LM
 head fused with the loss over chunks of `chunk_size` tokens per device (0: full logits).
 """
 
@@ -27,7 +27,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from training.optim import accumulate_gradients
-from zoo.loss import token_nll
 
 Batch = Mapping[str, jax.Array]
 
@@ -48,7 +47,7 @@ def loss_sum(
     """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
     needs (sums add across micro-batches; means would not). `packed=False` states that each
     row is one document from index 0, then padding (attention then needs no document mask)."""
-    nll_BT, mask_BT = model.token_nll(
+    nll_BT, mask_BT, _ = model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
@@ -62,24 +61,17 @@ def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0
     """(the objective summed over counted tokens, (their count, metric sums)).
 
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
-    the config's `router_aux_loss_coef`; see `objective_sum`.
+    the config's `router_aux_loss_coef`; see `objective_from_nll`.
     """
     nll_BT, mask_BT, moe = model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
         chunk_size=chunk_size,
-        router_stats=True,
         packed=packed,
     )
     coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
     return objective_from_nll(nll_BT, mask_BT, moe, coef)
-
-
-def objective_sum(logits_BTV, moe, batch: Batch, aux_coef: float):
-    """`train_loss_sum` from the model's full logits."""
-    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
-    return objective_from_nll(nll_BT, mask_BT, moe, aux_coef)
 
 
 def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
@@ -144,7 +136,6 @@ class Trainer:
             batch,
             self.micro_batches,
             batch_spec=self.batch_spec,
-            with_sums=True,
         )
         grad_norm = optax.tree.norm(grads)  # before clipping: what the data asked for
         optimizer.update(model, grads)
