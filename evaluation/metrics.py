@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+import data
 from evaluation.settings import EvalSettings
+from runtime.distributed import to_global
+from shardings.mesh import check_batch
 from shardings.specs import split_size
+from zoo.loss import target_mask
 
 
 def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     """Loss, perplexity, bits per byte and counts over the settings' batches."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    import data
-    from runtime.distributed import to_global
-    from shardings.mesh import check_batch
-    from zoo.loss import target_mask
 
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(
@@ -75,8 +76,6 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
             )
             total_bytes += int(tokenizer.token_num_bytes[targets_BT[mask_BT]].sum())
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         total_bytes = int(np.sum(multihost_utils.process_allgather(np.int64(total_bytes))))
     if total_tokens == 0:
         raise ValueError(f"no tokens to evaluate in {settings.source!r} ({settings.split})")

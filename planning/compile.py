@@ -13,16 +13,18 @@ import math
 
 import jax
 import numpy as np
+from flax import nnx
 
 from launch.build import build
-from planning.chips import Chip
+from planning.chips import Chip, chip_for
 from planning.estimate import (
     StepEstimate,
     axis_bandwidth,
     comm_seconds,
     estimate_step,
 )
-from shardings import hlo
+from planning.targets import TargetError, target_devices
+from shardings import get_strategy, hlo
 from training.step_memory import StepMemory, step_memory
 
 
@@ -36,7 +38,6 @@ class Candidate:
     micro_batches: int
 
     def describe(self) -> str:
-        from shardings import get_strategy
 
         axes = get_strategy(self.strategy).axes
         mesh = ",".join(f"{a}:{n}" for a, n in zip(axes, self.mesh_shape, strict=True))
@@ -160,8 +161,6 @@ def collectives_by_axis(ops) -> list[dict]:
 def make_target(name: str, memory_gib: float | None = None) -> Target:
     """A target by name: a TPU slice or GPU hosts (`planning.targets`), or `cpu:N`, this
     host's first N (simulated) CPU devices. Raises ValueError (TargetError) with one line."""
-    from planning.chips import chip_for
-    from planning.targets import TargetError, target_devices
 
     kind, _, count = name.partition(":")
     if kind.lower() == "cpu":
@@ -186,7 +185,6 @@ def _shard_bytes(leaf) -> int:
 def state_bytes(model_state, optimizer_state) -> StateBytes:
     """Per-device bytes of parameters, optimizer state and gradients (which take the
     parameters' layouts and dtypes), from abstract or real arrays' shardings."""
-    from flax import nnx
 
     params = [
         ("/".join(str(p) for p in path), _shard_bytes(v.get_value()))
@@ -199,7 +197,6 @@ def state_bytes(model_state, optimizer_state) -> StateBytes:
 
 
 def make_mesh(target: Target, candidate: Candidate):
-    from shardings import get_strategy
 
     return get_strategy(candidate.strategy).make_mesh(
         shape=candidate.mesh_shape, devices=list(target.devices)
@@ -220,7 +217,6 @@ def run_for(run, candidate: Candidate):
 
 def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
     """State bytes per device without compiling (for pruning candidates that cannot fit)."""
-    from flax import nnx
 
     built = build(run_for(run, candidate), make_mesh(target, candidate), abstract=True)
     return state_bytes(nnx.state(built.model, nnx.Param), nnx.state(built.optimizer.opt_state))
@@ -229,7 +225,6 @@ def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
 def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
     the layouts or the batch cannot take (a split that does not divide)."""
-    from flax import nnx
 
     run = run_for(run, candidate)
     mesh = make_mesh(target, candidate)
