@@ -41,19 +41,23 @@ class DivergedError(FloatingPointError):
         super().__init__(f"training diverged: {what} at step {step}; {kept}")
 
 
-def loss_sum(
-    model, batch: Batch, packed: bool = True, chunk_size: int = 0
-) -> tuple[jax.Array, jax.Array]:
-    """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
-    needs (sums add across micro-batches; means would not). `packed=False` states that each
-    row is one document from index 0, then padding (attention then needs no document mask)."""
-    nll_BT, mask_BT, _ = model.token_nll(
+def _token_nll(model, batch: Batch, packed: bool, chunk_size: int):
+    return model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
         chunk_size=chunk_size,
         packed=packed,
     )
+
+
+def loss_sum(
+    model, batch: Batch, packed: bool = True, chunk_size: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
+    needs (sums add across micro-batches; means would not). `packed=False` states that each
+    row is one document from index 0, then padding (attention then needs no document mask)."""
+    nll_BT, mask_BT, _ = _token_nll(model, batch, packed, chunk_size)
     return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
 
@@ -63,13 +67,7 @@ def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
     the config's `router_aux_loss_coef`; see `objective_from_nll`.
     """
-    nll_BT, mask_BT, moe = model.token_nll(
-        batch["tokens"],
-        segment_ids=batch["segment_ids"],
-        positions=batch["positions"],
-        chunk_size=chunk_size,
-        packed=packed,
-    )
+    nll_BT, mask_BT, moe = _token_nll(model, batch, packed, chunk_size)
     coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
     return objective_from_nll(nll_BT, mask_BT, moe, coef)
 
