@@ -4,7 +4,6 @@ docs use, from any directory (an installed package has no ./configs), and a real
 import os
 
 from configs import locate
-from planning.cli import Request, load_run
 
 
 def test_the_shipped_configs_are_listed():
@@ -41,7 +40,12 @@ def test_argv_rewrites_only_the_config_flag():
     assert out[1:] == argv[1:]
 
 
-def test_the_planner_takes_a_packaged_config_by_name(tmp_path, monkeypatch):
+def test_the_entry_points_config_flag_resolves_through_here(tmp_path, monkeypatch):
+    """train_main / plan_main / explain_main's `--config` (launch/cli.py) from any directory."""
+    from launch import cli
+
     monkeypatch.chdir(tmp_path)
-    run = load_run(Request(config="llama3_1b", topology="v5p:2x2x2"), num_devices=8)[0]
-    assert run.model.preset.startswith("llama3")
+    packaged = os.path.join(locate.PACKAGE_DIR, "llama3_1b.py")
+    assert cli._resolve_config_path("configs/llama3_1b.py") == packaged
+    assert cli._resolve_config_path("llama3_1b") == packaged
+    assert os.path.samefile(cli.DEFAULT_CONFIG, os.path.join(locate.PACKAGE_DIR, "tiny.py"))
