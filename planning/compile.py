@@ -17,11 +17,14 @@ import numpy as np
 
 from planning.chips import Chip
 from planning.estimate import (
+    Forecast,
     StepEstimate,
     axis_bandwidth,
     comm_seconds,
     estimate_step,
+    forecast_step,
 )
+from planning.hlo_traffic import Traffic, traffic
 from shardings import hlo
 
 BATCH_FIELDS = ("tokens", "segment_ids", "positions")
@@ -89,7 +92,9 @@ class Plan:
     compile_seconds: float
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
-    estimate: StepEstimate
+    estimate: StepEstimate  # the bound
+    traffic: Traffic | None = None  # this program's kernels and memory-bound bytes
+    forecast: Forecast | None = None  # what a real step should take (planning.estimate)
 
     @property
     def required_bytes(self) -> int:
@@ -136,7 +141,10 @@ class Plan:
             "overlapped_comm_seconds": self.estimate.overlapped_comm_seconds,
             "predicted_step_seconds": self.estimate.step_seconds,
             "predicted_mfu": self.estimate.mfu,
-        }
+            # The same bound under a name that says so, and the forecast beside it.
+            "bound_step_seconds": self.estimate.step_seconds,
+            "bound_mfu": self.estimate.mfu,
+        } | (self.forecast.to_json() if self.forecast else {"forecast_step_seconds": None})
 
 
 def collective_counts(ops) -> dict[str, int]:
@@ -271,9 +279,10 @@ def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
     return state_bytes(nnx.state(model, nnx.Param), nnx.state(optimizer.opt_state))
 
 
-def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
+def compile_plan(run, candidate: Candidate, target: Target, forecast: bool = True) -> Plan:
     """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
-    the layouts or the batch cannot take (a split that does not divide)."""
+    the layouts or the batch cannot take (a split that does not divide). `forecast` adds the
+    step forecast on chips that have its figures (two more compiles, of one and two layers)."""
     from flax import nnx
 
     from shardings import check_batch, get_strategy
@@ -323,6 +332,32 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         exposed_comm=exposed,
         overlapped_comm=overlapped,
     )
+    own = traffic(text)
+    step_forecast = None
+    if forecast and target.chip.hbm_bytes_per_s is not None:
+        from planning.forecast import step_traffic
+
+        total = step_traffic(
+            run,
+            candidate,
+            target,
+            lambda r: compile_plan(r, candidate, target, forecast=False).traffic,
+        )
+        step_forecast = forecast_step(
+            model_cfg,
+            seq_len=seq_len,
+            global_batch=global_batch,
+            num_devices=mesh.size,
+            micro_batches=candidate.micro_batches,
+            tensor_parallel=dict(mesh.shape).get("model", 1),
+            remat=candidate.remat,
+            chip=target.chip,
+            flash=own.flash_kernels > 0,
+            memory_bytes=total.memory_bytes,
+            kernels=total.kernels,
+            exposed_comm=exposed,
+            overlapped_comm=overlapped,
+        )
     return Plan(
         candidate=candidate,
         target=target,
@@ -340,6 +375,8 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         collectives=ops,
         kernels=dict(sorted(hlo.kernels(text).items())),
         estimate=estimate,
+        traffic=own,
+        forecast=step_forecast,
     )
 
 

@@ -182,9 +182,14 @@ class LoggingSection:
     log_every: int = 10
     peak_tflops: float | None = None  # None: table lookup, or measured on CPU
     progress_bar: bool = True
+    # 'START:END': a jax.profiler trace of steps START..END-1 into <workdir>/profile; '' none.
+    profile_steps: str = ""
 
     def __post_init__(self):
         _positive("logging", self, "log_every", "peak_tflops")
+        from training.profile import parse_steps
+
+        parse_steps(self.profile_steps)  # one line naming the valid form
 
 
 def section_fields(section: str) -> list[str]:

@@ -224,6 +224,7 @@ class LoopOptions:
     eval_every: int = 0  # 0: only at the end
     checkpoint_every: int = 0  # 0: only at the end (and on preemption)
     seed: int = 0
+    profiler: Any = None  # training.profile.StepProfiler, or None
 
 
 def run(
@@ -252,6 +253,10 @@ def run(
     interval_start, interval_steps = time.perf_counter(), 0
     metrics: dict[str, jax.Array] = {}
     saved_step = start_step or None  # resumed: the workdir holds that step
+    # The step-time breakdown of each logged interval: seconds waiting for the next batch, and
+    # seconds blocked saving a checkpoint (outside the timed interval, as validation is).
+    data_wait = checkpoint_wait = 0.0
+    profiler = options.profiler
 
     def check_finite(fetched) -> None:
         # A finite loss with a non-finite gradient norm still writes NaN into the parameters.
@@ -284,9 +289,15 @@ def run(
 
     preempted = False
     while step < options.total_steps:
+        waited = time.perf_counter()
         batch = next(train_batches)
+        data_wait += time.perf_counter() - waited
+        if profiler is not None:
+            profiler.before(step + 1)
         metrics = trainer.train_step(batch)
         step += 1
+        if profiler is not None:
+            profiler.after(step, metrics)
         interval_steps += 1
         tokens_seen += options.tokens_per_step
         last = step == options.total_steps
@@ -303,6 +314,11 @@ def run(
                 "tokens_per_second": tokens_per_second,
                 "mfu": tokens_per_second * options.flops_per_token / options.peak_flops,
                 "step_time": elapsed / interval_steps,
+                # step_time = data_wait_time + compute_time (dispatch and device, per step);
+                # checkpoint_time: seconds the loop blocked saving since the last record.
+                "data_wait_time": data_wait / interval_steps,
+                "compute_time": (elapsed - data_wait) / interval_steps,
+                "checkpoint_time": checkpoint_wait,
                 "loss_tokens": int(fetched["loss_tokens"]),
                 "tokens_seen": tokens_seen,
             }
@@ -317,15 +333,20 @@ def run(
         paused = time.perf_counter()
         if options.eval_every and step % options.eval_every == 0 and not last:
             validate()
+        saving = time.perf_counter()
         save(force=False)
+        checkpoint_wait += time.perf_counter() - saving
         if watcher is not None and not last and watcher.should_stop(step):
             save(force=True)
             preempted = True
             break
         if log_now:
             interval_start, interval_steps = time.perf_counter(), 0
+            data_wait = checkpoint_wait = 0.0
         else:
             interval_start += time.perf_counter() - paused
+    if profiler is not None:
+        profiler.stop(metrics)  # a range past the last step ends with the run
     if not preempted and step > start_step:
         validate()
         save(force=True)

@@ -274,6 +274,7 @@ def train(setup: Setup) -> list[dict]:
     from training.loop import LoopOptions
     from training.loop import run as run_loop
     from training.metrics import MetricsWriter
+    from training.profile import StepProfiler, parse_steps
 
     run, workdir, trainer = setup.run, setup.workdir, setup.trainer
     is_main = jax.process_index() == 0
@@ -326,6 +327,8 @@ def train(setup: Setup) -> list[dict]:
                 eval_every=run.training.eval_every,
                 checkpoint_every=run.checkpoint.every if ckpt is not None else 0,
                 seed=run.training.seed,
+                # Every process traces its own devices (one file per host under profile/).
+                profiler=StepProfiler(parse_steps(run.logging.profile_steps), workdir),
             )
             records = run_loop(
                 trainer,
