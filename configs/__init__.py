@@ -87,4 +87,7 @@ def base_config() -> ConfigDict:
     g.log_every = 10  # metrics.jsonl / TensorBoard / progress-bar line every N steps
     g.peak_tflops = placeholder(float)  # per-device peak for MFU; None: table, or measured on CPU
     g.progress_bar = True  # tqdm bar on stderr (process 0)
+    # 'START:END': a jax.profiler trace of steps START..END-1 (metrics.jsonl's step numbers)
+    # into <workdir>/profile, for TensorBoard's profile plugin / XProf; '' traces nothing.
+    g.profile_steps = ""
     return c

@@ -22,13 +22,17 @@ def test_profile_steps_and_step_time_breakdown(tmp_path):
         "checkpoint.every": 3,
         "logging.profile_steps": "2:4",
     }
-    result = run_train_main([f"--workdir={workdir}", *cli_flags(overrides)], num_devices=2)
+    result = run_train_main(
+        [f"--workdir={workdir}", *cli_flags(overrides)], num_devices=2, timeout=900
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
-    # TensorBoard's profile plugin / XProf layout: plugins/profile/<run>/<host>.xplane.pb.
+    # TensorBoard's profile plugin / XProf layout: plugins/profile/<run>/<host>.xplane.pb, and
+    # the Chrome-trace file Perfetto opens beside it.
     traces = glob.glob(os.path.join(workdir, "profile", "plugins", "profile", "*", "*.xplane.pb"))
     assert len(traces) == 1, os.listdir(workdir)
     assert os.path.getsize(traces[0]) > 1000
+    assert glob.glob(os.path.join(os.path.dirname(traces[0]), "*.trace.json.gz"))
 
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"loss"' in line]
@@ -43,7 +47,7 @@ def test_profile_steps_and_step_time_breakdown(tmp_path):
     assert records[1]["checkpoint_time"] == 0
 
 
-@pytest.mark.parametrize("value", ["4:2", "x", "3"])
+@pytest.mark.parametrize("value", ["4:2", "x"])
 def test_bad_profile_steps_exit_2_with_one_line(value, tmp_path):
     overrides = {**SMALL_RUN, "logging.profile_steps": value}
     result = run_train_main([f"--workdir={tmp_path}", *cli_flags(overrides)], num_devices=2)

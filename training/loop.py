@@ -266,11 +266,12 @@ def run(
                 raise DivergedError(step, f"{name} is {value}", saved_step)
 
     def save(force: bool) -> None:
-        nonlocal saved_step
+        nonlocal saved_step, checkpoint_wait
         if checkpointer is None:
             return
         if not force and not (options.checkpoint_every and step % options.checkpoint_every == 0):
             return  # the checkpointer would skip it; do not sync the objects for nothing
+        started = time.perf_counter()
         if metrics:  # a step between log steps may have diverged: never save its state
             check_finite(jax.device_get(metrics))
         model, optimizer = trainer.sync()
@@ -279,6 +280,7 @@ def run(
             step, model=model, optimizer=optimizer, data_iter=train_iter, meta=meta, force=force
         ):
             saved_step = step
+        checkpoint_wait += time.perf_counter() - started
 
     def validate() -> None:
         if make_val_batches is None:
@@ -327,22 +329,20 @@ def run(
                 record["aux_loss"] = float(fetched["aux_loss"])
                 record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
             writer.write(step, record)
+            data_wait = checkpoint_wait = 0.0
             records.append({"step": step, **record})
             check_finite(record)
         # Validation and saving sit outside the timed intervals.
         paused = time.perf_counter()
         if options.eval_every and step % options.eval_every == 0 and not last:
             validate()
-        saving = time.perf_counter()
         save(force=False)
-        checkpoint_wait += time.perf_counter() - saving
         if watcher is not None and not last and watcher.should_stop(step):
             save(force=True)
             preempted = True
             break
         if log_now:
             interval_start, interval_steps = time.perf_counter(), 0
-            data_wait = checkpoint_wait = 0.0
         else:
             interval_start += time.perf_counter() - paused
     if profiler is not None:
