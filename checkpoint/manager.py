@@ -57,7 +57,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
 from checkpoint import integrity
-from zoo.layers.decoder import VOCAB_DIMS
+from zoo import VOCAB_DIMS
 
 CHECKPOINT_SUBDIR = "checkpoints"
 INVALID_SUBDIR = "invalid"
@@ -239,6 +239,17 @@ def _opt_state(optimizer) -> dict:
     return nnx.to_pure_dict(nnx.state(optimizer, nnx.optimizer.OptState))
 
 
+def _params_args(model) -> dict[str, Any]:
+    """Orbax restore arguments for the parameters, in the live model's layout."""
+    return {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
+
+
+def _unreadable(step_dir: str, error: BaseException, what: str = "") -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"checkpoint {step_dir} {what}cannot be read ({_one_line(error)})"
+    )
+
+
 def _put_back(module, var_filter, restored: dict) -> None:
     state = nnx.state(module, var_filter)
     nnx.replace_by_pure_dict(state, restored)
@@ -258,9 +269,7 @@ def _restore(step_dir: str, what: str, args: dict[str, Any], model_cfg=None) -> 
         try:
             metadata = checkpointer.metadata(step_dir).item_metadata
         except Exception as e:  # noqa: BLE001 -- any failure to read it means a damaged dir
-            raise CorruptCheckpointError(
-                f"checkpoint {step_dir} cannot be read ({_one_line(e)})"
-            ) from e
+            raise _unreadable(step_dir, e) from e
         args = dict(args)
         for item in _TREE_ITEMS:
             if item in args:
@@ -275,9 +284,7 @@ def _restore(step_dir: str, what: str, args: dict[str, Any], model_cfg=None) -> 
         try:
             return checkpointer.restore(step_dir, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 -- tensorstore/OCDBT errors past the checksums
-            raise CorruptCheckpointError(
-                f"checkpoint {step_dir} cannot be read ({_one_line(e)})"
-            ) from e
+            raise _unreadable(step_dir, e) from e
     finally:
         checkpointer.close()
 
@@ -409,7 +416,7 @@ class Checkpointer:
         step_dir = os.path.join(self.directory, str(step))
         if step not in self._verified:
             check_integrity(step_dir, ITEMS)
-        args = {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
+        args = _params_args(model)
         if optimizer is not None:
             args["opt_state"] = ocp.args.StandardRestore(_abstract(_opt_state(optimizer)))
         if data_iter is not None:
@@ -511,9 +518,7 @@ def _read_meta(step_dir: str) -> dict:
             step_dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
         )
     except Exception as e:  # noqa: BLE001 -- any failure to read it means a damaged dir
-        raise CorruptCheckpointError(
-            f"checkpoint {step_dir} meta cannot be read ({_one_line(e)})"
-        ) from e
+        raise _unreadable(step_dir, e, "meta ") from e
     finally:
         checkpointer.close()
     return dict(restored["meta"])
@@ -541,7 +546,6 @@ def restore_params(workdir: str, model, step: int | None = None) -> int:
         if not others:
             raise
         raise CorruptCheckpointError(f"{e}; choose another with --step (steps: {others})") from None
-    args = {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
-    restored = _restore(step_dir, "model", args, getattr(model, "cfg", None))
+    restored = _restore(step_dir, "model", _params_args(model), getattr(model, "cfg", None))
     _put_back(model, nnx.Param, restored["params"])
     return step
