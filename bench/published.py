@@ -7,7 +7,7 @@ Each row is a published measurement with its exact settings, read from the ancho
 (paths and commits below), compiled here for its target (or a smaller slice with the same
 per-chip work: same model, same rows per chip, same sequence, the same layout) with the
 planner (`planning.compile.compile_plan`, the step train_main runs) and forecast by
-`planning.estimate.forecast_step`. Printed per row: the published tokens/s per chip, the
+`planning.forecast.add_forecast`. Printed per row: the published tokens/s per chip, the
 forecast, forecast / published, and the bound's tokens/s. Goal: ratio within 0.8-1.2.
 
 Where the published figure is a FLOP rate (MaxText's A3 table), it is turned into tokens/s with
@@ -142,6 +142,7 @@ ROWS = (
 def forecast_row(row: Row) -> dict:
     from planning.cli import Request, build
     from planning.compile import Target, compile_plan
+    from planning.forecast import add_forecast
 
     request = Request(
         topology=row.topology,
@@ -159,6 +160,7 @@ def forecast_row(row: Row) -> dict:
         chip = dataclasses.replace(target.chip, **dict(row.chip_changes))
         target = Target(name=target.name, devices=target.devices, chip=chip)
     plan = compile_plan(run, candidates[0], target)
+    add_forecast(run, plan)
     n = len(target.devices)
     tokens = plan.global_batch * plan.seq_len
     f, e = plan.forecast, plan.estimate

@@ -23,7 +23,6 @@ from planning.estimate import (
     axis_bandwidth,
     comm_seconds,
     estimate_step,
-    forecast_step,
 )
 from planning.hlo_traffic import Traffic, traffic
 from planning.targets import TargetError, target_devices
@@ -89,7 +88,8 @@ class Plan:
     kernels: dict[str, int]
     estimate: StepEstimate  # the bound
     traffic: Traffic | None = None  # this program's kernels and memory-bound bytes
-    forecast: Forecast | None = None  # what a real step should take (planning.estimate)
+    # What a real step should take (planning.estimate), set by planning.forecast.add_forecast.
+    forecast: Forecast | None = None
 
     def __getattr__(self, name: str):
         # argument_bytes, temp_bytes, peak_bytes, host_temp_bytes, required_bytes, ...
@@ -230,10 +230,10 @@ def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
     return state_bytes(nnx.state(built.model, nnx.Param), nnx.state(built.optimizer.opt_state))
 
 
-def compile_plan(run, candidate: Candidate, target: Target, forecast: bool = True) -> Plan:
+def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
-    the layouts or the batch cannot take (a split that does not divide). `forecast` adds the
-    step forecast on chips that have its figures (two more compiles, of one and two layers)."""
+    the layouts or the batch cannot take (a split that does not divide). The step forecast is
+    added by `planning.forecast.add_forecast` (two more compiles, so only where asked)."""
     run = run_for(run, candidate)
     mesh = make_mesh(target, candidate)
     built = build(run, mesh, abstract=True)
@@ -260,31 +260,6 @@ def compile_plan(run, candidate: Candidate, target: Target, forecast: bool = Tru
         overlapped_comm=overlapped,
     )
     own = traffic(text)
-    step_forecast = None
-    if forecast and target.chip.hbm_bytes_per_s is not None:
-        from planning.forecast import step_traffic
-
-        total = step_traffic(
-            run,
-            candidate,
-            target,
-            lambda r: compile_plan(r, candidate, target, forecast=False).traffic,
-        )
-        step_forecast = forecast_step(
-            run.model.decoder_config(),
-            seq_len=run.data.seq_len,
-            global_batch=run.data.global_batch_size,
-            num_devices=mesh.size,
-            micro_batches=candidate.micro_batches,
-            tensor_parallel=dict(mesh.shape).get("model", 1),
-            remat=candidate.remat,
-            chip=target.chip,
-            flash=own.flash_kernels > 0,
-            memory_bytes=total.memory_bytes,
-            kernels=total.kernels,
-            exposed_comm=exposed,
-            overlapped_comm=overlapped,
-        )
     return Plan(
         candidate=candidate,
         target=target,
@@ -298,5 +273,4 @@ def compile_plan(run, candidate: Candidate, target: Target, forecast: bool = Tru
         kernels=dict(sorted(hlo.kernels(text).items())),
         estimate=estimate,
         traffic=own,
-        forecast=step_forecast,
     )
