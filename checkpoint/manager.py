@@ -59,6 +59,10 @@ from jax.sharding import AbstractMesh, NamedSharding
 from checkpoint import integrity
 from zoo.layers.decoder import VOCAB_DIMS
 
+# What `params` holds: every nnx.Param, or for a LoRA run only its adapters (the frozen base
+# is the run's --init_from directory, which run_info.json names).
+from zoo.layers.lora import trainable
+
 CHECKPOINT_SUBDIR = "checkpoints"
 INVALID_SUBDIR = "invalid"
 ITEMS = ("params", "opt_state", "data", "meta")
@@ -232,7 +236,7 @@ def check_fits(
 
 
 def _params(model) -> dict:
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return nnx.to_pure_dict(nnx.state(model, trainable(model)))
 
 
 def _opt_state(optimizer) -> dict:
@@ -417,7 +421,7 @@ class Checkpointer:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         args["meta"] = ocp.args.JsonRestore()
         restored = _restore(step_dir, "model", args, getattr(model, "cfg", None))
-        _put_back(model, nnx.Param, restored["params"])
+        _put_back(model, trainable(model), restored["params"])
         if optimizer is not None:
             _put_back(optimizer, nnx.optimizer.OptState, restored["opt_state"])
         logging.info("restored checkpoint %s", step_dir)
@@ -543,5 +547,5 @@ def restore_params(workdir: str, model, step: int | None = None) -> int:
         raise CorruptCheckpointError(f"{e}; choose another with --step (steps: {others})") from None
     args = {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
     restored = _restore(step_dir, "model", args, getattr(model, "cfg", None))
-    _put_back(model, nnx.Param, restored["params"])
+    _put_back(model, trainable(model), restored["params"])
     return step

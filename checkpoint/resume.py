@@ -19,6 +19,7 @@ import dataclasses
 
 # DataSection fields that define the document stream a saved iterator position refers to.
 STREAM_FIELDS = (
+    "format",
     "source",
     "tokenizer",
     "text_field",

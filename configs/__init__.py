@@ -49,6 +49,10 @@ def base_config() -> ConfigDict:
     d.num_workers = 0  # Grain worker processes for reading/tokenizing (0: in-process)
     d.shuffle_seed = 0  # seeds document shuffling and packing order
     d.validation_fraction = 0.02  # share of documents held out for validation loss
+    # text: documents, loss on every token | chat: JSONL/Parquet records with `messages`
+    # (role/content), rendered with the tokenizer dir's chat template, loss on assistant
+    # turns | prompt_completion: records with `prompt` and `completion`, loss on completions.
+    d.format = "text"
 
     c.optimizer = o = ConfigDict()
     o.learning_rate = 3e-4  # peak rate, reached after warmup
@@ -87,4 +91,11 @@ def base_config() -> ConfigDict:
     g.log_every = 10  # metrics.jsonl / TensorBoard / progress-bar line every N steps
     g.peak_tflops = placeholder(float)  # per-device peak for MFU; None: table, or measured on CPU
     g.progress_bar = True  # tqdm bar on stderr (process 0)
+
+    c.lora = r = ConfigDict()
+    r.rank = placeholder(int)  # LoRA rank r; None: no adapters (full fine-tuning)
+    r.alpha = 16.0  # the adapters' update is scaled by alpha / r
+    r.dropout = 0.0  # dropout on the adapters' input while training
+    # Projections that get adapters, comma-separated: q_proj,k_proj,v_proj,o_proj,gate,up,down
+    r.targets = "q_proj,k_proj,v_proj,o_proj"
     return c

@@ -15,7 +15,8 @@ from typing import Any
 
 # zoo/layers/remat.py's names; repeated here so reading a config imports no JAX.
 REMAT_POLICIES = ("none", "full", "dots", "save_qkv_proj", "save_out_proj", "offload")
-SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging")
+SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora")
+DATA_FORMATS = ("text", "chat", "prompt_completion")  # data/chat.py's FORMATS
 
 
 def _fail(section: str, field: str, value: Any, why: str) -> None:
@@ -100,9 +101,12 @@ class DataSection:
     num_workers: int = 0
     shuffle_seed: int = 0
     validation_fraction: float = 0.02
+    format: str = "text"
 
     def __post_init__(self):
         _positive("data", self, "seq_len", "global_batch_size")
+        if self.format not in DATA_FORMATS:
+            _fail("data", "format", self.format, f"valid: {', '.join(DATA_FORMATS)}")
         if self.num_workers < 0:
             _fail("data", "num_workers", self.num_workers, "must be >= 0")
         if not 0 < self.validation_fraction < 1:
@@ -187,6 +191,31 @@ class LoggingSection:
         _positive("logging", self, "log_every", "peak_tflops")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    rank: int | None = None  # None: no adapters, every parameter trains
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: str = "q_proj,k_proj,v_proj,o_proj"
+
+    def __post_init__(self):
+        if self.rank is not None:
+            self.lora_config()  # one-line ValueError for a bad rank, alpha, dropout or target
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    def lora_config(self):
+        """The zoo's LoraConfig (zoo/layers/lora.py), or None without adapters."""
+        if self.rank is None:
+            return None
+        from zoo.layers.lora import LoraConfig
+
+        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        return LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=targets)
+
+
 def section_fields(section: str) -> list[str]:
     """The field names of a config section, sorted (for error messages)."""
     return sorted(f.name for f in dataclasses.fields(_SECTION_TYPES[section]))
@@ -199,6 +228,7 @@ _SECTION_TYPES = {
     "training": TrainingSection,
     "checkpoint": CheckpointSection,
     "logging": LoggingSection,
+    "lora": LoraSection,
 }
 
 
@@ -211,6 +241,7 @@ class RunConfig:
     training: TrainingSection
     checkpoint: CheckpointSection
     logging: LoggingSection
+    lora: LoraSection = LoraSection()
 
     def __post_init__(self):
         k = self.optimizer.micro_batches

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from training.optim import accumulate_gradients
-from zoo.loss import token_nll
+from zoo.loss import answer_mask, token_nll
 
 Batch = Mapping[str, jax.Array]
 
@@ -55,7 +55,18 @@ def loss_sum(
         chunk_size=chunk_size,
         packed=packed,
     )
+    nll_BT, mask_BT = _only_answers(nll_BT, mask_BT, batch)
     return jnp.sum(nll_BT), jnp.sum(mask_BT)
+
+
+def _only_answers(nll_BT, mask_BT, batch: Batch):
+    """With a `loss_mask` in the batch (chat / instruction data), only the trained targets
+    count. The loss is then the mean over those tokens of the whole global batch: sums and
+    counts add over micro-batches and devices before the one division."""
+    if "loss_mask" not in batch:
+        return nll_BT, mask_BT
+    mask_BT = answer_mask(mask_BT, batch["loss_mask"])
+    return jnp.where(mask_BT, nll_BT, 0.0), mask_BT
 
 
 def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
@@ -72,6 +83,7 @@ def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0
         router_stats=True,
         packed=packed,
     )
+    nll_BT, mask_BT = _only_answers(nll_BT, mask_BT, batch)
     coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
     return objective_from_nll(nll_BT, mask_BT, moe, coef)
 
@@ -79,6 +91,7 @@ def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0
 def objective_sum(logits_BTV, moe, batch: Batch, aux_coef: float):
     """`train_loss_sum` from the model's full logits."""
     nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
+    nll_BT, mask_BT = _only_answers(nll_BT, mask_BT, batch)
     return objective_from_nll(nll_BT, mask_BT, moe, aux_coef)
 
 
@@ -96,8 +109,10 @@ def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
     return total, (count, sums)
 
 
-def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
-    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch, packed, chunk_size)
+def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0, wrt=nnx.Param):
+    """Gradients of the variables of kind `wrt` (nnx.Param; LoRA adapters: LoraParam)."""
+    grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
+    return grad_fn(model, batch, packed, chunk_size)
 
 
 class Trainer:
@@ -111,6 +126,7 @@ class Trainer:
         False states one document per row from index 0, then padding.
       loss_chunk_size: tokens per device per chunk of the fused LM head + loss (train and
         eval steps); 0 builds the full logits.
+      wrt: the variable kind that trains, as the optimizer's `wrt` (LoRA: LoraParam).
     """
 
     def __init__(
@@ -122,8 +138,10 @@ class Trainer:
         batch_spec: P | None = None,
         packed: bool = True,
         loss_chunk_size: int = 0,
+        wrt=nnx.Param,
     ):
         self.model, self.optimizer = model, optimizer
+        self.wrt = wrt
         self.packed = packed
         self.loss_chunk_size = loss_chunk_size
         self.micro_batches = micro_batches
@@ -139,7 +157,9 @@ class Trainer:
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads, means = accumulate_gradients(
-            functools.partial(_loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size),
+            functools.partial(
+                _loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size, wrt=self.wrt
+            ),
             model,
             batch,
             self.micro_batches,

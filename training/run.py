@@ -98,8 +98,19 @@ class Setup:
         micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
         check_batch(micro_batch, batch_spec, mesh, strategy.name, seq_len=run.data.seq_len)
 
-        tokenizer = make_tokenizer(run.data.tokenizer)
+        from training import finetune
+
+        finetune.check_lora_run(run, init_from)
+        tokenizer_spec = finetune.data_tokenizer(run, init_from)
+        if tokenizer_spec != run.data.tokenizer:  # recorded as used, for eval and resume
+            run = dataclasses.replace(
+                run, data=dataclasses.replace(run.data, tokenizer=tokenizer_spec)
+            )
+            self.run = run
+        tokenizer = make_tokenizer(tokenizer_spec)
         common = dict(
+            data_format=run.data.format,
+            chat_template=finetune.chat_template(run, tokenizer_spec),
             tokenizer=tokenizer,
             seq_len=run.data.seq_len,
             global_batch_size=run.data.global_batch_size,
@@ -132,10 +143,13 @@ class Setup:
                 )
                 raise ValueError(
                     f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-                    f"{tokenizer.vocab_size} ids ({run.data.tokenizer}); {fix}"
+                    f"{tokenizer.vocab_size} ids ({tokenizer_spec}); {fix}"
                 )
+            self.adapted = finetune.adapt(model, run.lora, run.training.seed)
+            finetune.freeze_base(model, run.model.dtype)
+            wrt = finetune.trainable(model)  # LoRA: the adapters alone; else every Param
             tx, self.schedule = run_optimizer(run)
-            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+            optimizer = nnx.Optimizer(model, tx, wrt=wrt)
         self.model_cfg, self.model, self.optimizer = model_cfg, model, optimizer
         self.trainer = Trainer(
             model,
@@ -143,6 +157,7 @@ class Setup:
             micro_batches=run.optimizer.micro_batches,
             batch_spec=batch_spec,
             loss_chunk_size=run.training.loss_chunk_size,
+            wrt=wrt,
         )
         # An attention backend named in the config that cannot run here fails now, in one
         # line, not while the step compiles.
