@@ -79,7 +79,7 @@ def write_chats_jsonl(path: str, n: int = 24, seed: int = 0) -> str:
     import random
 
     rng = random.Random(seed)
-    words = "the sea is wide deep blue Paris capital poem France hello fine thanks".split()
+    words = ["the", "sea", "is", "wide", "deep", "blue", "Paris", "capital", "poem"]
     with open(path, "w", encoding="utf-8") as f:
         for i in range(n):
             messages = [{"role": "system", "content": "You are a helpful assistant."}] * (i % 2)
