@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from chat_fixtures import write_tokenizer_dir
 from flax import nnx
+from model_utils import one_device_mesh
 
 import data
-from chat_fixtures import write_tokenizer_dir
 from data.chat import ChatTemplate, encode_record
 from data.tokenizers import make_tokenizer
-from model_utils import one_device_mesh
 from shardings import get_strategy
 from training.loop import loss_sum
 from zoo import create_model, get_config
