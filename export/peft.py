@@ -98,4 +98,3 @@ def save_peft(model, path: str, *, lora_section, base_model: str | None) -> None
     }
     with open(os.path.join(path, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-

@@ -154,7 +154,8 @@ def test_peft_round_trip(family, files, tmp_path):
     outs = {}
     for fmt in ("hf", "peft"):
         outs[fmt] = str(tmp_path / fmt)
-        done = _main("export_main.py", [f"--workdir={workdir}", f"--format={fmt}", f"--out={outs[fmt]}"])
+        flags = [f"--workdir={workdir}", f"--format={fmt}", f"--out={outs[fmt]}"]
+        done = _main("export_main.py", flags)
         assert done.returncode == 0, done.stderr[-3000:]
     evaluated = _main("eval_main.py", [f"--workdir={workdir}", "--sharding_strategy=dp"])
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
