@@ -14,19 +14,11 @@ code is in export/.
 
 from __future__ import annotations
 
-import os
+from launch import cli
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+cli.preamble()
 
-from runtime.host import import_jax_quietly  # noqa: E402
-
-import_jax_quietly()
-
-import sys  # noqa: E402
-
-from absl import app, flags, logging  # noqa: E402
-
-EXIT_USAGE = 2
+from absl import flags  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (its checkpoints/).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest complete one.")
@@ -34,37 +26,22 @@ _FORMAT = flags.DEFINE_string("format", None, "hf (merged checkpoint) | peft (Lo
 _OUT = flags.DEFINE_string("out", None, "Directory to write.")
 
 
-def _usage_error(message) -> None:
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_USAGE)
-
-
-def _parse_flags(argv):
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _usage_error(e)
-
-
 def main(argv):
-    if len(argv) > 1:
-        _usage_error(f"unexpected arguments {argv[1:]}; flags look like --name=value")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
+    cli.no_arguments(argv)
+    cli.quiet_logging()
     for flag in (_WORKDIR, _FORMAT, _OUT):
         if not flag.value:
-            _usage_error(f"--{flag.name} is required (--workdir=DIR --format=hf|peft --out=OUT)")
+            cli.usage_error(f"--{flag.name} is required (--workdir=DIR --format=hf|peft --out=OUT)")
     from checkpoint.workdir import expand
     from export import export_run
-    from training.run import device_hint
 
     out = expand(_OUT.value)
     try:
         step = export_run(expand(_WORKDIR.value), out, _FORMAT.value, _STEP.value)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        _usage_error(device_hint(e))
+        cli.usage_error(cli.device_hint(e))
     print(f"wrote step {step} as {_FORMAT.value} to {out}", flush=True)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    cli.run_main(main)

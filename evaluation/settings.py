@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from training.config import RunConfig, TrainingSection
+
 # Defaults for a Hugging Face checkpoint, which has no run record.
 HF_DEFAULTS = dict(source="default", seq_len=512, global_batch_size=8, eval_batches=4)
 
@@ -31,14 +33,12 @@ class EvalSettings:
 
 
 def _default_loss_chunk_size() -> int:
-    from training.config import TrainingSection
 
     return TrainingSection().loss_chunk_size
 
 
 def run_config(run_info: dict):
     """The typed RunConfig recorded in a checkpoint's run_info."""
-    from training.config import RunConfig
 
     if "config" not in run_info:
         raise ValueError("the checkpoint's run_info records no 'config'; cannot rebuild the run")

@@ -1,5 +1,5 @@
 """Fine-tuning hooks of a run: the data format's tokenizer and chat template, LoRA adapters on
-the model, and what the optimizer trains. training/run.py calls these; evaluation and export
+the model, and what the optimizer trains. launch/ calls these; evaluation and export
 call `adapt` to rebuild an adapted model from a run's record.
 
 LoRA runs keep only the adapters in their checkpoints (and the optimizer state of the
@@ -9,17 +9,19 @@ adapters): the base is the `--init_from` directory that run_info.json points at
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from flax import nnx
 
 
-def data_tokenizer(run, init_from: str | None) -> str:
-    """The tokenizer spec for the run's data: chat and instruction data starting from a
-    checkpoint use that checkpoint's tokenizer (and chat template) unless one is named."""
+def with_data_tokenizer(run, init_from: str | None):
+    """`run` with the tokenizer its data uses: chat and instruction data starting from a
+    checkpoint use that checkpoint's tokenizer (and chat template) unless one is named. The
+    run config records it, for evaluation, export and resume."""
     if run.data.format != "text" and run.data.tokenizer == "byte" and init_from:
-        return init_from
-    return run.data.tokenizer
+        return dataclasses.replace(run, data=dataclasses.replace(run.data, tokenizer=init_from))
+    return run
 
 
 def chat_template(run, tokenizer_spec: str):
