@@ -157,6 +157,8 @@ class Trainer:
 
     def _eval_step(self, state, batch: Batch):
         model, _ = nnx.merge(self.graphdef, state)
+        # Dropout (LoRA's, the one model part that has any) only while training.
+        model = nnx.view(model, deterministic=True, raise_if_not_found=False)
         return loss_sum(model, batch, self.packed, self.loss_chunk_size)
 
     def compile(self, batch: Batch) -> float:
