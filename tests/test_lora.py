@@ -141,3 +141,18 @@ def test_a_target_that_names_no_module_is_one_line():
 def test_bad_lora_config_is_one_line(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         LoraConfig(**kwargs)
+
+
+def test_dropout_trains_and_evaluation_is_deterministic():
+    mesh, strategy = one_device_mesh(), get_strategy("dp")
+    batch = _put(mesh, strategy)
+    with jax.set_mesh(mesh):
+        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
+        config = LoraConfig(rank=4, alpha=8.0, dropout=0.5, targets=("q_proj", "up"))
+        add_lora(model, config, nnx.Rngs(params=1, dropout=2))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=LoraParam)
+        trainer = Trainer(model, optimizer, batch_spec=strategy.batch_spec(), wrt=LoraParam)
+        for _ in range(2):
+            assert np.isfinite(float(trainer.train_step(batch)["loss"]))
+        first, second = trainer.eval_step(batch), trainer.eval_step(batch)
+    assert float(first[0]) == float(second[0])
