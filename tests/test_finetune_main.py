@@ -123,7 +123,7 @@ def _our_logits(workdir, ids):
 
     _, meta = read_meta(workdir, None)
     run_info = meta["run_info"]
-    settings = from_run_info(run_info, strategy="dp", mesh_shape="data:1")
+    settings = from_run_info(run_info, strategy="dp")
     model, mesh, _ = eval_model.load_from_checkpoint(workdir, run_info, settings, None)
     with jax.set_mesh(mesh):
         t = jnp.asarray(ids, jnp.int32)
@@ -162,7 +162,7 @@ def test_peft_round_trip(family, files, tmp_path):
     with open(os.path.join(workdir, "eval.json")) as f:
         assert np.isfinite(json.load(f)["loss"])
 
-    ids = np.random.default_rng(0).integers(0, 384, (2, 24))
+    ids = np.random.default_rng(0).integers(0, 384, (8, 24))  # 8 rows: dp over 8 devices
     ours = _our_logits(workdir, ids)
     with torch.no_grad():
         hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
