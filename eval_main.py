@@ -167,8 +167,12 @@ def main(argv):
             batch_size=_BATCH_SIZE.value,
             eval_batches=_EVAL_BATCHES.value,
         )
-        if _TOP_K.value < 0 or _TEMPERATURE.value < 0 or _MAX_NEW_TOKENS.value < 1:
+        temperature = _TEMPERATURE.value
+        if _TOP_K.value < 0 or not temperature >= 0 or _MAX_NEW_TOKENS.value < 1:
+            # `not >= 0` also refuses nan; inf is refused below.
             raise ValueError("--top_k and --temperature must be >= 0, --max_new_tokens >= 1")
+        if temperature == float("inf"):
+            raise ValueError("--temperature=inf: must be a finite number >= 0 (0: greedy)")
         tokenizer = make_tokenizer(settings.tokenizer)
         if hf_dir is not None:
             model, mesh = eval_model.load_from_hf(hf_dir, settings)

@@ -147,13 +147,19 @@ def _config_file_message(error: Exception) -> str:
 
 def _load_config():
     """The typed run config, with the command line's choices folded in."""
+    import jax
+
     from training.config import RunConfig
 
+    notes: list[str] = []
     try:
         # config_flags defers a failed load of the file to the first use of the config.
-        run = RunConfig.from_config_dict(_CONFIG.value)
+        run = RunConfig.from_config_dict(_CONFIG.value, notes)
     except OSError as e:
         _usage_error(_config_file_message(e))
+    for note in notes:  # adjustments a user expects (a smoke run's warmup), said once
+        if jax.process_index() == 0:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
     training, model, logging = run.training, run.model, run.logging
     if _STRATEGY.value is not None:
         training = type(training)(**{**vars(training), "sharding_strategy": _STRATEGY.value})
@@ -187,7 +193,7 @@ def main(argv):
 
             run = resolve_auto(run)  # compiles candidates on these devices; picks, says why
         workdir = expand(_WORKDIR.value or os.path.join("runs", run.name))
-        lock = hold(workdir)  # noqa: F841 -- checked writable, and held until the process exits
+        lock = hold(workdir, checkpoints=run.checkpoint.enabled)  # noqa: F841 -- checked writable, and held until the process exits
         init_from = expand(_INIT_FROM.value) if _INIT_FROM.value else None
         setup = Setup(run, workdir, init_from=init_from)
         setup.resume()

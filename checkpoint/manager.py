@@ -57,9 +57,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
 from checkpoint import integrity
+from checkpoint.workdir import CHECKPOINT_SUBDIR
 from zoo.layers.decoder import VOCAB_DIMS
 
-CHECKPOINT_SUBDIR = "checkpoints"
 INVALID_SUBDIR = "invalid"
 ITEMS = ("params", "opt_state", "data", "meta")
 _TREE_ITEMS = ("params", "opt_state")

@@ -281,6 +281,10 @@ def run(
         val_loss, val_tokens = evaluate(trainer, make_val_batches())
         writer.write_eval(step, val_loss, val_tokens=val_tokens)
         records.append({"step": step, "val_loss": val_loss, "val_tokens": val_tokens})
+        # The guard covers evaluation too: NaN over counted tokens is a diverged model (no
+        # counted token at all cannot happen: sources hold no empty documents).
+        if val_tokens and not math.isfinite(val_loss):
+            raise DivergedError(step, f"val_loss is {val_loss}", saved_step)
 
     preempted = False
     while step < options.total_steps:

@@ -111,10 +111,18 @@ class Setup:
             run.data.source, "train", num_workers=run.data.num_workers, **common
         )
         # Built once here so a source with no validation documents fails before training.
-        val_dataset = data.build_dataset(
-            run.data.source, "validation", num_batches=run.training.eval_batches, **common
+        try:
+            val_dataset = data.build_dataset(
+                run.data.source, "validation", num_batches=run.training.eval_batches, **common
+            )
+        except data.NoValidationSplitError as e:  # one document: train on it, validate nothing
+            val_dataset = None
+            self.notes.append(f"{e}; val_loss is not computed")
+        self.make_val_batches = (
+            None
+            if val_dataset is None
+            else lambda: (to_global(b, mesh, batch_spec) for b in val_dataset)
         )
-        self.make_val_batches = lambda: (to_global(b, mesh, batch_spec) for b in val_dataset)
         self.train_batches = (to_global(b, mesh, batch_spec) for b in self.train_iter)
 
         with jax.set_mesh(mesh):
@@ -147,6 +155,7 @@ class Setup:
         # An attention backend named in the config that cannot run here fails now, in one
         # line, not while the step compiles.
         check_attention(model_cfg, mesh, run.data.seq_len)
+        check_positions(model_cfg, run.data.seq_len, "data.seq_len")
         # One formula for model FLOPs: the config's (6 * matmul params + causal attention).
         self.flops_per_token = model_cfg.flops_per_token(run.data.seq_len)
         self.peak_per_device = flops.peak_flops_per_device(
@@ -239,6 +248,16 @@ def check_attention(model_cfg, mesh, seq_len: int) -> str:
         platform=mesh.devices.flat[0].platform,
         interpret=model_cfg.attention_interpret,
     )
+
+
+def check_positions(model_cfg, length: int, what: str) -> None:
+    """ValueError (one line) when rows of `length` tokens run past a learned position table
+    (GPT-2): a gather past its last row reads that row again, silently."""
+    if getattr(model_cfg, "position", None) == "learned" and length > model_cfg.max_seq_len:
+        raise ValueError(
+            f"{what}={length} is longer than the model's learned position table "
+            f"(max_seq_len={model_cfg.max_seq_len}); use {what} <= {model_cfg.max_seq_len}"
+        )
 
 
 def _create_model(model_cfg, strategy, seed: int):
