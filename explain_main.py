@@ -40,14 +40,39 @@ _COLLECTIVES = flags.DEFINE_bool(
 )
 
 
+def _usage_error(message) -> None:
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _config_path() -> str:
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
+    return given[-1] if given else "?"
+
+
+def _parse_flags(argv):
+    from training.config_file import load_error_message
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _usage_error(e)
+    except Exception as e:  # noqa: BLE001 -- any error in the --config file: one line
+        _usage_error(load_error_message(e, _config_path()))
+
+
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        _usage_error(f"unexpected arguments {argv[1:]}; flags look like --name=value")
     if "jax" not in sys.modules:  # simulated devices must be requested before jax starts
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={_DEVICES.value}"
         )
+    from runtime.host import import_jax_quietly
+
+    import_jax_quietly()  # no CUDA-stub / libtpu start-up lines on stderr before an error
     import jax
 
     from shardings import STRATEGIES, get_strategy
@@ -59,17 +84,25 @@ def main(argv):
     )
     from zoo import get_config, param_layouts
 
+    from training.config_file import load_error_message
+
+    config = None
+    if _CONFIG.value is not None:
+        try:
+            config = _CONFIG.value
+            hasattr(config, "to_dict")  # a file that failed to load raises at the first use
+        except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
+            _usage_error(load_error_message(e, _config_path()))
     try:
-        if _CONFIG.value is not None:
+        if config is not None:
             from training.config import RunConfig
 
-            cfg = RunConfig.from_config_dict(_CONFIG.value).model.decoder_config()
+            cfg = RunConfig.from_config_dict(config).model.decoder_config()
         else:
             cfg = get_config(_MODEL.value)
         strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _usage_error(e)
     if _WRITE_GOLDEN.value:
         out = pathlib.Path(_WRITE_GOLDEN.value)
         out.mkdir(parents=True, exist_ok=True)
@@ -124,4 +157,4 @@ def _compiled_text(cfg, strategy):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -23,6 +23,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+from runtime.xla_cpu import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(sys.argv[1:])  # --topology=cpu:N: N devices, before jax starts
+
 from runtime.host import import_jax_quietly  # noqa: E402
 
 import_jax_quietly()
@@ -75,11 +79,6 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # optax notes a constant schedule at INFO
     if not _TOPOLOGY.value:
         _usage_error("--topology is required, e.g. --topology=v5p:2x2x2 or --topology=h100:8")
-    if _TOPOLOGY.value.startswith("cpu:") and "jax" not in sys.modules:
-        count = _TOPOLOGY.value.split(":", 1)[1]
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-        )
     from planning import cli
 
     try:

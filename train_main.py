@@ -93,8 +93,8 @@ def _define_config_flag():
         return config_flags.DEFINE_config_file(
             "config", DEFAULT_CONFIG, "Run config file (a get_config() module).", lock_config=True
         )
-    except (AttributeError, KeyError) as e:
-        _usage_error(_unknown_field_message(e) or f"--config override: {e}")
+    except Exception as e:  # noqa: BLE001 -- a misspelt override, or any error in the file
+        _usage_error(_unknown_field_message(e) or _config_file_message(e))
 
 
 _CONFIG = _define_config_flag()
@@ -132,17 +132,16 @@ def _parse_flags(argv):
         return flags.FLAGS(argv)
     except flags.Error as e:
         _usage_error(e)
-    except (OSError, AttributeError, KeyError) as e:  # the --config file or an override
+    except Exception as e:  # noqa: BLE001 -- the --config file (any error in it) or an override
         _usage_error(_unknown_field_message(e) or _config_file_message(e))
 
 
 def _config_file_message(error: Exception) -> str:
-    """One line for a --config file that did not load (config_flags' message spans lines)."""
+    """One line for a --config file that did not load (training/config_file.py)."""
+    from training.config_file import load_error_message
+
     given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
-    reason = next((line for line in lines if line.startswith("[Errno")), lines[-1])
-    name = given[-1] if given else DEFAULT_CONFIG
-    return f"--config={name}: cannot load the config file: {reason}"
+    return load_error_message(error, given[-1] if given else DEFAULT_CONFIG)
 
 
 def _load_config():
@@ -154,9 +153,11 @@ def _load_config():
     notes: list[str] = []
     try:
         # config_flags defers a failed load of the file to the first use of the config.
-        run = RunConfig.from_config_dict(_CONFIG.value, notes)
-    except OSError as e:
+        config = _CONFIG.value
+        hasattr(config, "to_dict")  # a file that failed to load raises at the first use
+    except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
         _usage_error(_config_file_message(e))
+    run = RunConfig.from_config_dict(config, notes)
     for note in notes:  # adjustments a user expects (a smoke run's warmup), said once
         if jax.process_index() == 0:
             print(f"warning: {note}", file=sys.stderr, flush=True)

@@ -244,6 +244,11 @@ class RunConfig:
         A warmup at least as long as the schedule (a preset's warmup of 20 with
         `--config.training.steps=1`, a smoke run) is clamped to the schedule length - 1, and
         a line saying so is appended to `notes` (the entry point prints it as a warning)."""
+        if not isinstance(config, Mapping) and not hasattr(config, "to_dict"):
+            raise ValueError(
+                f"the config is a {type(config).__name__}, not a ConfigDict: get_config() "
+                "must return an ml_collections ConfigDict (see configs/tiny.py)"
+            )
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         unknown = sorted(set(raw) - set(SECTIONS) - {"name"})
         if unknown:
@@ -309,8 +314,10 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
             _fail(section, field.name, value, "must be an integer")
         return value
     if base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(section, field.name, value, "must be a number")
+        if not math.isfinite(value):
+            _fail(section, field.name, value, "must be a finite number")
         return float(value)
     if base == "str" and not isinstance(value, str):
         _fail(section, field.name, value, "must be a string")
