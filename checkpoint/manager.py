@@ -113,6 +113,8 @@ def _committed(directory: str) -> list[int]:
 def step_dir_problem(step_dir: str) -> str | None:
     """Why `step_dir` is not a complete checkpoint (no manifest), or None when it is."""
     if integrity.read_manifest(step_dir) is None:
+        if os.path.isfile(os.path.join(step_dir, integrity.MANIFEST)):
+            return f"its {integrity.MANIFEST} is damaged (not a list of file sizes and CRC-32s)"
         return f"no {integrity.MANIFEST} (the save or its checksums did not finish)"
     return None
 
@@ -140,10 +142,18 @@ def check_integrity(step_dir: str, items=ITEMS) -> None:
 
 def _resolve_step(directory: str, step: int | None) -> int:
     if step is None:
-        steps = complete_steps(directory)
+        found = _committed(directory)
+        steps = complete_steps(
+            directory, warn=bool(found) and bool(complete_steps(directory, warn=False))
+        )
         if not steps:
-            found = _committed(directory)
-            detail = f" ({len(found)} incomplete step dirs)" if found else ""
+            # One line: the newest step dir and what is wrong with it.
+            detail = (
+                f" ({len(found)} incomplete step dirs; step {found[-1]}: "
+                f"{step_dir_problem(os.path.join(directory, str(found[-1])))})"
+                if found
+                else ""
+            )
             raise FileNotFoundError(f"no complete checkpoint in {directory}{detail}")
         return steps[-1]
     step_dir = os.path.join(directory, str(step))

@@ -170,7 +170,7 @@ def test_damaged_checksums_file_is_named(smoke_run, tmp_path):
     manifest = copy / "checkpoints" / "1" / "checksums.json"
     manifest.write_text(json.dumps({"algorithm": "crc32", "files": {"params/x": 5}}))
     result = _run(EVAL_MAIN, [f"--workdir={copy}", "--prompt=def", "--noevaluate"])
-    _one_line_exit_2(result, "no readable checksums.json")
+    _one_line_exit_2(result, "step 1: its checksums.json is damaged")
 
 
 def test_hf_config_values_of_the_wrong_type_are_named(tmp_path):
