@@ -82,9 +82,8 @@ def main(argv):
         layout_report,
         layout_table,
     )
-    from zoo import get_config, param_layouts
-
     from training.config_file import load_error_message
+    from zoo import get_config, param_layouts
 
     config = None
     if _CONFIG.value is not None:
