@@ -200,6 +200,7 @@ def main(argv):
         setup.resume()
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         _usage_error(device_hint(e))
+    from checkpoint import write_errors
     from training.loop import DivergedError
 
     try:
@@ -214,6 +215,17 @@ def main(argv):
             flush=True,
         )
         sys.exit(1)
+    except Exception as e:  # noqa: BLE001 -- a save that could not be written: one line
+        failure = write_errors.find(e)
+        if failure is None:
+            raise
+        print(f"error: {failure}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if lock is not None:
+            lock.release()  # an orderly stop: the next run finds no stale lock
+        # Not sys.exit: the exit handlers of the metrics writers would flush onto the same
+        # full disk and print their own tracebacks. The kernel drops the workdir lock.
+        os._exit(1)
 
 
 if __name__ == "__main__":

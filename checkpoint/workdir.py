@@ -139,6 +139,8 @@ def hold(workdir: str, *, checkpoints: bool = True) -> WorkdirLock | None:
             warning = lock.acquire()
         except ValueError as e:
             lock, error = None, str(e)
+        except OSError as e:  # e.g. a full disk: the lock file cannot record its holder
+            lock, error = None, f"--workdir={workdir}: cannot take its lock ({e.strerror or e})"
         else:
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
