@@ -20,8 +20,10 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from launch import cli
 
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
 _CONFIG = config_flags.DEFINE_config_file(
@@ -40,39 +42,14 @@ _COLLECTIVES = flags.DEFINE_bool(
 )
 
 
-def _usage_error(message) -> None:
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def _config_path() -> str:
-    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
-    return given[-1] if given else "?"
-
-
-def _parse_flags(argv):
-    from training.config_file import load_error_message
-
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _usage_error(e)
-    except Exception as e:  # noqa: BLE001 -- any error in the --config file: one line
-        _usage_error(load_error_message(e, _config_path()))
-
-
 def main(argv):
-    if len(argv) > 1:
-        _usage_error(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+    cli.no_arguments(argv)
     if "jax" not in sys.modules:  # simulated devices must be requested before jax starts
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={_DEVICES.value}"
         )
-    from runtime.host import import_jax_quietly
-
-    import_jax_quietly()  # no CUDA-stub / libtpu start-up lines on stderr before an error
+        cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
     import jax
 
     from shardings import STRATEGIES, get_strategy
@@ -82,7 +59,6 @@ def main(argv):
         layout_report,
         layout_table,
     )
-    from training.config_file import load_error_message
     from zoo import get_config, param_layouts
 
     config = None
@@ -91,7 +67,7 @@ def main(argv):
             config = _CONFIG.value
             hasattr(config, "to_dict")  # a file that failed to load raises at the first use
         except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
-            _usage_error(load_error_message(e, _config_path()))
+            cli.usage_error(cli.config_file_message(e))
     try:
         if config is not None:
             from training.config import RunConfig
@@ -101,7 +77,7 @@ def main(argv):
             cfg = get_config(_MODEL.value)
         strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]
     except (ValueError, OSError) as e:
-        _usage_error(e)
+        cli.usage_error(e)
     if _WRITE_GOLDEN.value:
         out = pathlib.Path(_WRITE_GOLDEN.value)
         out.mkdir(parents=True, exist_ok=True)
@@ -134,6 +110,7 @@ def _compiled_text(cfg, strategy):
     from flax import nnx
 
     from shardings.hybrid import partition_slices
+    from shardings.specs import split_size
     from zoo import create_model
     from zoo.loss import lm_loss
 
@@ -141,9 +118,7 @@ def _compiled_text(cfg, strategy):
     mesh = strategy.make_mesh(shape=shape, config=cfg)
     with jax.set_mesh(mesh):
         model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
-        batch_axes = strategy.batch_spec()[0] or ()
-        batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
-        B = int(np.prod([mesh.shape[a] for a in batch_axes])) * 2
+        B = split_size(strategy.batch_spec(), 0, mesh.shape) * 2
         tokens = jax.device_put(np.zeros((B, 64), np.int32), strategy.batch_spec())
 
         def loss(model, tokens):
@@ -155,5 +130,10 @@ def _compiled_text(cfg, strategy):
         return fn.lower(state, tokens).compile().as_text(), partition_slices(mesh)
 
 
+def console_main():
+    """The `zoo-explain` console script (pyproject.toml): what `python explain_main.py` runs."""
+    cli.run_main(main)
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    console_main()

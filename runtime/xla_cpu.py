@@ -41,18 +41,3 @@ def set_cpu_flags(environ: MutableMapping[str, str] = os.environ) -> str:
         return current
     environ["XLA_FLAGS"] = cpu_flags(current)
     return environ["XLA_FLAGS"]
-
-
-DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
-
-
-def simulate_cpu_devices(argv: list[str], environ: MutableMapping[str, str] = os.environ) -> None:
-    """For `--topology=cpu:N` in `argv` (plan_main), ask XLA for N simulated CPU devices.
-    Runs before jax is imported (the CPU client reads XLA_FLAGS once, when it starts); a
-    device count already in XLA_FLAGS wins."""
-    values = [a.split("=", 1)[1] for a in argv if a.startswith("--topology=")]
-    values += [b for a, b in zip(argv, argv[1:], strict=False) if a == "--topology"]
-    count = values[-1].removeprefix("cpu:") if values and values[-1].startswith("cpu:") else ""
-    current = environ.get("XLA_FLAGS", "")
-    if count.isdigit() and int(count) > 0 and DEVICE_COUNT_FLAG not in current:
-        environ["XLA_FLAGS"] = f"{current} --{DEVICE_COUNT_FLAG}={count}".strip()
