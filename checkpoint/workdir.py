@@ -23,7 +23,20 @@ LOCK_FILE = ".lock"
 
 
 def expand(path: str) -> str:
-    """`~` expanded, absolute: every entry point reads a --workdir the same way."""
+    """`~` expanded, absolute: every entry point reads a --workdir the same way.
+
+    A workdir is a local or mounted POSIX directory: its lock (`flock`), the atomic writes
+    of run_info.json / checksums.json (rename), metrics.jsonl (append + fsync), the
+    checksums (os.walk) and the setting aside of damaged checkpoints are POSIX calls. An
+    object-store URL (gs://, s3://) is refused in one line rather than taken for a relative
+    path (it would quietly become ./gs:/bucket/...); mount the bucket (gcsfuse, s3fs) instead.
+    """
+    if "://" in path:
+        raise ValueError(
+            f"{path}: object-store URLs are not supported as a run directory (its lock, "
+            "metrics and checksums need a POSIX filesystem); mount the bucket (e.g. gcsfuse) "
+            "and pass the mounted path"
+        )
     return os.path.abspath(os.path.expanduser(path))
 
 

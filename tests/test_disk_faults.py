@@ -62,3 +62,24 @@ def test_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_disk)
     # byte for byte, so it restores exactly what was saved.
     assert sorted(os.listdir(checkpoints)) == ["2"]
     assert integrity.verify(os.path.join(checkpoints, "2")) is None
+
+
+def test_a_vanished_checkpoint_directory_fails_the_next_save(tmp_path):
+    import shutil
+
+    from test_checkpoint import build, data_iter
+
+    from checkpoint.manager import Checkpointer, checkpoint_dir
+    from checkpoint.write_errors import CheckpointWriteError
+
+    _, model, optimizer = build("dp", (8,))
+    it = data_iter()
+    ckpt = Checkpointer(str(tmp_path), save_every=1, keep=2, run_info={})
+    assert ckpt.save(1, model=model, optimizer=optimizer, data_iter=it)
+    ckpt.wait()
+    shutil.rmtree(checkpoint_dir(str(tmp_path)))  # a cleanup job, an unmounted volume
+    with pytest.raises(CheckpointWriteError, match="disappeared while the run was going") as info:
+        ckpt.save(2, model=model, optimizer=optimizer, data_iter=it)
+    assert "\n" not in str(info.value) and str(info.value).startswith("checkpoint step 2 ")
+    # Not quietly recreated: an empty directory would look like a run with no history.
+    assert not os.path.exists(checkpoint_dir(str(tmp_path)))

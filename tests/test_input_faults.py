@@ -229,6 +229,15 @@ def test_mesh_axes_and_values_that_would_be_ignored(tmp_path, flags, expected):
     _one_line_exit_2(run_train_main([f"--workdir={tmp_path}", *flags], timeout=120), expected)
 
 
+def test_object_store_workdirs_are_refused_not_made_local():
+    # Before: gs://bucket/run became ./gs:/bucket/run, a local directory.
+    result = run_train_main(["--workdir=gs://bucket/run"], timeout=120)
+    _one_line_exit_2(result, "object-store URLs are not supported as a run directory")
+    assert not os.path.exists(os.path.join(ROOT, "gs:"))
+    result = _run(EVAL_MAIN, ["--workdir=gs://bucket/run"])
+    _one_line_exit_2(result, "object-store URLs are not supported")
+
+
 def test_plan_for_cpu_devices_needs_no_xla_flags():
     # Finding 9: before, the flag was set after jax had started and 1 device was found.
     env = child_env()
