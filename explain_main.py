@@ -20,10 +20,24 @@ import os
 import pathlib
 import sys
 
-from absl import flags
-from ml_collections import config_flags
-
 from launch import cli
+
+
+def _simulate_devices() -> None:
+    # Simulated devices must be requested before jax starts, and a --config file imports jax
+    # while the flags are parsed: read --devices from the command line first.
+    count = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--devices=")), "8")
+    if count.isdigit():
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+        )
+
+
+_simulate_devices()
+cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
 _CONFIG = config_flags.DEFINE_config_file(
@@ -44,12 +58,6 @@ _COLLECTIVES = flags.DEFINE_bool(
 
 def main(argv):
     cli.no_arguments(argv)
-    if "jax" not in sys.modules:  # simulated devices must be requested before jax starts
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={_DEVICES.value}"
-        )
-        cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
     import jax
 
     from shardings import STRATEGIES, get_strategy
