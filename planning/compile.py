@@ -126,6 +126,10 @@ class Plan:
             "fits": self.fits,
             "collectives": collective_counts(self.collectives),
             "collective_bytes": collective_bytes(self.collectives),
+            # MoE token exchange, dense and ragged together.
+            "all_to_all_bytes": sum(
+                b for op, b in collective_bytes(self.collectives).items() if "all-to-all" in op
+            ),
             "collectives_by_axis": collectives_by_axis(self.collectives),
             "kernels": self.kernels,
             "compile_seconds": round(self.compile_seconds, 2),
