@@ -414,8 +414,22 @@ FSDP_EP = Strategy(
     },
 )
 
+# Expert parallelism with tensor parallelism inside (MaxText's EP x TP): experts over
+# `expert` as fsdp_ep; each expert's F, the attention heads, the MLP and the vocab over `model`
+# as fsdp_tp, for a dense part too large for FSDP alone; the rest FSDP over `data`. The
+# `model` devices of one expert column hold the same tokens and each exchange them with their
+# own column (all-to-all over `expert`), then reduce-scatter the experts' partial sums of
+# `down` over `model` into the split residual, as the dense MLP does.
+FSDP_TP_EP = Strategy(
+    name="fsdp_tp_ep",
+    axes=(DATA, EXPERT, MODEL),
+    axis_caps={EXPERT: _at_most_node, MODEL: _at_most_node_and_sqrt},
+    rules={**FSDP_TP.rules, "batch": (DATA, EXPERT), "expert": EXPERT},
+)
+
 STRATEGIES: dict[str, Strategy] = {
-    s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP, FSDP_CP, FSDP_TP_CP, FSDP_EP)
+    s.name: s
+    for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP, FSDP_CP, FSDP_TP_CP, FSDP_EP, FSDP_TP_EP)
 }
 
 

@@ -45,6 +45,8 @@ CASES = [
     ("fsdp_cp", (4, 2)),
     ("fsdp_cp", (2, 4)),
     ("fsdp_tp_cp", (2, 2, 2)),
+    # A dense model under the MoE strategy: fsdp_tp with the batch over `data` x `expert`.
+    ("fsdp_tp_ep", (2, 2, 2)),
 ]
 
 

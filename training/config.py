@@ -47,6 +47,10 @@ class ModelSection:
     remat: str = "none"
     attention_impl: str = "xla"
     attention_interpret: bool = False
+    # MoE expert parallelism (zoo/layers/moe_exchange.py): 'auto' | 'ragged' | 'padded', and
+    # the padded exchange's capacity factor (0: dropless).
+    moe_exchange: str = "auto"
+    moe_capacity_factor: float = 0.0
 
     SHAPE_FIELDS = (
         "vocab_size",
@@ -67,9 +71,12 @@ class ModelSection:
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
             ("attention_impl", ("xla", "splash", "cudnn", "auto")),
+            ("moe_exchange", ("auto", "ragged", "padded")),
         ):
             if getattr(self, name) not in valid:
                 _fail("model", name, getattr(self, name), f"valid: {', '.join(valid)}")
+        if not self.moe_capacity_factor >= 0:
+            _fail("model", "moe_capacity_factor", self.moe_capacity_factor, "0 (dropless) or > 0")
 
     def overrides(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.SHAPE_FIELDS if getattr(self, k) is not None}
@@ -80,6 +87,8 @@ class ModelSection:
             remat=self.remat,
             attention_impl=self.attention_impl,
             attention_interpret=self.attention_interpret,
+            moe_exchange=self.moe_exchange,
+            moe_capacity_factor=self.moe_capacity_factor,
         )
         return out
 

@@ -37,7 +37,12 @@ from flax import nnx
 from shardings.specs import MoeSharding, normalize
 from zoo.layers.attention_ops import compile_platform
 from zoo.layers.basic import Einsum, _normal
-from zoo.layers.moe_exchange import padded_exchange, ragged_exchange, resolve_exchange
+from zoo.layers.moe_exchange import (
+    packet_rows,
+    padded_exchange,
+    ragged_exchange,
+    resolve_exchange,
+)
 
 
 class RouterStats(NamedTuple):
@@ -68,9 +73,7 @@ def moe_stats(stats: RouterStats, num_experts: int) -> MoeStats:
     prob_per_expert_E = jnp.sum(stats.probs, axis=0) / rows
     aux = num_experts * jnp.sum(tokens_per_expert_E * prob_per_expert_E)
     per_layer = jnp.maximum(jnp.sum(stats.counts, axis=-1, keepdims=True), 1.0)
-    return MoeStats(
-        aux_loss=aux, load=stats.counts / per_layer, dropped=jnp.mean(stats.dropped)
-    )
+    return MoeStats(aux_loss=aux, load=stats.counts / per_layer, dropped=jnp.mean(stats.dropped))
 
 
 def route(logits_BTE, k: int, norm_topk_prob: bool):
@@ -104,6 +107,7 @@ def _local_moe(
     scatter_out: bool,
     exchange: str,
     capacity_factor: float,
+    packet_rows: int,
 ):
     """One device's tokens through their experts (runs inside shard_map): (y_BTM, [1] the
     assignments this device's exchange dropped)."""
@@ -115,6 +119,7 @@ def _local_moe(
     token_X = (jnp.arange(expert_X.shape[0]) // k)[order_X]
     x_XM = x_NM[token_X]
     counts_E = jnp.bincount(expert_X, length=num_experts).astype(jnp.int32)
+
     def experts(rows_XM, group_sizes_E):
         return swiglu_experts(rows_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E)
 
@@ -122,7 +127,7 @@ def _local_moe(
     if expert_axis is None:
         y_XM = experts(x_XM, counts_E)
     elif exchange == "ragged":
-        y_XM, dropped = ragged_exchange(x_XM, counts_E, experts, expert_axis)
+        y_XM, dropped = ragged_exchange(x_XM, counts_E, experts, expert_axis, packet_rows)
     else:
         y_XM, dropped = padded_exchange(x_XM, counts_E, experts, expert_axis, capacity_factor)
     y_XM = y_XM * weights_BTk.reshape(-1)[order_X][:, None].astype(y_XM.dtype)
@@ -174,6 +179,7 @@ class Moe(nnx.Module):
         down_EFM = weight(self.down, s.down_compute)
         scatter_out = s.ffn_axis is not None and normalize(s.out, 3)[2] == s.ffn_axis
         routing = jax.sharding.PartitionSpec(*tuple(normalize(s.tokens, 3))[:2], None)
+        platform = compile_platform()
         compute = jax.shard_map(
             functools.partial(
                 _local_moe,
@@ -181,8 +187,9 @@ class Moe(nnx.Module):
                 expert_axis=s.expert_axis,
                 ffn_axis=s.ffn_axis,
                 scatter_out=scatter_out,
-                exchange=resolve_exchange(self.exchange, compile_platform()),
+                exchange=resolve_exchange(self.exchange, platform),
                 capacity_factor=self.capacity_factor,
+                packet_rows=packet_rows(platform, x_BTM.shape[-1] * jnp.dtype(self.dtype).itemsize),
             ),
             in_specs=(s.tokens, routing, routing, s.gate_compute, s.up_compute, s.down_compute),
             # One count of dropped assignments per device holding distinct tokens.

@@ -31,18 +31,19 @@ import jax.numpy as jnp
 
 EXCHANGES = ("auto", "ragged", "padded")
 
-_RAGGED = {"emulated": False}
+_RAGGED = {"emulated": False, "packet_rows": 0}
 
 
 @contextlib.contextmanager
-def emulate_ragged_all_to_all():
-    """Inside the block, the ragged exchange uses `_emulated_ragged_all_to_all` (any backend)."""
-    before = _RAGGED["emulated"]
-    _RAGGED["emulated"] = True
+def emulate_ragged_all_to_all(packet_rows: int = 0):
+    """Inside the block, the ragged exchange uses `_emulated_ragged_all_to_all` (any backend),
+    sending `packet_rows` rows per unit when given (else as `packet_rows()` says)."""
+    before = dict(_RAGGED)
+    _RAGGED.update(emulated=True, packet_rows=packet_rows)
     try:
         yield
     finally:
-        _RAGGED["emulated"] = before
+        _RAGGED.update(before)
 
 
 def resolve_exchange(name: str, platform: str) -> str:
@@ -81,9 +82,7 @@ def _emulated_ragged_all_to_all(
     target_sN = jnp.where(
         rows[None, :] < recv_sizes[:, None], at_s[:, None] + rows[None, :], output.shape[0]
     )
-    return output.at[target_sN.reshape(-1)].set(
-        got.reshape((-1,) + operand.shape[1:]), mode="drop"
-    )
+    return output.at[target_sN.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
 def _ragged_all_to_all(*args, axis_name):
@@ -92,56 +91,89 @@ def _ragged_all_to_all(*args, axis_name):
     return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
 
 
-def _group_and_compute(rows_RM, counts_sL, compute):
-    """Rows arriving as one run per source s, each sorted by local expert (`counts_sL`; rows
-    past the total are padding) -> `compute(rows sorted by local expert, group sizes)`, back
-    in arrival order (padding rows zero)."""
+def _group_and_compute(rows_RM, runs_sL, compute):
+    """Rows arriving as one block per source s, each holding runs of `runs_sL[s, :-1]` rows per
+    local expert then `runs_sL[s, -1]` padding rows (rows past all blocks are padding too)
+    -> `compute(rows sorted by local expert, group sizes)`, back in arrival order (padding
+    rows zero)."""
     R = rows_RM.shape[0]
-    e, L = counts_sL.shape
-    ends = jnp.cumsum(counts_sL.reshape(-1))  # runs in (source, local expert) order
+    e, L1 = runs_sL.shape
+    L = L1 - 1
+    ends = jnp.cumsum(runs_sL.reshape(-1))
     run_R = jnp.searchsorted(ends, jnp.arange(R), side="right")
     # Padding gets the id L, so the stable sort puts it after every group.
-    local_R = jnp.where(run_R < e * L, run_R % L, L)
+    local_R = jnp.where((run_R < e * L1) & (run_R % L1 < L), run_R % L1, L)
     order_R = jnp.argsort(local_R, stable=True)
-    y_RM = compute(rows_RM[order_R], jnp.sum(counts_sL, axis=0))
+    y_RM = compute(rows_RM[order_R], jnp.sum(runs_sL[:, :L], axis=0))
     return jnp.zeros_like(y_RM).at[order_R].set(y_RM)
 
 
-def ragged_exchange(x_XM, counts_E, compute, axis: str):
-    """(y_XM, 0 dropped): every row sent once to its expert's shard and back (dropless)."""
+def packet_rows(platform: str, row_bytes: int) -> int:
+    """Rows the ragged exchange sends as one unit. TPU pads every row of a ragged all-to-all to
+    a 512-byte tile (a bf16 row of 64 is sent as [2, 128]: 4x its bytes; seen in the compiled
+    HLO), so narrow rows travel in groups filling one tile; elsewhere rows go one by one."""
+    if platform != "tpu" and not _RAGGED.get("packet_rows"):
+        return 1
+    return _RAGGED.get("packet_rows") or max(1, -(-512 // row_bytes))
+
+
+def ragged_exchange(x_XM, counts_E, compute, axis: str, packet: int = 1):
+    """(y_XM, 0 dropped): every row sent once to its expert's shard and back (dropless).
+
+    With `packet` g > 1, each destination's run is padded to a multiple of g rows and sent as
+    rows of g x M (under g rows of padding per destination and device)."""
     e = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
     X, M = x_XM.shape
     L = counts_E.shape[0] // e
+    g = packet
     # Every device's per-expert counts (e x E int32s): each side derives all offsets from them.
     counts_sdL = jax.lax.all_gather(counts_E, axis).reshape(e, e, L)  # [source, dest, local]
     rows_sd = jnp.sum(counts_sdL, axis=2)  # rows source s sends to shard d
-    # On shard d, the runs from the sources lie in source order.
-    at_dest_sd = _exclusive_cumsum(rows_sd, axis=0)
-    # On source s, the rows for the shards lie in shard order (sorted by expert id).
-    at_source_sd = _exclusive_cumsum(rows_sd, axis=1)
-    send_d, recv_s = rows_sd[me], rows_sd[:, me]
+    packets_sd = -(-rows_sd // g)  # the same in packets of g rows
+    # On shard d, the blocks from the sources lie in source order.
+    at_dest_sd = _exclusive_cumsum(packets_sd, axis=0)
+    # On source s, the blocks for the shards lie in shard order (sorted by expert id).
+    at_source_sd = _exclusive_cumsum(packets_sd, axis=1)
+    send_d, recv_s = packets_sd[me], packets_sd[:, me]
 
-    received_RM = _ragged_all_to_all(
-        x_XM,
-        jnp.zeros((e * X, M), x_XM.dtype),
+    # This device's rows laid out in padded blocks: slot p of block d holds sorted row
+    # start_d + (p - g * at_source_d) when that is inside the block's rows.
+    S = -(-(X + e * (g - 1)) // g)  # packets enough for any routing
+    start_d = _exclusive_cumsum(rows_sd[me])
+    slot = jnp.arange(S * g)
+    block = jnp.clip(jnp.searchsorted(g * at_source_sd[me], slot, side="right") - 1, 0, e - 1)
+    within = slot - g * at_source_sd[me][block]
+    valid = within < rows_sd[me][block]
+    row = jnp.where(valid, start_d[block] + within, 0)
+    send_PgM = jnp.where(valid[:, None], x_XM[row], 0).reshape(S, g * M)
+
+    received = _ragged_all_to_all(
+        send_PgM,
+        jnp.zeros((e * S, g * M), x_XM.dtype),
         at_source_sd[me],
         send_d,
         at_dest_sd[me],
         recv_s,
         axis_name=axis,
     )
-    y_RM = _group_and_compute(received_RM, counts_sdL[:, me], compute)
-    y_XM = _ragged_all_to_all(
-        y_RM,
-        jnp.zeros((X, M), y_RM.dtype),
+    runs_sL = jnp.concatenate([counts_sdL[:, me], (g * recv_s - rows_sd[:, me])[:, None]], axis=1)
+    y_RM = _group_and_compute(received.reshape(e * S * g, M), runs_sL, compute)
+    back = _ragged_all_to_all(
+        y_RM.reshape(e * S, g * M),
+        jnp.zeros((S, g * M), y_RM.dtype),
         at_dest_sd[:, me],
         recv_s,
         at_source_sd[:, me],
         send_d,
         axis_name=axis,
     )
-    return y_XM, jnp.zeros((), jnp.int32)
+    # Sorted row x sits at slot g * at_source_d + (x - start_d) of its block d.
+    dest_X = jnp.minimum(
+        jnp.searchsorted(jnp.cumsum(rows_sd[me]), jnp.arange(X), side="right"), e - 1
+    )
+    slot_X = g * at_source_sd[me][dest_X] + jnp.arange(X) - start_d[dest_X]
+    return back.reshape(S * g, M)[slot_X], jnp.zeros((), jnp.int32)
 
 
 def capacity(rows: int, shards: int, capacity_factor: float) -> int:
@@ -170,23 +202,17 @@ def padded_exchange(x_XM, counts_E, compute, axis: str, capacity_factor: float):
 
     recv_sCM = jax.lax.all_to_all(send_dCM, axis, 0, 0, tiled=True)
     recv_counts_sL = jax.lax.all_to_all(kept_dL, axis, 0, 0, tiled=True)
-    # Each source's block of C rows is sorted by local expert; `_group_and_compute` reads runs
-    # laid end to end, so the padding inside each block is skipped by giving it its own run.
+    # Each source's block of C rows: its kept rows sorted by local expert, then padding.
     pad_s = C - jnp.sum(recv_counts_sL, axis=1)
     runs_sL = jnp.concatenate([recv_counts_sL, pad_s[:, None]], axis=1)
-    ends = jnp.cumsum(runs_sL.reshape(-1))
-    run_R = jnp.searchsorted(ends, jnp.arange(e * C), side="right")
-    local_R = jnp.where(run_R % (L + 1) < L, run_R % (L + 1), L)
-    order_R = jnp.argsort(local_R, stable=True)
-    y_RM = compute(recv_sCM.reshape(-1, M)[order_R], jnp.sum(recv_counts_sL, axis=0))
-    y_sCM = jnp.zeros_like(y_RM).at[order_R].set(y_RM).reshape(e, C, M)
+    y_sCM = _group_and_compute(recv_sCM.reshape(-1, M), runs_sL, compute).reshape(e, C, M)
 
     back_dCM = jax.lax.all_to_all(y_sCM, axis, 0, 0, tiled=True)
     # Row x of the sorted order went to shard dest_X at position x - start; past C: dropped.
     dest_X = jnp.minimum(jnp.searchsorted(jnp.cumsum(rows_d), jnp.arange(X), side="right"), e - 1)
     pos_X = jnp.arange(X) - start_d[dest_X]
-    y_XM = jnp.where(
-        (pos_X < C)[:, None], back_dCM[dest_X, jnp.minimum(pos_X, C - 1)], 0
-    ).astype(y_RM.dtype)
+    y_XM = jnp.where((pos_X < C)[:, None], back_dCM[dest_X, jnp.minimum(pos_X, C - 1)], 0).astype(
+        y_sCM.dtype
+    )
     dropped = jnp.sum(rows_d - kept_d).astype(jnp.int32)
     return y_XM, dropped
