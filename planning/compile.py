@@ -90,6 +90,8 @@ class Plan:
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
     estimate: StepEstimate
+    # MoE with an expert axis: the token exchange's bytes against the routed payload.
+    moe: dict = dataclasses.field(default_factory=dict)
 
     @property
     def required_bytes(self) -> int:
@@ -130,6 +132,7 @@ class Plan:
             "all_to_all_bytes": sum(
                 b for op, b in collective_bytes(self.collectives).items() if "all-to-all" in op
             ),
+            **self.moe,
             "collectives_by_axis": collectives_by_axis(self.collectives),
             "kernels": self.kernels,
             "compile_seconds": round(self.compile_seconds, 2),
@@ -327,7 +330,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         exposed_comm=exposed,
         overlapped_comm=overlapped,
     )
-    return Plan(
+    plan = Plan(
         candidate=candidate,
         target=target,
         mesh=dict(mesh.shape),
@@ -345,6 +348,10 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         kernels=dict(sorted(hlo.kernels(text).items())),
         estimate=estimate,
     )
+    from planning.moe import exchange_summary
+
+    plan.moe = exchange_summary(plan, model_cfg)
+    return plan
 
 
 def _peak(memory) -> int:
