@@ -16,7 +16,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
@@ -72,7 +71,6 @@ def main(argv):
             f"bytes {cost.get('bytes accessed', float('nan')):.3e} "
             f"temp {memory.temp_size_in_bytes / 2**20:.0f} MiB"
         )
-    del np
 
 
 if __name__ == "__main__":

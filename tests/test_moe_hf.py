@@ -1,6 +1,7 @@
 """Qwen3-MoE and Mixtral against transformers (tests/hf_reference/, made by make_reference.py):
 logits and the load-balancing loss under dp, fsdp_tp, fsdp_ep (4 experts on expert axes of
-2 and 4) and fsdp_tp_ep (expert 2 x model 2), bit-exact export/import, and a checkpoint with the wrong expert count.
+2 and 4) and fsdp_tp_ep (expert 2 x model 2), bit-exact export/import, and a checkpoint with
+the wrong expert count.
 
 The reference files are read with numpy only; neither torch nor transformers is imported.
 """
