@@ -114,7 +114,7 @@ def test_two_processes_equal_one(tmp_path, strategy):
     outputs = []
     try:
         for child in children:
-            outputs.append(child.communicate(timeout=300))
+            outputs.append(child.communicate(timeout=600))
     finally:
         for child in children:
             if child.poll() is None:
