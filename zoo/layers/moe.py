@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardings.specs import MoeSharding, normalize
-from zoo.layers.attention_ops import compile_platform
 from zoo.layers.basic import Einsum, _normal
 from zoo.layers.moe_exchange import (
+    compile_platform,
     packet_rows,
     padded_exchange,
     ragged_exchange,
