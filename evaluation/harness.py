@@ -1,0 +1,105 @@
+"""Run lm-evaluation-harness tasks on this project's model and write the harness's results.
+
+    results = run_tasks(lm, ["zoo_facts"], include_path="examples/lm_eval_tasks")
+    write_results(results, "runs/a/lm_eval.json")
+
+Tasks are the harness's own names or those of local task YAML under `include_path` (see
+examples/lm_eval_tasks/). Local tasks are looked up first; the harness's ~15k built-in tasks
+are indexed (about a minute) only when a name is not among them. The hub is never asked for a
+model or a tokenizer (HF_HUB_OFFLINE), and built-in tasks whose data is not in the local
+datasets cache need the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+INSTALL = 'pip install "nnx-zoo[eval]"  (lm-eval 0.4.13)'
+RESULTS_FILE = "lm_eval.json"
+
+
+def require_lm_eval() -> None:
+    """ValueError naming the install command when the [eval] extra is missing."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ValueError(f"--tasks needs lm-evaluation-harness: {INSTALL}") from None
+
+
+def parse_tasks(spec: str) -> list[str]:
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"--tasks={spec!r} names no task; e.g. --tasks=zoo_facts,zoo_prose")
+    return names
+
+
+def task_manager(names: list[str], include_path: str | None):
+    """A TaskManager that knows every name in `names`, or ValueError naming the unknown."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not os.path.isdir(include_path):
+        raise ValueError(f"--include_path={include_path!r} is not a directory of task YAML files")
+    if include_path is not None:
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if all(n in manager.all_tasks for n in names):
+            return manager
+    manager = TaskManager(include_path=include_path)
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        where = (
+            f"in --include_path={include_path} or the harness's tasks"
+            if include_path
+            else "among the harness's tasks (a local task needs --include_path=DIR)"
+        )
+        raise ValueError(f"unknown task {', '.join(map(repr, unknown))}: not {where}")
+    return manager
+
+
+def run_tasks(
+    lm,
+    names: list[str],
+    *,
+    include_path: str | None = None,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    log_samples: bool = False,
+) -> dict:
+    """The harness's results dict (`simple_evaluate`) for `lm` on tasks `names`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import lm_eval
+
+    manager = task_manager(names, include_path)
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=names,
+        task_manager=manager,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        log_samples=log_samples,
+        torch_random_seed=None,  # no torch here
+    )
+
+
+def write_results(results: dict, path: str) -> None:
+    """`results` as the harness's CLI writes them (its serializer; samples left out)."""
+    from lm_eval.utils import handle_non_serializable
+
+    from checkpoint.files import write_json_atomic
+
+    record = {k: v for k, v in results.items() if k != "samples"}
+    write_json_atomic(path, json.loads(json.dumps(record, default=handle_non_serializable)))
+
+
+def summary(results: dict) -> list[str]:
+    """One line per task: its metrics."""
+    lines = []
+    for task, metrics in results["results"].items():
+        shown = ", ".join(
+            f"{k.split(',')[0]} {v:.4f}"
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and "stderr" not in k and k != "sample_len"
+        )
+        lines.append(f"{task}: {shown}")
+    return lines
