@@ -192,17 +192,23 @@ class ZooLM(TemplateLM):
                 chunk = order[start : start + self.rows]
                 prompts = self.tokens.encode_batch_start([contexts[j] for j in chunk])
                 prompts = [p[-max_ctx:] or [self.prefix_token_id] for p in prompts]
+                # One shape for every batch of this group: rows filled up (by repeating a
+                # prompt, then dropped), prompt columns a power of two (left padding).
+                longest = max(len(p) for p in prompts)
+                columns = min(max(16, 1 << (longest - 1).bit_length()), max_ctx)
+                filled = prompts + [prompts[-1]] * (self.rows - len(prompts))
                 self.calls += 1
                 with_mesh = generate(
                     self.model,
-                    prompts,
+                    filled,
+                    prompt_len=columns,
                     max_new_tokens=budget,
                     temperature=temperature,
                     top_k=int(top_k) if top_k else None,
                     eos_id=self.eot_token_id,
                     seed=self.seed + self.calls,
                 )
-                for j, ids in zip(chunk, with_mesh, strict=True):
+                for j, ids in zip(chunk, with_mesh[: len(chunk)], strict=True):
                     text = postprocess_generated_text(self.tokens.decode(ids), until, None)
                     out[members[j]] = text
                     self.cache_hook.add_partial("generate_until", requests[members[j]].args, text)

@@ -8,6 +8,8 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "examples", "lm_eval_tasks")
+# Scales the random LM head so next-token distributions are peaked (see write_tiny_llama).
+HEAD_SCALE = 8.0
 
 # Two BOS/EOS conventions the harness's hf backend treats differently:
 #   llama: the tokenizer adds BOS ("<s>") itself, and BOS is the prefix token;
@@ -62,7 +64,7 @@ def write_tokenizer(directory: str, style: str, vocab_size: int = 400) -> None:
 def write_tiny_llama(directory: str, style: str, *, max_seq_len: int = 64, seed: int = 0):
     """A tiny random Llama (vocab 512) saved with zoo.save_pretrained, plus a tokenizer.
 
-    The LM head is scaled up so that next-token distributions are peaked: greedy choices then
+    The LM head is scaled up (HEAD_SCALE) so that next-token distributions are peaked: greedy choices then
     have margins far above float32 noise, and torch and XLA pick the same tokens.
     """
     import jax
@@ -77,6 +79,19 @@ def write_tiny_llama(directory: str, style: str, *, max_seq_len: int = 64, seed:
     cfg = LlamaConfig.tiny(max_seq_len=max_seq_len)
     with jax.set_mesh(mesh):
         model = zoo.create_model(cfg, strategy, rngs=nnx.Rngs(seed))
-        model.lm_head.weight[...] = model.lm_head.weight[...] * 30.0
+        model.lm_head.weight[...] = model.lm_head.weight[...] * HEAD_SCALE
     zoo.save_pretrained(model, directory)
     write_tokenizer(directory, style)
+    # As a real checkpoint's config names them: transformers' generation stops at this EOS
+    # (without it, LlamaConfig's default id 2).
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    spec = STYLES[style]
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["eos_token_id"] = tok.token_to_id(spec["eos"])
+    config["bos_token_id"] = tok.token_to_id(spec["bos"] or spec["eos"])
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
