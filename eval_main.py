@@ -87,6 +87,13 @@ _HF_CHECKPOINT = flags.DEFINE_string(
     "hf_checkpoint", None, "Evaluate a Hugging Face checkpoint directory instead of the run's."
 )
 
+_TASKS = flags.DEFINE_string(
+    "tasks", None, "lm-eval tasks, comma-separated: run them (not the held-out metrics)."
+)
+_INCLUDE_PATH = flags.DEFINE_string("include_path", None, "Directory of local task YAML.")
+_NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples; default: task's.")
+_LIMIT = flags.DEFINE_float("limit", None, "Examples per task (N, or a fraction if < 1).")
+
 _EVALUATE = flags.DEFINE_bool(
     "evaluate", True, "Compute the held-out metrics; --noevaluate with --prompt only generates."
 )
@@ -138,6 +145,15 @@ def main(argv):
 
     workdir = expand(_WORKDIR.value)
     hf_dir = expand(_HF_CHECKPOINT.value) if _HF_CHECKPOINT.value else None
+    harness_tasks = None  # (names, task manager): --tasks runs lm-eval (evaluation/harness.py)
+    if _TASKS.value is not None:
+        from evaluation import harness
+
+        include = expand(_INCLUDE_PATH.value) if _INCLUDE_PATH.value else None
+        try:
+            harness_tasks = harness.prepare(_TASKS.value, include)
+        except ValueError as e:
+            _usage_error(e)
     try:
         import jax
 
@@ -174,8 +190,22 @@ def main(argv):
             model, mesh = eval_model.load_from_hf(hf_dir, settings)
         else:
             model, mesh, step = eval_model.load_from_checkpoint(workdir, run_info, settings, step)
-        metrics = None
-        if _EVALUATE.value:
+        metrics, lm_results = None, None
+        if harness_tasks is not None:
+            lm_results = harness.evaluate_checkpoint(
+                model,
+                mesh,
+                tokenizer,
+                *harness_tasks,
+                rows=settings.batch_size,
+                # A run's context is the length it trained at; an HF model's, its config's.
+                max_length=_SEQ_LEN.value or (None if hf_dir else settings.seq_len),
+                num_fewshot=_NUM_FEWSHOT.value,
+                limit=_LIMIT.value
+                if _LIMIT.value is None or _LIMIT.value < 1
+                else int(_LIMIT.value),
+            )
+        elif _EVALUATE.value:
             metrics = eval_metrics.json_safe(
                 eval_metrics.evaluate(model, mesh, settings, tokenizer)
             )
@@ -192,6 +222,11 @@ def main(argv):
         print(f"{what}: {eval_metrics.summary(metrics)} ({where})", flush=True)
     if generated is not None:
         print(f"{_PROMPT.value}{generated[0]}", flush=True)
+    if lm_results is not None:
+        harness.write_results(lm_results, os.path.join(workdir, harness.RESULTS_FILE))
+        for line in harness.summary(lm_results):
+            print(f"{what}: {line} ({where})", flush=True)
+        print(f"wrote {os.path.join(workdir, harness.RESULTS_FILE)}", flush=True)
     if metrics is None:
         return
     record = {

@@ -40,26 +40,72 @@ def task_manager(names: list[str], include_path: str | None):
 
     if include_path is not None and not os.path.isdir(include_path):
         raise ValueError(f"--include_path={include_path!r} is not a directory of task YAML files")
+    where = (
+        f"in --include_path={include_path} or the harness's tasks"
+        if include_path
+        else "among the harness's tasks (a local task needs --include_path=DIR)"
+    )
+    local = []
     if include_path is not None:
         manager = TaskManager(include_path=include_path, include_defaults=False)
-        if all(n in manager.all_tasks for n in names):
+        local = manager.all_tasks
+        if all(n in local for n in names):
             return manager
+    # A name that no built-in YAML file even mentions is unknown: seconds, not the minute
+    # the full index takes.
+    unknown = _unmentioned([n for n in names if n not in local])
+    if unknown:
+        raise ValueError(f"unknown task {', '.join(map(repr, unknown))}: not {where}")
     manager = TaskManager(include_path=include_path)
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
-        where = (
-            f"in --include_path={include_path} or the harness's tasks"
-            if include_path
-            else "among the harness's tasks (a local task needs --include_path=DIR)"
-        )
         raise ValueError(f"unknown task {', '.join(map(repr, unknown))}: not {where}")
     return manager
+
+
+def _unmentioned(names: list[str]) -> list[str]:
+    """The names that appear as a word in none of the harness's built-in task YAML files."""
+    import re
+
+    import lm_eval.tasks
+
+    if not names:
+        return []
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    seen = set()
+    for directory, _, files in os.walk(os.path.dirname(lm_eval.tasks.__file__)):
+        for name in files:
+            if name.endswith((".yaml", ".yml")):
+                with open(os.path.join(directory, name), encoding="utf-8", errors="replace") as f:
+                    seen.update(pattern.findall(f.read()))
+                if len(seen) == len(names):
+                    return []
+    return [n for n in names if n not in seen]
+
+
+def prepare(tasks: str, include_path: str | None):
+    """(task names, TaskManager) for `--tasks` and `--include_path`, before any model is
+    loaded: ValueError (one line) for a missing extra, a bad path or an unknown task."""
+    require_lm_eval()
+    _quiet_harness()
+    names = parse_tasks(tasks)
+    return names, task_manager(names, include_path)
+
+
+def _quiet_harness() -> None:
+    """The harness warns at length about every local task's custom loader; errors stay."""
+    import logging
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
 
 
 def run_tasks(
     lm,
     names: list[str],
     *,
+    manager=None,
     include_path: str | None = None,
     num_fewshot: int | None = None,
     limit: float | None = None,
@@ -70,7 +116,7 @@ def run_tasks(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import lm_eval
 
-    manager = task_manager(names, include_path)
+    manager = manager or task_manager(names, include_path)
     return lm_eval.simple_evaluate(
         model=lm,
         tasks=names,
@@ -103,3 +149,13 @@ def summary(results: dict) -> list[str]:
         )
         lines.append(f"{task}: {shown}")
     return lines
+
+
+def evaluate_checkpoint(
+    model, mesh, tokenizer, names, manager, *, rows, max_length, num_fewshot, limit
+) -> dict:
+    """eval_main's `--tasks`: the harness's results for the loaded model."""
+    from evaluation.harness_lm import ZooLM
+
+    lm = ZooLM(model, mesh, tokenizer, rows=rows, max_length=max_length)
+    return run_tasks(lm, names, manager=manager, num_fewshot=num_fewshot, limit=limit)

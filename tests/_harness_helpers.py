@@ -64,8 +64,8 @@ def write_tokenizer(directory: str, style: str, vocab_size: int = 400) -> None:
 def write_tiny_llama(directory: str, style: str, *, max_seq_len: int = 64, seed: int = 0):
     """A tiny random Llama (vocab 512) saved with zoo.save_pretrained, plus a tokenizer.
 
-    The LM head is scaled up (HEAD_SCALE) so that next-token distributions are peaked: greedy choices then
-    have margins far above float32 noise, and torch and XLA pick the same tokens.
+    The LM head is scaled up (HEAD_SCALE) so that next-token distributions are peaked: greedy
+    choices then have margins far above float32 noise, and torch and XLA pick the same tokens.
     """
     import jax
     from flax import nnx
