@@ -102,6 +102,7 @@ def _compiled_text(cfg, strategy):
     from flax import nnx
 
     from shardings.hybrid import partition_slices
+    from shardings.specs import split_size
     from zoo import create_model
     from zoo.loss import lm_loss
 
@@ -109,9 +110,7 @@ def _compiled_text(cfg, strategy):
     mesh = strategy.make_mesh(shape=shape, config=cfg)
     with jax.set_mesh(mesh):
         model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
-        batch_axes = strategy.batch_spec()[0] or ()
-        batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
-        B = int(np.prod([mesh.shape[a] for a in batch_axes])) * 2
+        B = split_size(strategy.batch_spec(), 0, mesh.shape) * 2
         tokens = jax.device_put(np.zeros((B, 64), np.int32), strategy.batch_spec())
 
         def loss(model, tokens):

@@ -12,6 +12,7 @@ datasets cache need the network.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -83,13 +84,19 @@ def _unmentioned(names: list[str]) -> list[str]:
     return [n for n in names if n not in seen]
 
 
-def prepare(tasks: str, include_path: str | None):
-    """(task names, TaskManager) for `--tasks` and `--include_path`, before any model is
-    loaded: ValueError (one line) for a missing extra, a bad path or an unknown task."""
+def prepare(
+    tasks: str, include_path: str | None, num_fewshot: int | None, limit: float | None
+) -> TaskRequest:
+    """The --tasks request, checked before any model is loaded: ValueError (one line) for a
+    missing extra, a bad path, an unknown task or a bad count."""
     require_lm_eval()
     _quiet_harness()
     names = parse_tasks(tasks)
-    return names, task_manager(names, include_path)
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(f"--num_fewshot={num_fewshot} must be >= 0")
+    if limit is not None and limit <= 0:
+        raise ValueError(f"--limit={limit} must be > 0 (N examples, or a fraction below 1)")
+    return TaskRequest(names, task_manager(names, include_path), num_fewshot, limit)
 
 
 def _quiet_harness() -> None:
@@ -151,11 +158,58 @@ def summary(results: dict) -> list[str]:
     return lines
 
 
-def evaluate_checkpoint(
-    model, mesh, tokenizer, names, manager, *, rows, max_length, num_fewshot, limit
-) -> dict:
-    """eval_main's `--tasks`: the harness's results for the loaded model."""
+@dataclasses.dataclass(frozen=True)
+class TaskRequest:
+    """eval_main's --tasks, --include_path, --num_fewshot, --limit (checked by `prepare`)."""
+
+    names: list[str]
+    manager: object  # lm_eval.tasks.TaskManager
+    num_fewshot: int | None = None
+    limit: float | None = None  # examples per task: N, or a fraction when < 1
+
+
+def evaluate(request, tasks: TaskRequest):
+    """(results, EvalResult): the harness's results for the request's model (loaded as for
+    the held-out metrics), and what eval_main prints beside them."""
+    from checkpoint.workdir import check_writable_everywhere
+    from evaluation import run
     from evaluation.harness_lm import ZooLM
 
-    lm = ZooLM(model, mesh, tokenizer, rows=rows, max_length=max_length)
-    return run_tasks(lm, names, manager=manager, num_fewshot=num_fewshot, limit=limit)
+    check_writable_everywhere(request.workdir)  # before the work, not after it
+    settings, tokenizer, model, mesh, step = run.load(request)
+    # A run's context is the length it trained at (--seq_len overrides); an HF model's, the
+    # length its config allows (the hf backend reads max_position_embeddings).
+    seq_len = request.overrides.get("seq_len")
+    max_length = seq_len or (None if request.hf_checkpoint else settings.seq_len)
+    lm = ZooLM(model, mesh, tokenizer, rows=settings.batch_size, max_length=max_length)
+    limit = tasks.limit
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    results = run_tasks(
+        lm, tasks.names, manager=tasks.manager, num_fewshot=tasks.num_fewshot, limit=limit
+    )
+    return results, run.EvalResult(request, settings, mesh, step, None, None)
+
+
+def report(results: dict, result) -> str | None:
+    """Print one line per task, then write the harness's results JSON beside eval.json."""
+    import jax
+
+    if jax.process_index() != 0:
+        return None
+    request = result.request
+    what = (
+        f"hf checkpoint {request.hf_checkpoint}" if request.hf_checkpoint else f"step {result.step}"
+    )
+    where = f"{result.settings.strategy} on {dict(result.mesh.shape)}"
+    for line in summary(results):
+        print(f"{what}: {line} ({where})", flush=True)
+    path = os.path.join(request.workdir, RESULTS_FILE)
+    try:
+        write_results(results, path)
+    except OSError as e:
+        raise OSError(
+            f"cannot write {path} ({e.strerror or e}); the result is printed above"
+        ) from e
+    print(f"wrote {path}", flush=True)
+    return path

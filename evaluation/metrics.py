@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from evaluation.settings import EvalSettings
+from shardings.specs import split_size
 
 
 def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
@@ -27,10 +28,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
         )
     batch_spec = model.sharding.tokens
     rows = settings.batch_size
-    multiple = 1
-    if batch_spec[0] is not None:
-        axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
-        multiple = math.prod(mesh.shape[a] for a in axes)
+    multiple = split_size(batch_spec, 0, mesh.shape)
     padded_rows = -(-rows // multiple) * multiple  # same data on every mesh, padding rows added
     check_batch(padded_rows, batch_spec, mesh, settings.strategy, seq_len=settings.seq_len)
     dataset = data.build_dataset(
@@ -50,7 +48,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     @jax.jit
     def nll_sum(state, batch):
         m = nnx.merge(graphdef, state)
-        nll_BT, mask_BT = m.token_nll(
+        nll_BT, mask_BT, _ = m.token_nll(
             batch["tokens"],
             segment_ids=batch["segment_ids"],
             positions=batch["positions"],

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from planning.compile import Candidate, Plan, Target, compile_plan, layout_state_bytes
 from planning.estimate import compute_lower_bound
+from shardings.specs import entry_size
 
 REMAT_ORDER = ("none", "dots", "full")
 GiB = 1024**3
@@ -65,11 +66,9 @@ def candidate_space(
             shapes = [tuple(mesh_shapes[name])]
         else:
             shapes = _mesh_shapes(strategy, n, cfg, slices)
-        batch_axes = strategy.batch_spec()[0] or ()
-        batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
+        batch_axes = strategy.batch_spec()[0]
         for shape in shapes:
-            sizes = dict(zip(strategy.axes, shape, strict=True))
-            data = math.prod(sizes[a] for a in batch_axes)
+            data = entry_size(batch_axes, dict(zip(strategy.axes, shape, strict=True)))
             for remat in remats:
                 for k in micro_batches:
                     if batch % k == 0 and (batch // k) % data == 0:

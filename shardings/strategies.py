@@ -27,6 +27,7 @@ from shardings.specs import (
     MlpSharding,
     MoeSharding,
     NormSharding,
+    axes_of,
 )
 
 DATA = "data"  # batch, and the FSDP weight shards
@@ -143,9 +144,7 @@ class Strategy:
 
 
 def _as_tuple(axes: Axes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    return axes if isinstance(axes, tuple) else (axes,)
+    return axes_of(axes)
 
 
 def _largest_divisor(num_devices: int, dims: list[int], cap: int) -> int:
@@ -247,7 +246,7 @@ def _lm(s: Strategy) -> LmSharding:
     # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
     return LmSharding(
         # A split T runs in balanced chunk order inside the model, so that causal attention
-        # gives every device the same work (zoo/layers/context_parallel.py).
+        # gives every device the same work (zoo/layers/attention/context_parallel.py).
         seq_order="balanced" if s.rules.get("seq") else "natural",
         tokens=tokens,
         embed=EmbeddingSharding(table=table, out=residual),

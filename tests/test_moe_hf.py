@@ -56,7 +56,7 @@ def _forward(strategy, mesh, model, tokens_BT):
     put = lambda x: jax.device_put(np.asarray(x, np.int32), batch)  # noqa: E731
     positions_BT = np.broadcast_to(np.arange(T), (B, T))
     with jax.set_mesh(mesh):
-        forward = nnx.jit(lambda m, t, s, p: m(t, segment_ids=s, positions=p, router_stats=True))
+        forward = nnx.jit(lambda m, t, s, p: m.forward(t, segment_ids=s, positions=p)[::2])
         logits, stats = forward(model, put(tokens_BT), put(np.ones((B, T))), put(positions_BT))
         return np.asarray(logits), float(stats.aux_loss)
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -44,6 +43,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardings.specs import split_size
+
 
 def _model_mesh(model):
     """The mesh the model's parameters live on (the one it was built under)."""
@@ -52,11 +53,7 @@ def _model_mesh(model):
 
 def batch_multiple(model, mesh) -> int:
     """How many rows the batch must divide by: the mesh size of the tokens' batch dim."""
-    axes = model.sharding.tokens[0]
-    if axes is None:
-        return 1
-    axes = axes if isinstance(axes, tuple) else (axes,)
-    return math.prod(mesh.shape[a] for a in axes)
+    return split_size(model.sharding.tokens, 0, mesh.shape)
 
 
 def _pad_rows(rows: list, multiple: int) -> list:
@@ -139,7 +136,7 @@ def _generate(
     spec = model.sharding.tokens
     B, prompt_len = tokens_BP.shape
     cache = model.init_cache(B, prompt_len + max_new_tokens)
-    logits_BPV, cache = model(
+    logits_BPV, cache, _ = model.forward(
         tokens_BP, segment_ids=segment_ids_BP, positions=positions_BP, cache=cache
     )
     key, sub = jax.random.split(key)
@@ -169,7 +166,7 @@ def _generate(
         done_B, out_BO = emit(i, token_B, done_B, out_BO)
         model = nnx.merge(graphdef, state)
         step = lambda x: jax.sharding.reshard(x[:, None], spec)  # noqa: E731
-        logits_B1V, cache = model(
+        logits_B1V, cache, _ = model.forward(
             step(token_B),
             segment_ids=step(jnp.ones_like(token_B)),
             positions=step(position_B),

@@ -6,17 +6,18 @@ with `nnx.scan`, so the block compiles once) or, for debugging, kept as a list.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardings.mesh import compile_platform
 from shardings.specs import BlockSharding, LmSharding
 from zoo import loss
-from zoo.layers import context_parallel, remat, rope
-from zoo.layers.attention import Attention
-from zoo.layers.attention_mask import Segments
-from zoo.layers.attention_ops import compile_platform
+from zoo.layers import remat, rope
+from zoo.layers.attention import Attention, Segments, context_parallel
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.kv_cache import KVCache, LayerCache
@@ -27,6 +28,18 @@ from zoo.lm_head_loss import chunked_token_nll, drop_vocab_padding, head_logits
 # Params with a vocab dim, by path, and which dim it is: the rows a padded vocab
 # (cfg.padded_vocab_size) adds, which checkpoints and Hugging Face files convert.
 VOCAB_DIMS = {"embed/table": 0, "lm_head/weight": 1}
+
+
+class LmOutput(NamedTuple):
+    logits_BTV: jax.Array
+    cache: object  # KVCache, or None when called without one
+    router_stats: object  # MoeStats, or None for a dense model
+
+
+class TokenNll(NamedTuple):
+    nll_BT: jax.Array  # next-token NLL, float32
+    mask_BT: jax.Array  # which positions count (not padding, not a document's last token)
+    router_stats: object  # MoeStats, or None for a dense model
 
 
 class Block(nnx.Module):
@@ -127,12 +140,16 @@ class DecoderLM(nnx.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def __call__(
-        self, tokens_BT, *, segment_ids, positions, cache=None, router_stats=False, packed=True
-    ):
-        """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
+    def __call__(self, tokens_BT, *, segment_ids, positions, packed=True):
+        """Logits [B, T, V] in float32 (`forward` also gives the cache and routing stats)."""
+        return self.forward(
+            tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed
+        ).logits_BTV
 
-        `router_stats=True` (no cache) returns (logits, MoeStats or None for a dense model).
+    def forward(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True) -> LmOutput:
+        """Logits [B, T, V] in float32, the updated `cache` (see `init_cache`; None without
+        one) and the MoE routing statistics (None for a dense model).
+
         V is the true vocabulary: with a padded one (`cfg.padded_vocab_size`) the padding
         columns are dropped, which gathers the logits over the vocab split first.
         """
@@ -140,9 +157,7 @@ class DecoderLM(nnx.Module):
             tokens_BT, segment_ids=segment_ids, positions=positions, cache=cache, packed=packed
         )
         logits_BTV = drop_vocab_padding(self._logits(x_BTM), self.cfg.vocab_size)
-        if router_stats:
-            return logits_BTV, stats
-        return logits_BTV if cache is None else (logits_BTV, new_cache)
+        return LmOutput(logits_BTV, new_cache, stats)
 
     def token_nll(
         self,
@@ -151,11 +166,10 @@ class DecoderLM(nnx.Module):
         segment_ids,
         positions,
         chunk_size: int = 0,
-        router_stats=False,
         packed=True,
-    ):
-        """(nll_BT, mask_BT): next-token NLL in float32 per position, and which count; with
-        `router_stats=True`, (nll_BT, mask_BT, MoeStats or None for a dense model).
+    ) -> TokenNll:
+        """Next-token NLL in float32 per position, which positions count, and the MoE routing
+        statistics (None for a dense model).
 
         `chunk_size` > 0 fuses the LM head with the loss over chunks of about that many
         tokens per device (zoo/lm_head_loss.py), so full `[B, T, V]` logits never exist, in
@@ -174,14 +188,14 @@ class DecoderLM(nnx.Module):
                 nll_BT = chunked_token_nll(
                     x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size
                 )
-        return (nll_BT, mask_BT, stats) if router_stats else (nll_BT, mask_BT)
+        return TokenNll(nll_BT, mask_BT, stats)
 
     def hidden(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True):
         """(final-normed hidden states x_BTM, updated cache or None, MoeStats or None): the
         model up to its LM head."""
         cfg = self.cfg
         # Context parallelism: rows run in load-balanced chunk order inside the model
-        # (zoo/layers/context_parallel.py); the residual goes back before the LM head.
+        # (zoo/layers/attention/context_parallel.py); the residual goes back before the LM head.
         cp_axis = context_parallel.seq_axis(self.sharding.tokens)
         balanced = cp_axis is not None and self.sharding.seq_order == "balanced"
         if balanced:
