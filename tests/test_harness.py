@@ -209,20 +209,28 @@ def test_eval_main_tasks_on_a_trained_run(run_dir):
     assert "zoo_facts: acc " in proc.stdout and "wrote " in proc.stdout
 
 
+def test_bad_task_exits_2_with_one_line(tmp_path):
+    proc = _eval_main(f"--workdir={tmp_path}", "--tasks=zoo_facts", timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown task 'zoo_facts': not among the harness's tasks (a local task needs "
+        "--include_path=DIR)"
+    ], proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
-    "flags,message",
+    "tasks,include,message",
     [
-        (["--tasks=no_such_task"], "unknown task 'no_such_task'"),
-        (["--tasks=zoo_facts"], "a local task needs --include_path=DIR"),
-        (["--tasks=zoo_facts", "--include_path=/no/such/dir"], "is not a directory"),
-        (["--tasks=,"], "names no task"),
+        ("no_such_task", TASKS, "unknown task 'no_such_task': not in --include_path="),
+        ("zoo_facts", "/no/such/dir", "is not a directory"),
+        (",", None, "names no task"),
     ],
 )
-def test_bad_tasks_exit_2_with_one_line(tmp_path, flags, message):
-    proc = _eval_main(f"--workdir={tmp_path}", *flags, timeout=180)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+def test_bad_task_requests_are_one_line_errors(tasks, include, message):
+    from evaluation.harness import prepare
+
+    with pytest.raises(ValueError, match=message):
+        prepare(tasks, include, 0, None)
 
 
 def test_tasks_without_the_extra_name_the_install_command(tmp_path):
