@@ -68,18 +68,34 @@ def write_tiny_llama(directory: str, style: str, *, max_seq_len: int = 64, seed:
     choices then have margins far above float32 noise, and torch and XLA pick the same tokens.
     """
     import jax
+    import numpy as np
     from flax import nnx
+    from jax.sharding import NamedSharding
 
     import zoo
     from shardings import get_strategy
+    from zoo.build import model_class
     from zoo.llama.modeling import LlamaConfig
 
     strategy = get_strategy("dp")
     mesh = strategy.make_mesh(devices=jax.devices()[:1])
     cfg = LlamaConfig.tiny(max_seq_len=max_seq_len)
+    # Filled from numpy (norms 1, the rest N(0, 0.02)): compiling the model's own random
+    # initialiser costs tens of seconds on a loaded 2-core host.
+    rng = np.random.default_rng(seed)
     with jax.set_mesh(mesh):
-        model = zoo.create_model(cfg, strategy, rngs=nnx.Rngs(seed))
-        model.lm_head.weight[...] = model.lm_head.weight[...] * HEAD_SCALE
+        model = nnx.eval_shape(
+            lambda: model_class(cfg)(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0))
+        )
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            shape, spec = var.value.shape, var.value.sharding.spec
+            if "norm" in path[-2]:
+                value = np.ones(shape, np.float32)
+            else:
+                value = rng.normal(0.0, 0.02, shape).astype(np.float32)
+            if path[0] == "lm_head":
+                value *= HEAD_SCALE
+            var.value = jax.device_put(value, NamedSharding(mesh, spec))
     zoo.save_pretrained(model, directory)
     write_tokenizer(directory, style)
     # As a real checkpoint's config names them: transformers' generation stops at this EOS

@@ -161,7 +161,7 @@ def run_dir(tmp_path_factory):
     overrides = {**SMALL_RUN, "training.steps": 50, "checkpoint.enabled": True}
     overrides["checkpoint.every"] = 50
     proc = subprocess.run(
-        [sys.executable, TRAIN_MAIN, "--sharding_strategy=fsdp_tp", f"--workdir={workdir}"]
+        [sys.executable, TRAIN_MAIN, "--sharding_strategy=dp", f"--workdir={workdir}"]
         + cli_flags(overrides),
         cwd=ROOT,
         env=child_env(),
@@ -193,7 +193,7 @@ def test_eval_main_tasks_on_a_trained_run(run_dir):
         f"--include_path={TASKS}",
         "--num_fewshot=0",
         "--limit=8",
-        "--sharding_strategy=fsdp",
+        "--sharding_strategy=fsdp_tp",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(run_dir, "lm_eval.json")) as f:
