@@ -57,8 +57,7 @@ def main():
             model, mesh, tokenizer, rows=args.rows
         ).loglikelihood(requests),
         "one request per call": lambda: [
-            ZooLM(model, mesh, tokenizer, rows=1, pack=False).loglikelihood([r])
-            for r in requests
+            ZooLM(model, mesh, tokenizer, rows=1, pack=False).loglikelihood([r]) for r in requests
         ],
     }
     print(f"{len(requests)} loglikelihood requests (zoo_facts), {jax.devices()[0].platform}")

@@ -95,7 +95,7 @@ def write_tiny_llama(directory: str, style: str, *, max_seq_len: int = 64, seed:
                 value = rng.normal(0.0, 0.02, shape).astype(np.float32)
             if path[0] == "lm_head":
                 value *= HEAD_SCALE
-            var.value = jax.device_put(value, NamedSharding(mesh, spec))
+            var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
     zoo.save_pretrained(model, directory)
     write_tokenizer(directory, style)
     # As a real checkpoint's config names them: transformers' generation stops at this EOS
