@@ -206,7 +206,8 @@ class ZooLM(TemplateLM):
                     temperature=temperature,
                     top_k=int(top_k) if top_k else None,
                     eos_id=self.eot_token_id,
-                    seed=self.seed + self.calls,
+                    # Draws depend on the seed and the batch, not on earlier calls.
+                    seed=self.seed + start,
                 )
                 for j, ids in zip(chunk, with_mesh[: len(chunk)], strict=True):
                     text = postprocess_generated_text(self.tokens.decode(ids), until, None)

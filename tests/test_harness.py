@@ -245,3 +245,22 @@ def test_tasks_without_the_extra_name_the_install_command(tmp_path):
     assert proc.stderr.strip() == (
         'error: --tasks needs lm-evaluation-harness: pip install "nnx-zoo[eval]" (lm-eval 0.4.13)'
     ), proc.stderr
+
+
+def test_generate_until_greedy_and_sampled(hf_dir):
+    from lm_eval.api.instance import Instance
+
+    lm = _lm(hf_dir, "dp", jax.devices()[:1], rows=4)
+    prompts = ["Question: Snow is usually\nAnswer:", "Question: A cat says\nAnswer:"]
+
+    def run(**kwargs):
+        args = {"until": ["\n"], "max_gen_toks": 12, **kwargs}
+        return lm.generate_until([Instance("generate_until", {}, (p, args), 0) for p in prompts])
+
+    greedy = run(do_sample=False)
+    assert greedy == run(do_sample=False)
+    assert all("\n" not in text for text in greedy)  # cut at the stop sequence
+    lm.seed = 7
+    sampled = run(do_sample=True, temperature=5.0)
+    assert run(do_sample=True, temperature=5.0) == sampled  # the same seed, the same draws
+    assert sampled != greedy
