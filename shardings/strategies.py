@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 
 from jax.sharding import PartitionSpec as P
 
+from shardings.hybrid import REPLICA
 from shardings.specs import (
     AttentionSharding,
     BlockSharding,
@@ -32,8 +33,8 @@ from shardings.specs import (
 
 DATA = "data"  # batch, and the FSDP weight shards
 MODEL = "model"  # tensor parallel: heads, FFN width, vocab
-# Data parallel across slices / hosts (DCN): only the gradient all-reduce crosses it.
-REPLICA = "replica"
+# REPLICA (shardings.hybrid): data parallel across slices / hosts (DCN); only the gradient
+# all-reduce crosses it.
 # Sequence split for long context: T of every activation, K/V gathered inside attention.
 CONTEXT = "context"
 # Expert parallel: MoE experts split, tokens sent to their experts by all-to-all over it.
