@@ -123,11 +123,11 @@ def main(argv):
     cli.quiet_logging()
     from evaluation import run as evaluation
 
-    request = _request()
     if _TASKS.value is not None:  # lm-evaluation-harness tasks (evaluation/harness.py)
-        _run_tasks(request)
+        _run_tasks()
         return
     try:
+        request = _request()
         result = evaluation.evaluate(request)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         cli.usage_error(cli.device_hint(e))
@@ -137,12 +137,13 @@ def main(argv):
         cli.usage_error(e)
 
 
-def _run_tasks(request):
+def _run_tasks():
     from checkpoint.workdir import expand
     from evaluation import harness
 
     include = expand(_INCLUDE_PATH.value) if _INCLUDE_PATH.value else None
     try:
+        request = _request()
         tasks = harness.prepare(_TASKS.value, include, _NUM_FEWSHOT.value, _LIMIT.value)
         results, result = harness.evaluate(request, tasks)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
