@@ -100,5 +100,10 @@ def main(argv):
     print(output, flush=True)
 
 
-if __name__ == "__main__":
+def console_main():
+    """The `zoo-plan` console script (pyproject.toml): what `python plan_main.py` runs."""
     cli.run_main(main)
+
+
+if __name__ == "__main__":
+    console_main()

@@ -83,6 +83,7 @@ class Plan:
     seq_len: int
     state: StateBytes
     memory: StepMemory  # the compiled step's, as run_info.json records it
+    host_arrays: list[str]  # what lives in host memory, `dtype[dims]` (shardings.hlo)
     compile_seconds: float
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
@@ -268,6 +269,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         seq_len=run.data.seq_len,
         state=state,
         memory=step_memory(compiled),
+        host_arrays=hlo.host_arrays(text),
         compile_seconds=seconds,
         collectives=ops,
         kernels=dict(sorted(hlo.kernels(text).items())),

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from training.optim import accumulate_gradients
+from zoo.loss import answer_mask
 
 Batch = Mapping[str, jax.Array]
 
@@ -42,13 +43,20 @@ class DivergedError(FloatingPointError):
 
 
 def _token_nll(model, batch: Batch, packed: bool, chunk_size: int):
-    return model.token_nll(
+    nll_BT, mask_BT, moe = model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
         chunk_size=chunk_size,
         packed=packed,
     )
+    if "loss_mask" in batch:
+        # Chat / instruction data: only the trained targets (answers, completions) count.
+        # The loss is then the mean over those tokens of the whole global batch: sums and
+        # counts add over micro-batches and devices before the one division.
+        mask_BT = answer_mask(mask_BT, batch["loss_mask"])
+        nll_BT = jnp.where(mask_BT, nll_BT, 0.0)
+    return nll_BT, mask_BT, moe
 
 
 def loss_sum(
@@ -86,8 +94,10 @@ def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
     return total, (count, sums)
 
 
-def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
-    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch, packed, chunk_size)
+def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0, wrt=nnx.Param):
+    """Gradients of the variables of kind `wrt` (nnx.Param; LoRA adapters: LoraParam)."""
+    grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
+    return grad_fn(model, batch, packed, chunk_size)
 
 
 class Trainer:
@@ -101,6 +111,7 @@ class Trainer:
         False states one document per row from index 0, then padding.
       loss_chunk_size: tokens per device per chunk of the fused LM head + loss (train and
         eval steps); 0 builds the full logits.
+      wrt: the variable kind that trains, as the optimizer's `wrt` (LoRA: LoraParam).
     """
 
     def __init__(
@@ -112,8 +123,10 @@ class Trainer:
         batch_spec: P | None = None,
         packed: bool = True,
         loss_chunk_size: int = 0,
+        wrt=nnx.Param,
     ):
         self.model, self.optimizer = model, optimizer
+        self.wrt = wrt
         self.packed = packed
         self.loss_chunk_size = loss_chunk_size
         self.micro_batches = micro_batches
@@ -129,7 +142,9 @@ class Trainer:
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads, means = accumulate_gradients(
-            functools.partial(_loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size),
+            functools.partial(
+                _loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size, wrt=self.wrt
+            ),
             model,
             batch,
             self.micro_batches,
