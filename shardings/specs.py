@@ -113,11 +113,15 @@ class LmSharding:
     # load-balanced chunk order (device i holds chunks i and 2c-1-i of 2c), "natural" in
     # index order. Inputs and logits are always in index order.
     seq_order: str = "natural"
+    # Pipeline parallelism: the mesh axis the stacked layers' L dim is split over (stage s
+    # holds a contiguous L/stage block and runs it; zoo/layers/pipeline.py), or None.
+    stage_axis: str | None = None
 
 
-def stacked(spec: P) -> P:
-    """The layout of a weight stacked over layers: the L dim is never sharded."""
-    return P(None, *spec)
+def stacked(spec: P, stage_axis: str | None = None) -> P:
+    """The layout of a weight stacked over layers: the L dim is split over the pipeline's
+    stage axis, else never."""
+    return P(stage_axis, *spec)
 
 
 def normalize(spec: P, rank: int) -> P:
