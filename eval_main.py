@@ -147,6 +147,7 @@ def main(argv):
         from evaluation import model as eval_model
         from evaluation.settings import from_run_info
         from training.run import device_hint
+        from zoo.generate import check_can_generate
 
         if _EVALUATE.value:
             check_writable_everywhere(workdir)  # before the work, not after it
@@ -167,6 +168,8 @@ def main(argv):
             batch_size=_BATCH_SIZE.value,
             eval_batches=_EVAL_BATCHES.value,
         )
+        if _PROMPT.value is not None:
+            check_can_generate(settings.strategy)
         if _TOP_K.value < 0 or _TEMPERATURE.value < 0 or _MAX_NEW_TOKENS.value < 1:
             raise ValueError("--top_k and --temperature must be >= 0, --max_new_tokens >= 1")
         tokenizer = make_tokenizer(settings.tokenizer)

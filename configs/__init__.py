@@ -39,6 +39,11 @@ def base_config() -> ConfigDict:
     # --attention_impl overrides; an explicit backend that cannot run here is an error.
     m.attention_impl = "xla"
     m.attention_interpret = False  # run splash in Pallas interpret mode (CPU tests only; slow)
+    # Pipeline strategies (fsdp_pp, fsdp_tp_pp): micro-batches each forward pass is cut into
+    # (0: one per stage; at least the stages) and repeats (virtual stages per device: 1 is
+    # GPipe, more is the circular schedule, bubble (S-1)/(micro-batches*repeats + S-1)).
+    m.pipeline_microbatches = 0
+    m.pipeline_repeats = 1
 
     c.data = d = ConfigDict()
     d.source = "default"  # 'default' (stdlib source text, no download) or a path / dir / glob

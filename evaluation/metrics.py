@@ -18,6 +18,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     import data
     from runtime.distributed import to_global
     from shardings.mesh import check_batch
+    from zoo.layers import pipeline
     from zoo.loss import target_mask
 
     if model.cfg.vocab_size < tokenizer.vocab_size:
@@ -31,6 +32,8 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     if batch_spec[0] is not None:
         axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
         multiple = math.prod(mesh.shape[a] for a in axes)
+    pp = pipeline.plan_for(model.cfg, model.sharding, mesh)
+    multiple *= pp.microbatches if pp is not None else 1  # rows per pipeline micro-batch
     padded_rows = -(-rows // multiple) * multiple  # same data on every mesh, padding rows added
     check_batch(padded_rows, batch_spec, mesh, settings.strategy, seq_len=settings.seq_len)
     dataset = data.build_dataset(

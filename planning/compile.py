@@ -278,6 +278,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
 
     from shardings import check_batch, get_strategy
     from training.loop import Trainer
+    from zoo.layers import pipeline
 
     run = run_for(run, candidate)
     strategy = get_strategy(candidate.strategy)
@@ -286,6 +287,9 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     batch_spec = strategy.batch_spec()
     global_batch, seq_len = run.data.global_batch_size, run.data.seq_len
     check_batch(global_batch // candidate.micro_batches, batch_spec, mesh, strategy.name)
+    pipeline.check_batch_size(
+        global_batch // candidate.micro_batches, model_cfg, strategy.lm_sharding(), mesh
+    )
 
     model, optimizer = _abstract_training_state(run, model_cfg, strategy, mesh)
     state = state_bytes(nnx.state(model, nnx.Param), nnx.state(optimizer.opt_state))

@@ -47,6 +47,8 @@ class ModelSection:
     remat: str = "none"
     attention_impl: str = "xla"
     attention_interpret: bool = False
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
 
     SHAPE_FIELDS = (
         "vocab_size",
@@ -63,6 +65,10 @@ class ModelSection:
         _positive("model", self, *self.SHAPE_FIELDS)
         if self.scan_unroll < 0:
             _fail("model", "scan_unroll", self.scan_unroll, "valid: 0 (auto), 1 (rolled), or more")
+        if self.pipeline_microbatches < 0:
+            _fail("model", "pipeline_microbatches", self.pipeline_microbatches, "valid: >= 0")
+        if self.pipeline_repeats < 1:
+            _fail("model", "pipeline_repeats", self.pipeline_repeats, "valid: >= 1 (1: GPipe)")
         for name, valid in (
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
@@ -80,6 +86,8 @@ class ModelSection:
             remat=self.remat,
             attention_impl=self.attention_impl,
             attention_interpret=self.attention_interpret,
+            pipeline_microbatches=self.pipeline_microbatches,
+            pipeline_repeats=self.pipeline_repeats,
         )
         return out
 

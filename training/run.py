@@ -76,7 +76,8 @@ class Setup:
         from shardings.hybrid import crossing_axes
         from training import flops
         from training.loop import Trainer
-        from zoo.layers import remat
+        from zoo.build import check_model_fits
+        from zoo.layers import pipeline, remat
 
         self.workdir = workdir
         self.notes: list[str] = []  # printed when training starts
@@ -97,6 +98,8 @@ class Setup:
         self.batch_spec = batch_spec
         micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
         check_batch(micro_batch, batch_spec, mesh, strategy.name, seq_len=run.data.seq_len)
+        check_model_fits(model_cfg, strategy, mesh)
+        pipeline.check_batch_size(micro_batch, model_cfg, strategy.lm_sharding(), mesh)
 
         tokenizer = make_tokenizer(run.data.tokenizer)
         common = dict(

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardings.mesh import check_divisible
+from zoo.layers import pipeline
 from zoo.layers.config import DecoderConfig
 from zoo.registry import family_for_config, get_config
 
@@ -138,6 +139,7 @@ def check_model_fits(cfg: DecoderConfig, strategy, mesh) -> None:
     cfg = fit_vocab(cfg, strategy, mesh)
     check_divisible(param_layouts(cfg, strategy), mesh, strategy.name)
     check_divisible(activation_layouts(cfg, strategy), mesh, strategy.name)
+    pipeline.plan_for(cfg, strategy.lm_sharding(), mesh)  # stages, repeats, micro-batches
 
 
 def create_model(cfg: DecoderConfig, strategy, *, rngs: nnx.Rngs, mesh=None):

@@ -281,19 +281,10 @@ class DecoderLM(nnx.Module):
 
     def _run_pipelined(self, x_BTM, segments, windows, freqs_LR, cache):
         """The layer stack split into stages over the strategy's stage axis."""
-        cfg = self.cfg
-        if not cfg.scan_layers:
-            raise ValueError(
-                "a pipeline strategy splits the stacked layers: set scan_layers=True"
-            )
         if cache is not None:
             raise ValueError(
                 "KV-cache decoding (generation) does not run under a pipeline strategy; "
                 "generate with one without a `stage` axis, e.g. --sharding_strategy=fsdp"
-            )
-        if cfg.is_moe:
-            raise ValueError(
-                "MoE layers do not run under a pipeline strategy yet; use fsdp_ep or fsdp"
             )
         return pipeline.run(self, x_BTM, segments, windows, freqs_LR, self.sharding.stage_axis)
 

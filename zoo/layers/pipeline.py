@@ -97,6 +97,31 @@ def check_batch(batch_size: int, pp: PipelinePlan, data_shards: int) -> None:
         )
 
 
+def plan_for(cfg, sharding, mesh) -> PipelinePlan | None:
+    """The schedule `cfg` runs on `mesh` under a strategy's `sharding` (an LmSharding), or
+    None when the strategy has no stage axis. ValueError (one line) for sizes it cannot run."""
+    axis = sharding.stage_axis
+    if axis is None:
+        return None
+    if not cfg.scan_layers:
+        raise ValueError("a pipeline strategy splits the stacked layers: set scan_layers=True")
+    if cfg.is_moe:
+        raise ValueError("MoE layers do not run under a pipeline strategy yet; use fsdp_ep")
+    return plan(cfg.num_layers, mesh.shape[axis], cfg.pipeline_microbatches, cfg.pipeline_repeats)
+
+
+def check_batch_size(batch_size: int, cfg, sharding, mesh) -> None:
+    """Rows per forward pass cut into micro-batches that divide over the batch split."""
+    pp = plan_for(cfg, sharding, mesh)
+    if pp is not None:
+        check_batch(batch_size, pp, _shards(sharding.tokens[0], mesh))
+
+
+def _shards(entry, mesh) -> int:
+    axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 def chunk_order(num_layers: int, stages: int, repeats: int) -> np.ndarray:
     """The layer indices in the order stage-major storage must hold them for the schedule:
     position (s, r, j) holds layer (r*S + s)*Lc + j. The identity for R = 1."""
@@ -144,12 +169,9 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
     (x_BTM, (None, None)) as `DecoderLM._run_scanned` does (no cache, no router stats)."""
     cfg = model.cfg
     mesh = jax.sharding.get_abstract_mesh()
-    S = mesh.shape[stage_axis]
-    pp = plan(cfg.num_layers, S, cfg.pipeline_microbatches, cfg.pipeline_repeats)
-    Mb, R, Lc = pp.microbatches, pp.repeats, pp.layers_per_chunk
-    batch_axes = tuple(jax.typeof(x_BTM).sharding.spec)[0]
-    batch_axes = () if batch_axes is None else (batch_axes if isinstance(batch_axes, tuple) else (batch_axes,))
-    check_batch(x_BTM.shape[0], pp, math.prod(mesh.shape[a] for a in batch_axes))
+    pp = plan_for(cfg, model.sharding, mesh)
+    S, Mb, R, Lc = pp.stages, pp.microbatches, pp.repeats, pp.layers_per_chunk
+    check_batch(x_BTM.shape[0], pp, _shards(tuple(jax.typeof(x_BTM).sharding.spec)[0], mesh))
 
     # Per-layer tables in schedule order, [S, R, Lc]: stage s, repeat r reads row (s, r).
     order = chunk_order(cfg.num_layers, S, R)
