@@ -149,6 +149,8 @@ def main(argv):
         from training.run import device_hint
         from zoo.generate import check_can_generate
 
+        if _PROMPT.value is not None and _STRATEGY.value:
+            check_can_generate(_STRATEGY.value)  # before reading the checkpoint
         if _EVALUATE.value:
             check_writable_everywhere(workdir)  # before the work, not after it
         run_info, step = None, None
