@@ -136,6 +136,8 @@ class Plan:
             "overlapped_comm_seconds": self.estimate.overlapped_comm_seconds,
             "predicted_step_seconds": self.estimate.step_seconds,
             "predicted_mfu": self.estimate.mfu,
+            # Pipeline strategies: (S-1)/(micro-batches*repeats + S-1); 0 for the others.
+            "pipeline_bubble": self.estimate.bubble,
         }
 
 
@@ -326,6 +328,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         chip=target.chip,
         exposed_comm=exposed,
         overlapped_comm=overlapped,
+        pipeline=pipeline.plan_for(model_cfg, strategy.lm_sharding(), mesh),
     )
     return Plan(
         candidate=candidate,
