@@ -30,7 +30,9 @@ def _save(workdir, strategy_shape):
     return leaves(model), leaves(optimizer, nnx.optimizer.OptState)
 
 
-@pytest.mark.parametrize("source, target", [(PIPE, FLAT), (FLAT, PIPE)], ids=["pp-to-fsdp", "fsdp-to-pp"])
+@pytest.mark.parametrize(
+    "source, target", [(PIPE, FLAT), (FLAT, PIPE)], ids=["pp-to-fsdp", "fsdp-to-pp"]
+)
 def test_checkpoint_moves_between_pipeline_and_fsdp_bit_for_bit(tmp_path, source, target):
     params, opt_state = _save(str(tmp_path), source)
     mesh, model, optimizer = build(*target, seed=5)
@@ -60,7 +62,10 @@ PIPE_FLAGS = ["--sharding_strategy=fsdp_pp", "--mesh_shape=stage:2,data:4"]
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        ({"model.num_layers": 2, "model.pipeline_repeats": 2}, "does not divide by stages x repeats"),
+        (
+            {"model.num_layers": 2, "model.pipeline_repeats": 2},
+            "does not divide by stages x repeats",
+        ),
         ({"model.pipeline_microbatches": 1}, "fewer than the 2 pipeline stages"),
         ({"data.global_batch_size": 8, "model.pipeline_microbatches": 4}, "micro-batches"),
     ],
@@ -74,8 +79,17 @@ def test_bad_pipeline_input_is_one_line(tmp_path, overrides, expected):
 def test_prompt_under_pipeline_is_one_line(tmp_path):
     # The strategy is checked before the checkpoint is read: no run is needed.
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "eval_main.py"), f"--workdir={tmp_path}",
-         "--sharding_strategy=fsdp_pp", "--prompt=hi"],
-        env=child_env(), capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            os.path.join(ROOT, "eval_main.py"),
+            f"--workdir={tmp_path}",
+            "--sharding_strategy=fsdp_pp",
+            "--prompt=hi",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert "pipeline strategy fsdp_pp" in _one_line_error(proc)

@@ -10,8 +10,8 @@ import json
 import pytest
 from test_plan_main import _plan_main
 
-from planning.estimate import estimate_step
 from planning.chips import chip_for
+from planning.estimate import estimate_step
 from zoo import get_config
 from zoo.layers import pipeline
 
@@ -35,7 +35,9 @@ def plan():
 def test_stages_exchange_activations_by_collective_permute_over_stage(plan):
     assert plan["mesh"] == {"stage": 2, "data": 8}
     permutes = [
-        r for r in plan["collectives_by_axis"] if r["op"] == "collective-permute" and r["axes"] == "stage"
+        r
+        for r in plan["collectives_by_axis"]
+        if r["op"] == "collective-permute" and r["axes"] == "stage"
     ]
     assert permutes and permutes[0]["count"] >= 2  # forward and backward
 
@@ -51,8 +53,15 @@ def test_bubble_formula_and_its_cost(stages, microbatches, repeats):
     assert pp.bubble == pytest.approx((stages - 1) / (microbatches * repeats + stages - 1))
     cfg = get_config("tiny").replace(num_layers=16)
     chip = chip_for("h100")
-    common = dict(seq_len=128, global_batch=64, num_devices=16, remat="none", chip=chip,
-                  exposed_comm=0.0, overlapped_comm=0.0)
+    common = dict(
+        seq_len=128,
+        global_batch=64,
+        num_devices=16,
+        remat="none",
+        chip=chip,
+        exposed_comm=0.0,
+        overlapped_comm=0.0,
+    )
     flat, piped = estimate_step(cfg, **common), estimate_step(cfg, **common, pipeline=pp)
     head = 6.0 * cfg.hidden_dim * cfg.vocab_size * 64 * 128 / 16
     layers = flat.executed_flops - head

@@ -190,7 +190,9 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
         """Repeat r's Lc layers of this stage on one micro-batch."""
 
         def take(w):
-            return checkpoint_name(jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False), _STAGE_WEIGHTS)
+            return checkpoint_name(
+                jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False), _STAGE_WEIGHTS
+            )
 
         chunk = jax.tree.map(take, weights_RL)
         windows_L = jax.lax.dynamic_index_in_dim(windows_RL, r, 0, keepdims=False)
@@ -225,7 +227,9 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
             k = t - s  # this stage's work item
             m, r = k % Mb, jnp.clip(k // Mb, 0, R - 1)
             x = jnp.where(s == 0, jax.lax.dynamic_index_in_dim(buf, m, 0, keepdims=False), state)
-            seg_m = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False), seg)
+            seg_m = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False), seg
+            )
             y = stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR)
             # Hand on to the next stage; stage 0 receives the last stage's result of item
             # t - (S-1) and files it under its micro-batch.
