@@ -6,11 +6,13 @@ Every mistake in a request raises ValueError with one line (plan_main exits 2 wi
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import os
 
+import jax
+
+from planning.chips import chip_for, chip_name_for
 from planning.compile import Target, make_target, run_for
+from planning.forecast import add_forecast
 from planning.report import table
 from planning.search import (
     REMAT_ORDER,
@@ -19,14 +21,28 @@ from planning.search import (
     distinct_strategies,
     search,
 )
+from shardings import STRATEGIES, get_strategy
+from shardings.hybrid import num_granules
+from training.config import RunConfig
+from zoo.layers import remat as remat_policies
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+    """A plan request: the run train_main would start, and what to search around it.
+
+    `config` is the run config as a dict: train_main's (its config file with the command
+    line's `--config.*` overrides applied), or, with `model`, a preset with planning defaults
+    (bf16, full remat, one row per device, 2048 tokens, the target's flash attention) and
+    those overrides on top. `explicit` names the `--config.*` fields the command line set, so
+    a short alias (`batch_size`, ...) that disagrees with one is refused.
+    """
+
     topology: str
-    config: str | None = None
+    config: dict | None = None
     model: str | None = None
-    strategies: str = "all"
+    explicit: dict = dataclasses.field(default_factory=dict)
+    strategies: str | None = None  # None: the config's (the run train_main would start)
     mesh_shape: str | None = None
     batch_size: int | None = None
     seq_len: int | None = None
@@ -38,54 +54,65 @@ class Request:
     max_compiles: int = 16
 
 
-def load_run(request: Request, num_devices: int):
-    """The typed run config: a config file's, or a preset's with planning defaults (bf16
-    compute, full remat, one row per device, and the target's flash attention through `auto`,
-    since the plan is for the target's kernels), with the request's overrides folded in."""
-    from training.config import RunConfig
+# Short flag -> the config field it stands for.
+ALIASES = {
+    "batch_size": "data.global_batch_size",
+    "seq_len": "data.seq_len",
+    "dtype": "model.dtype",
+    "attention_impl": "model.attention_impl",
+}
 
-    if request.config and request.model:
-        raise ValueError("give --config or --model, not both")
-    if request.config:
-        if not os.path.isfile(request.config):
-            raise ValueError(f"--config={request.config}: no such file")
-        spec = importlib.util.spec_from_file_location("plan_config", request.config)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        raw = module.get_config().to_dict()
-    elif request.model:
-        raw = {
-            "name": request.model,
-            "model": {
-                "preset": request.model,
-                "dtype": "bfloat16",
-                "remat": "full",
-                "attention_impl": "auto",
-            },
-            "data": {"seq_len": 2048, "global_batch_size": num_devices},
-        }
+
+def _preset_config(model: str, num_devices: int) -> dict:
+    return {
+        "name": model,
+        "model": {
+            "preset": model,
+            "dtype": "bfloat16",
+            "remat": "full",
+            "attention_impl": "auto",
+        },
+        "data": {"seq_len": 2048, "global_batch_size": num_devices},
+    }
+
+
+def _set(raw: dict, path: str, value) -> None:
+    section, field = path.split(".")
+    raw[section] = {**(raw.get(section) or {}), field: value}
+
+
+def load_run(request: Request, num_devices: int):
+    """(typed run config, its raw dict): the request's config with its overrides and short
+    aliases folded in. The candidates set micro-batches, so the config's cannot veto one."""
+
+    if request.model:
+        if request.config is not None:
+            raise ValueError("give --config or --model, not both")
+        raw = _preset_config(request.model, num_devices)
+        for path, value in request.explicit.items():
+            _set(raw, path, value)
+    elif request.config is not None:
+        raw = {k: dict(v) if isinstance(v, dict) else v for k, v in request.config.items()}
     else:
         raise ValueError("give --config=configs/<name>.py or --model=<preset>")
-    model, data = dict(raw.get("model") or {}), dict(raw.get("data") or {})
-    for key, value in (
-        ("attention_impl", request.attention_impl),
-        ("dtype", request.dtype),
-    ):
-        if value is not None:
-            model[key] = value
-    if request.batch_size is not None:
-        data["global_batch_size"] = request.batch_size
-    if request.seq_len is not None:
-        data["seq_len"] = request.seq_len
-    optimizer = dict(raw.get("optimizer") or {})
-    optimizer["micro_batches"] = 1  # the candidates set it; the config's must not veto them
-    run = RunConfig.from_config_dict({**raw, "model": model, "data": data, "optimizer": optimizer})
+    for alias, path in ALIASES.items():
+        value = getattr(request, alias)
+        if value is None:
+            continue
+        if path in request.explicit and request.explicit[path] != value:
+            raise ValueError(
+                f"--{alias}={value} disagrees with --config.{path}={request.explicit[path]}; "
+                "give one of them"
+            )
+        _set(raw, path, value)
+    config_k = int((raw.get("optimizer") or {}).get("micro_batches", 1))
+    _set(raw, "optimizer.micro_batches", 1)
+    run = RunConfig.from_config_dict(raw)
     run.model.decoder_config()  # an unknown preset fails here, with the valid ones
-    return run, raw
+    return run, config_k
 
 
 def _strategies(text: str, auto_ok: bool = True) -> tuple[list[str], bool]:
-    from shardings import STRATEGIES, get_strategy
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if names == ["auto"] and auto_ok:
@@ -111,17 +138,21 @@ def _ints(values, what: str) -> tuple[int, ...]:
 
 def build(request: Request):
     """(run config, target, candidates, auto?) for a request."""
-    from shardings import get_strategy
-    from shardings.hybrid import num_granules
-    from zoo.layers import remat as remat_policies
 
     target = make_target(request.topology, request.memory_gib)
     n = len(target.devices)
-    run, raw = load_run(request, n)
-    names, auto = _strategies(request.strategies)
+    run, config_k = load_run(request, n)
+    strategies = request.strategies or ("all" if request.model else run.training.sharding_strategy)
+    names, auto = _strategies(strategies)
     if auto:
         names = distinct_strategies(names, run.model.decoder_config(), target)
     config_remat = run.model.remat
+    named = request.explicit.get("model.remat")
+    if request.remat and named is not None and list(request.remat) != [named]:
+        raise ValueError(
+            f"--remat={','.join(request.remat)} disagrees with --config.model.remat={named}; "
+            "give one of them"
+        )
     remats = tuple(request.remat) if request.remat else (REMAT_ORDER if auto else (config_remat,))
     # `auto` searches REMAT_ORDER; a policy named by flag or config may be any the trainer
     # runs, offload included (TPU/GPU targets only).
@@ -129,18 +160,18 @@ def build(request: Request):
         if r not in remat_policies.POLICIES:
             raise ValueError(f"--remat={r}: valid: {', '.join(remat_policies.POLICIES)}")
         remat_policies.check_platform(r, target.chip.platform)
-    config_k = int((raw.get("optimizer") or {}).get("micro_batches", 1))
     micro = (
         _ints(request.micro_batches, "micro_batches")
         if request.micro_batches
         else ((1, 2, 4, 8) if auto else (config_k,))
     )
     mesh_shapes = None
-    if request.mesh_shape:
+    mesh_shape = request.mesh_shape or (run.training.mesh_shape if len(names) == 1 else None)
+    if mesh_shape:
         if len(names) != 1:
             raise ValueError("--mesh_shape needs exactly one --sharding_strategy")
         strategy = get_strategy(names[0])
-        mesh = strategy.make_mesh(shape=request.mesh_shape, devices=list(target.devices))
+        mesh = strategy.make_mesh(shape=mesh_shape, devices=list(target.devices))
         mesh_shapes = {names[0]: tuple(mesh.shape.values())}
     elif not auto:
         # Each strategy's documented default mesh, as train_main would build it.
@@ -170,6 +201,9 @@ def plan(request: Request, as_json: bool = False) -> str:
         exhaustive=not auto,
         log=log,
     )
+    for p in result.plans:
+        # The forecast beside the bound (two small compiles each): for what is reported only.
+        add_forecast(run, p)
     if as_json:
         rows = [p.to_json() | {"auto": auto and p is result.best} for p in result.plans]
         text = "\n".join(json.dumps(r) for r in rows)
@@ -189,9 +223,6 @@ def resolve_auto(run, log=print):
     """`train_main --sharding_strategy=auto`: the run config with the pick's strategy, mesh,
     remat and micro-batches, for this process's view of the run's devices (all of them).
     Logs the one-line why; raises NoFitError (a ValueError) when nothing fits."""
-    import jax
-
-    from planning.chips import chip_for, chip_name_for
 
     devices = jax.devices()
     chip = chip_for(chip_name_for(devices[0]))

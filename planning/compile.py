@@ -1,30 +1,34 @@
 """Compile the product's train step for a target without its hardware, and read the result.
 
-The step is `training.loop.Trainer`'s, built from the run config the way `training.run.Setup`
-builds it (model from `create_model`, AdamW from `training.run.run_optimizer`, gradient
-accumulation over micro-batches), but from abstract state: every array is a
-`jax.ShapeDtypeStruct` with its `NamedSharding` on the target's mesh, so nothing is allocated.
+The step is built by the one assembly train_main uses (`launch.build`, abstract): the same
+model, optimizer, micro-batches, remat and loss chunking, with every array a
+`jax.ShapeDtypeStruct` carrying its `NamedSharding` on the target's mesh, so nothing is
+allocated. Its memory figures come from `training.step_memory`, as run_info.json's do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import jax
 import numpy as np
+from flax import nnx
 
-from planning.chips import Chip
+from launch.build import build
+from planning.chips import Chip, chip_for
 from planning.estimate import (
+    Forecast,
     StepEstimate,
     axis_bandwidth,
     comm_seconds,
     estimate_step,
 )
-from shardings import hlo
-
-BATCH_FIELDS = ("tokens", "segment_ids", "positions")
+from planning.hlo_traffic import Traffic, traffic
+from planning.targets import TargetError, target_devices
+from shardings import get_strategy, hlo
+from training.step_memory import StepMemory, step_memory
+from zoo.layers import pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +41,6 @@ class Candidate:
     micro_batches: int
 
     def describe(self) -> str:
-        from shardings import get_strategy
 
         axes = get_strategy(self.strategy).axes
         mesh = ",".join(f"{a}:{n}" for a, n in zip(axes, self.mesh_shape, strict=True))
@@ -80,23 +83,21 @@ class Plan:
     global_batch: int
     seq_len: int
     state: StateBytes
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    peak_bytes: int
-    host_temp_bytes: int  # pinned host memory the step uses (remat='offload'), not the chip's
+    memory: StepMemory  # the compiled step's, as run_info.json records it
+    host_arrays: list[str]  # what lives in host memory, `dtype[dims]` (shardings.hlo)
     compile_seconds: float
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
-    estimate: StepEstimate
+    estimate: StepEstimate  # the bound
+    traffic: Traffic | None = None  # this program's kernels and memory-bound bytes
+    # What a real step should take (planning.estimate), set by planning.forecast.add_forecast.
+    forecast: Forecast | None = None
 
-    @property
-    def required_bytes(self) -> int:
-        """What must fit: XLA's peak, or arguments + non-aliased outputs + temporaries when
-        that is larger (TPU's reported peak can sit below its own temp allocation)."""
-        live = self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-        return max(self.peak_bytes, live)
+    def __getattr__(self, name: str):
+        # argument_bytes, temp_bytes, peak_bytes, host_temp_bytes, required_bytes, ...
+        if name.endswith("_bytes") and name != "memory":
+            return getattr(self.memory, name)
+        raise AttributeError(name)
 
     @property
     def fits(self) -> bool:
@@ -116,12 +117,7 @@ class Plan:
             "optimizer_bytes": self.state.optimizer,
             "gradient_bytes": self.state.gradients,
             "largest_params": [list(p) for p in self.state.largest_params],
-            "argument_bytes": self.argument_bytes,
-            "output_bytes": self.output_bytes,
-            "temp_bytes": self.temp_bytes,
-            "peak_bytes": self.peak_bytes,
-            "host_temp_bytes": self.host_temp_bytes,
-            "required_bytes": self.required_bytes,
+            **self.memory.to_json(),
             "memory_bytes": self.target.chip.memory_bytes,
             "fits": self.fits,
             "collectives": collective_counts(self.collectives),
@@ -138,7 +134,10 @@ class Plan:
             "predicted_mfu": self.estimate.mfu,
             # Pipeline strategies: (S-1)/(micro-batches*repeats + S-1); 0 for the others.
             "pipeline_bubble": self.estimate.bubble,
-        }
+            # The same bound under a name that says so, and the forecast beside it.
+            "bound_step_seconds": self.estimate.step_seconds,
+            "bound_mfu": self.estimate.mfu,
+        } | (self.forecast.to_json() if self.forecast else {"forecast_step_seconds": None})
 
 
 def collective_counts(ops) -> dict[str, int]:
@@ -174,8 +173,6 @@ def collectives_by_axis(ops) -> list[dict]:
 def make_target(name: str, memory_gib: float | None = None) -> Target:
     """A target by name: a TPU slice or GPU hosts (`planning.targets`), or `cpu:N`, this
     host's first N (simulated) CPU devices. Raises ValueError (TargetError) with one line."""
-    from planning.chips import chip_for
-    from planning.targets import TargetError, target_devices
 
     kind, _, count = name.partition(":")
     if kind.lower() == "cpu":
@@ -200,7 +197,6 @@ def _shard_bytes(leaf) -> int:
 def state_bytes(model_state, optimizer_state) -> StateBytes:
     """Per-device bytes of parameters, optimizer state and gradients (which take the
     parameters' layouts and dtypes), from abstract or real arrays' shardings."""
-    from flax import nnx
 
     params = [
         ("/".join(str(p) for p in path), _shard_bytes(v.get_value()))
@@ -213,38 +209,10 @@ def state_bytes(model_state, optimizer_state) -> StateBytes:
 
 
 def make_mesh(target: Target, candidate: Candidate):
-    from shardings import get_strategy
 
     return get_strategy(candidate.strategy).make_mesh(
         shape=candidate.mesh_shape, devices=list(target.devices)
     )
-
-
-def _abstract_training_state(run, model_cfg, strategy, mesh):
-    """(model, optimizer) with abstract arrays, built by the product's own code."""
-    from flax import nnx
-
-    from training.run import run_optimizer
-    from zoo import create_model
-
-    def build():
-        model = create_model(model_cfg, strategy, rngs=nnx.Rngs(run.training.seed))
-        tx, _ = run_optimizer(run)
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    with jax.set_mesh(mesh):
-        return nnx.eval_shape(build)
-
-
-def _on_mesh(tree, mesh):
-    """Abstract leaves (typed on the abstract mesh) -> ShapeDtypeStructs on `mesh`."""
-
-    def place(x):
-        spec = x.sharding.spec if getattr(x, "sharding", None) is not None else None
-        sharding = jax.sharding.NamedSharding(mesh, spec or jax.sharding.PartitionSpec())
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jax.tree.map(place, tree)
 
 
 def run_for(run, candidate: Candidate):
@@ -261,54 +229,20 @@ def run_for(run, candidate: Candidate):
 
 def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
     """State bytes per device without compiling (for pruning candidates that cannot fit)."""
-    from flax import nnx
 
-    from shardings import get_strategy
-
-    run = run_for(run, candidate)
-    mesh = make_mesh(target, candidate)
-    model, optimizer = _abstract_training_state(
-        run, run.model.decoder_config(), get_strategy(candidate.strategy), mesh
-    )
-    return state_bytes(nnx.state(model, nnx.Param), nnx.state(optimizer.opt_state))
+    built = build(run_for(run, candidate), make_mesh(target, candidate), abstract=True)
+    return state_bytes(nnx.state(built.model, nnx.Param), nnx.state(built.optimizer.opt_state))
 
 
 def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
-    the layouts or the batch cannot take (a split that does not divide)."""
-    from flax import nnx
-
-    from shardings import check_batch, get_strategy
-    from training.loop import Trainer
-    from zoo.layers import pipeline
-
+    the layouts or the batch cannot take (a split that does not divide). The step forecast is
+    added by `planning.forecast.add_forecast` (two more compiles, so only where asked)."""
     run = run_for(run, candidate)
-    strategy = get_strategy(candidate.strategy)
-    model_cfg = run.model.decoder_config()
     mesh = make_mesh(target, candidate)
-    batch_spec = strategy.batch_spec()
-    global_batch, seq_len = run.data.global_batch_size, run.data.seq_len
-    check_batch(global_batch // candidate.micro_batches, batch_spec, mesh, strategy.name)
-    pipeline.check_batch_size(
-        global_batch // candidate.micro_batches, model_cfg, strategy.lm_sharding(), mesh
-    )
-
-    model, optimizer = _abstract_training_state(run, model_cfg, strategy, mesh)
-    state = state_bytes(nnx.state(model, nnx.Param), nnx.state(optimizer.opt_state))
-    trainer = Trainer(
-        model, optimizer, micro_batches=candidate.micro_batches, batch_spec=batch_spec
-    )
-    trainer.state = _on_mesh(trainer.state, mesh)
-    batch_sharding = jax.sharding.NamedSharding(mesh, batch_spec)
-    batch = {
-        k: jax.ShapeDtypeStruct((global_batch, seq_len), np.int32, sharding=batch_sharding)
-        for k in BATCH_FIELDS
-    }
-    with jax.set_mesh(mesh):
-        start = time.perf_counter()
-        compiled = trainer.lower(batch).compile()
-        seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
+    built = build(run, mesh, abstract=True)
+    state = state_bytes(nnx.state(built.model, nnx.Param), nnx.state(built.optimizer.opt_state))
+    compiled, seconds = built.compile()
     text = compiled.as_text()
     ops = hlo.collectives(text, dict(mesh.shape))
 
@@ -320,36 +254,29 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
 
     exposed, overlapped = comm_seconds(ops, bandwidth, tuple(mesh.axis_names))
     estimate = estimate_step(
-        model_cfg,
-        seq_len=seq_len,
-        global_batch=global_batch,
+        run.model.decoder_config(),
+        seq_len=run.data.seq_len,
+        global_batch=run.data.global_batch_size,
         num_devices=mesh.size,
         remat=candidate.remat,
         chip=target.chip,
         exposed_comm=exposed,
         overlapped_comm=overlapped,
-        pipeline=pipeline.plan_for(model_cfg, strategy.lm_sharding(), mesh),
+        pipeline=pipeline.plan_for(built.model.cfg, built.model.sharding, mesh),
     )
+    own = traffic(text)
     return Plan(
         candidate=candidate,
         target=target,
         mesh=dict(mesh.shape),
-        global_batch=global_batch,
-        seq_len=seq_len,
+        global_batch=run.data.global_batch_size,
+        seq_len=run.data.seq_len,
         state=state,
-        argument_bytes=int(memory.argument_size_in_bytes),
-        output_bytes=int(memory.output_size_in_bytes),
-        alias_bytes=int(memory.alias_size_in_bytes),
-        temp_bytes=int(memory.temp_size_in_bytes),
-        peak_bytes=int(_peak(memory)),
-        host_temp_bytes=int(getattr(memory, "host_temp_size_in_bytes", 0) or 0),
+        memory=step_memory(compiled),
+        host_arrays=hlo.host_arrays(text),
         compile_seconds=seconds,
         collectives=ops,
         kernels=dict(sorted(hlo.kernels(text).items())),
         estimate=estimate,
+        traffic=own,
     )
-
-
-def _peak(memory) -> int:
-    # XLA's own peak where the backend reports one (0 where it does not).
-    return int(getattr(memory, "peak_memory_in_bytes", 0) or 0)

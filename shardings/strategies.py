@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 
 from jax.sharding import PartitionSpec as P
 
+from shardings.hybrid import REPLICA
 from shardings.specs import (
     AttentionSharding,
     BlockSharding,
@@ -27,12 +28,13 @@ from shardings.specs import (
     MlpSharding,
     MoeSharding,
     NormSharding,
+    axes_of,
 )
 
 DATA = "data"  # batch, and the FSDP weight shards
 MODEL = "model"  # tensor parallel: heads, FFN width, vocab
-# Data parallel across slices / hosts (DCN): only the gradient all-reduce crosses it.
-REPLICA = "replica"
+# REPLICA (shardings.hybrid): data parallel across slices / hosts (DCN); only the gradient
+# all-reduce crosses it.
 # Sequence split for long context: T of every activation, K/V gathered inside attention.
 CONTEXT = "context"
 # Expert parallel: MoE experts split, tokens sent to their experts by all-to-all over it.
@@ -147,9 +149,7 @@ class Strategy:
 
 
 def _as_tuple(axes: Axes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    return axes if isinstance(axes, tuple) else (axes,)
+    return axes_of(axes)
 
 
 def _largest_divisor(num_devices: int, dims: list[int], cap: int) -> int:
@@ -251,7 +251,7 @@ def _lm(s: Strategy) -> LmSharding:
     # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
     return LmSharding(
         # A split T runs in balanced chunk order inside the model, so that causal attention
-        # gives every device the same work (zoo/layers/context_parallel.py).
+        # gives every device the same work (zoo/layers/attention/context_parallel.py).
         seq_order="balanced" if s.rules.get("seq") else "natural",
         stage_axis=s.rules.get("layers"),
         tokens=tokens,

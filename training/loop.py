@@ -6,8 +6,8 @@ in place). The `model` / `optimizer` objects are brought up to date from it (`Tr
 only where something needs them: a checkpoint save, and the end of training.
 
 Nothing here knows a model family: a model is anything with
-`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., router_stats=...,
-packed=...) -> (nll_BT, mask_BT[, MoE routing statistics or None for a dense model])`: the LM
+`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., packed=...) ->
+(nll_BT, mask_BT, MoE routing statistics or None for a dense model)`: the LM
 head fused with the loss over chunks of `chunk_size` tokens per device (0: full logits).
 """
 
@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from training.optim import accumulate_gradients
-from zoo.loss import token_nll
+from zoo.loss import answer_mask
 
 Batch = Mapping[str, jax.Array]
 
@@ -42,19 +42,30 @@ class DivergedError(FloatingPointError):
         super().__init__(f"training diverged: {what} at step {step}; {kept}")
 
 
-def loss_sum(
-    model, batch: Batch, packed: bool = True, chunk_size: int = 0
-) -> tuple[jax.Array, jax.Array]:
-    """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
-    needs (sums add across micro-batches; means would not). `packed=False` states that each
-    row is one document from index 0, then padding (attention then needs no document mask)."""
-    nll_BT, mask_BT = model.token_nll(
+def _token_nll(model, batch: Batch, packed: bool, chunk_size: int):
+    nll_BT, mask_BT, moe = model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
         chunk_size=chunk_size,
         packed=packed,
     )
+    if "loss_mask" in batch:
+        # Chat / instruction data: only the trained targets (answers, completions) count.
+        # The loss is then the mean over those tokens of the whole global batch: sums and
+        # counts add over micro-batches and devices before the one division.
+        mask_BT = answer_mask(mask_BT, batch["loss_mask"])
+        nll_BT = jnp.where(mask_BT, nll_BT, 0.0)
+    return nll_BT, mask_BT, moe
+
+
+def loss_sum(
+    model, batch: Batch, packed: bool = True, chunk_size: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
+    needs (sums add across micro-batches; means would not). `packed=False` states that each
+    row is one document from index 0, then padding (attention then needs no document mask)."""
+    nll_BT, mask_BT, _ = _token_nll(model, batch, packed, chunk_size)
     return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
 
@@ -62,24 +73,11 @@ def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0
     """(the objective summed over counted tokens, (their count, metric sums)).
 
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
-    the config's `router_aux_loss_coef`; see `objective_sum`.
+    the config's `router_aux_loss_coef`; see `objective_from_nll`.
     """
-    nll_BT, mask_BT, moe = model.token_nll(
-        batch["tokens"],
-        segment_ids=batch["segment_ids"],
-        positions=batch["positions"],
-        chunk_size=chunk_size,
-        router_stats=True,
-        packed=packed,
-    )
+    nll_BT, mask_BT, moe = _token_nll(model, batch, packed, chunk_size)
     coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
     return objective_from_nll(nll_BT, mask_BT, moe, coef)
-
-
-def objective_sum(logits_BTV, moe, batch: Batch, aux_coef: float):
-    """`train_loss_sum` from the model's full logits."""
-    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
-    return objective_from_nll(nll_BT, mask_BT, moe, aux_coef)
 
 
 def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
@@ -96,8 +94,10 @@ def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
     return total, (count, sums)
 
 
-def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
-    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch, packed, chunk_size)
+def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0, wrt=nnx.Param):
+    """Gradients of the variables of kind `wrt` (nnx.Param; LoRA adapters: LoraParam)."""
+    grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
+    return grad_fn(model, batch, packed, chunk_size)
 
 
 class Trainer:
@@ -111,6 +111,7 @@ class Trainer:
         False states one document per row from index 0, then padding.
       loss_chunk_size: tokens per device per chunk of the fused LM head + loss (train and
         eval steps); 0 builds the full logits.
+      wrt: the variable kind that trains, as the optimizer's `wrt` (LoRA: LoraParam).
     """
 
     def __init__(
@@ -122,8 +123,10 @@ class Trainer:
         batch_spec: P | None = None,
         packed: bool = True,
         loss_chunk_size: int = 0,
+        wrt=nnx.Param,
     ):
         self.model, self.optimizer = model, optimizer
+        self.wrt = wrt
         self.packed = packed
         self.loss_chunk_size = loss_chunk_size
         self.micro_batches = micro_batches
@@ -131,7 +134,7 @@ class Trainer:
         self.graphdef, self.state = nnx.split((model, optimizer))
         self._train_jit = jax.jit(self._train_step, donate_argnums=0)
         self._eval_jit = jax.jit(self._eval_step)
-        self._train_compiled = None
+        self.compiled = None  # the train step compiled ahead of time (`compile`)
         self.compile_seconds: float | None = None
 
     # -- the steps ----------------------------------------------------------------------
@@ -139,12 +142,13 @@ class Trainer:
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads, means = accumulate_gradients(
-            functools.partial(_loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size),
+            functools.partial(
+                _loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size, wrt=self.wrt
+            ),
             model,
             batch,
             self.micro_batches,
             batch_spec=self.batch_spec,
-            with_sums=True,
         )
         grad_norm = optax.tree.norm(grads)  # before clipping: what the data asked for
         optimizer.update(model, grads)
@@ -161,7 +165,7 @@ class Trainer:
         Separate from the first step so step timings (tokens/s, MFU) never include it.
         """
         start = time.perf_counter()
-        self._train_compiled = self.lower(batch).compile()
+        self.compiled = self.lower(batch).compile()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
@@ -173,7 +177,7 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimizer step; returns its metrics as (not yet fetched) device scalars."""
-        step_fn = self._train_compiled or self._train_jit
+        step_fn = self.compiled or self._train_jit
         self.state, metrics = step_fn(self.state, batch)
         return metrics
 
@@ -192,16 +196,6 @@ class Trainer:
         """Take the state from `model` / `optimizer` after something changed them in place
         (a checkpoint restore)."""
         self.state = nnx.state((self.model, self.optimizer))
-
-    def compiled_cost(self) -> dict[str, Any]:
-        """XLA's memory figures for the compiled step (bytes per device), when compiled."""
-        if self._train_compiled is None:
-            return {}
-        # XLA's own FLOP count is left out: it counts a scanned layer body once, not L times,
-        # so it undercounts stacked models; MFU uses the config's formula instead.
-        from training.memory import memory_bytes
-
-        return memory_bytes(self._train_compiled)
 
 
 def evaluate(trainer: Trainer, batches: Iterator[Batch]) -> tuple[float, int]:
@@ -224,6 +218,114 @@ class LoopOptions:
     eval_every: int = 0  # 0: only at the end
     checkpoint_every: int = 0  # 0: only at the end (and on preemption)
     seed: int = 0
+    profiler: Any = None  # training.profile.StepProfiler, or None
+
+
+class _Loop:
+    """The state of one pass of `run`: the step, the interval being timed, the last save."""
+
+    def __init__(self, trainer, options, writer, checkpointer, train_iter, start_step):
+        self.trainer, self.options, self.writer = trainer, options, writer
+        self.checkpointer, self.train_iter = checkpointer, train_iter
+        self.start_step = self.step = start_step
+        self.tokens_seen = start_step * options.tokens_per_step
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        self.metrics: dict[str, jax.Array] = {}
+        self.saved_step = start_step or None  # resumed: the workdir holds that step
+        self.records: list[dict[str, Any]] = []
+        # The step-time breakdown of each logged interval: seconds waiting for the next batch,
+        # and seconds blocked saving a checkpoint (outside the timed interval, as validation).
+        self.data_wait = self.checkpoint_wait = 0.0
+
+    def check_finite(self, fetched) -> None:
+        # A finite loss with a non-finite gradient norm still writes NaN into the parameters.
+        for name in ("loss", "grad_norm"):
+            value = float(fetched[name])
+            if not math.isfinite(value):
+                raise DivergedError(self.step, f"{name} is {value}", self.saved_step)
+
+    def next_batch(self, batches: Iterator[Batch]) -> Batch:
+        waited = time.perf_counter()
+        batch = next(batches)
+        self.data_wait += time.perf_counter() - waited
+        return batch
+
+    def train_step(self, batch: Batch) -> None:
+        profiler = self.options.profiler
+        if profiler is not None:
+            profiler.before(self.step + 1)
+        self.metrics = self.trainer.train_step(batch)
+        self.step += 1
+        if profiler is not None:
+            profiler.after(self.step, self.metrics)
+        self.interval_steps += 1
+        self.tokens_seen += self.options.tokens_per_step
+
+    def log(self, learning_rate: Callable[[int], float]) -> None:
+        """Fetch the step's metrics (blocks: the interval's steps are done) and write them."""
+        o = self.options
+        fetched = jax.device_get(self.metrics)
+        elapsed = time.perf_counter() - self.interval_start
+        tokens_per_second = self.interval_steps * o.tokens_per_step / elapsed
+        record = {
+            "loss": float(fetched["loss"]),
+            "learning_rate": float(learning_rate(self.step - 1)),  # the rate this step used
+            "grad_norm": float(fetched["grad_norm"]),
+            "tokens_per_second": tokens_per_second,
+            "mfu": tokens_per_second * o.flops_per_token / o.peak_flops,
+            "step_time": elapsed / self.interval_steps,
+            # step_time = data_wait_time + compute_time (dispatch and device, per step);
+            # checkpoint_time: seconds the loop blocked saving since the last record.
+            "data_wait_time": self.data_wait / self.interval_steps,
+            "compute_time": (elapsed - self.data_wait) / self.interval_steps,
+            "checkpoint_time": self.checkpoint_wait,
+            "loss_tokens": int(fetched["loss_tokens"]),
+            "tokens_seen": self.tokens_seen,
+        }
+        # MoE: the load-balancing loss, and each expert's share of the routed tokens.
+        if "aux_loss" in fetched:
+            record["aux_loss"] = float(fetched["aux_loss"])
+            record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
+        self.writer.write(self.step, record)
+        self.data_wait = self.checkpoint_wait = 0.0
+        self.records.append({"step": self.step, **record})
+        self.check_finite(record)
+
+    def save(self, force: bool) -> None:
+        o, step = self.options, self.step
+        if self.checkpointer is None:
+            return
+        if not force and not (o.checkpoint_every and step % o.checkpoint_every == 0):
+            return  # the checkpointer would skip it; do not sync the objects for nothing
+        started = time.perf_counter()
+        if self.metrics:  # a step between log steps may have diverged: never save its state
+            self.check_finite(jax.device_get(self.metrics))
+        model, optimizer = self.trainer.sync()
+        meta = {"step": step, "seed": o.seed, "tokens_seen": self.tokens_seen}
+        if self.checkpointer.save(
+            step,
+            model=model,
+            optimizer=optimizer,
+            data_iter=self.train_iter,
+            meta=meta,
+            force=force,
+        ):
+            self.saved_step = step
+        self.checkpoint_wait += time.perf_counter() - started
+
+    def validate(self, make_val_batches) -> None:
+        if make_val_batches is None:
+            return
+        val_loss, val_tokens = evaluate(self.trainer, make_val_batches())
+        self.writer.write_eval(self.step, val_loss, val_tokens=val_tokens)
+        self.records.append({"step": self.step, "val_loss": val_loss, "val_tokens": val_tokens})
+
+    def restart_interval(self, logged: bool, paused: float) -> None:
+        # Validation and saving sit outside the timed intervals.
+        if logged:
+            self.interval_start, self.interval_steps = time.perf_counter(), 0
+        else:
+            self.interval_start += time.perf_counter() - paused
 
 
 def run(
@@ -243,93 +345,34 @@ def run(
 
     `train_batches` yields global arrays; `train_iter` is the Grain iterator behind it, whose
     state the checkpointer saves. `writer` is a training.metrics.MetricsWriter. The
-    checkpointer and the preemption watcher follow the seam in checkpoint/manager.py and
-    runtime/preemption.py; either may be None.
+    checkpointer (checkpoint/manager.py) and the preemption watcher (runtime/preemption.py)
+    may each be None.
     """
-    records: list[dict[str, Any]] = []
-    step = start_step
-    tokens_seen = step * options.tokens_per_step
-    interval_start, interval_steps = time.perf_counter(), 0
-    metrics: dict[str, jax.Array] = {}
-    saved_step = start_step or None  # resumed: the workdir holds that step
-
-    def check_finite(fetched) -> None:
-        # A finite loss with a non-finite gradient norm still writes NaN into the parameters.
-        for name in ("loss", "grad_norm"):
-            value = float(fetched[name])
-            if not math.isfinite(value):
-                raise DivergedError(step, f"{name} is {value}", saved_step)
-
-    def save(force: bool) -> None:
-        nonlocal saved_step
-        if checkpointer is None:
-            return
-        if not force and not (options.checkpoint_every and step % options.checkpoint_every == 0):
-            return  # the checkpointer would skip it; do not sync the objects for nothing
-        if metrics:  # a step between log steps may have diverged: never save its state
-            check_finite(jax.device_get(metrics))
-        model, optimizer = trainer.sync()
-        meta = {"step": step, "seed": options.seed, "tokens_seen": tokens_seen}
-        if checkpointer.save(
-            step, model=model, optimizer=optimizer, data_iter=train_iter, meta=meta, force=force
-        ):
-            saved_step = step
-
-    def validate() -> None:
-        if make_val_batches is None:
-            return
-        val_loss, val_tokens = evaluate(trainer, make_val_batches())
-        writer.write_eval(step, val_loss, val_tokens=val_tokens)
-        records.append({"step": step, "val_loss": val_loss, "val_tokens": val_tokens})
-
+    loop = _Loop(trainer, options, writer, checkpointer, train_iter, start_step)
+    total = options.total_steps
     preempted = False
-    while step < options.total_steps:
-        batch = next(train_batches)
-        metrics = trainer.train_step(batch)
-        step += 1
-        interval_steps += 1
-        tokens_seen += options.tokens_per_step
-        last = step == options.total_steps
+    while loop.step < total:
+        loop.train_step(loop.next_batch(train_batches))
+        step, last = loop.step, loop.step == total
         # The first step of a run is logged too, so the curve starts at the untrained loss.
         log_now = step % options.log_every == 0 or last or step == start_step + 1
         if log_now:
-            fetched = jax.device_get(metrics)  # blocks: the interval's steps are done
-            elapsed = time.perf_counter() - interval_start
-            tokens_per_second = interval_steps * options.tokens_per_step / elapsed
-            record = {
-                "loss": float(fetched["loss"]),
-                "learning_rate": float(learning_rate(step - 1)),  # the rate this step used
-                "grad_norm": float(fetched["grad_norm"]),
-                "tokens_per_second": tokens_per_second,
-                "mfu": tokens_per_second * options.flops_per_token / options.peak_flops,
-                "step_time": elapsed / interval_steps,
-                "loss_tokens": int(fetched["loss_tokens"]),
-                "tokens_seen": tokens_seen,
-            }
-            # MoE: the load-balancing loss, and each expert's share of the routed tokens.
-            if "aux_loss" in fetched:
-                record["aux_loss"] = float(fetched["aux_loss"])
-                record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
-            writer.write(step, record)
-            records.append({"step": step, **record})
-            check_finite(record)
-        # Validation and saving sit outside the timed intervals.
+            loop.log(learning_rate)
         paused = time.perf_counter()
         if options.eval_every and step % options.eval_every == 0 and not last:
-            validate()
-        save(force=False)
+            loop.validate(make_val_batches)
+        loop.save(force=False)
         if watcher is not None and not last and watcher.should_stop(step):
-            save(force=True)
+            loop.save(force=True)
             preempted = True
             break
-        if log_now:
-            interval_start, interval_steps = time.perf_counter(), 0
-        else:
-            interval_start += time.perf_counter() - paused
-    if not preempted and step > start_step:
-        validate()
-        save(force=True)
+        loop.restart_interval(log_now, paused)
+    if options.profiler is not None:
+        options.profiler.stop(loop.metrics)  # a range past the last step ends with the run
+    if not preempted and loop.step > start_step:
+        loop.validate(make_val_batches)
+        loop.save(force=True)
     if checkpointer is not None:
         checkpointer.wait()
     trainer.sync()
-    return records
+    return loop.records

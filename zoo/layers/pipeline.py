@@ -39,7 +39,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from zoo.layers.attention_mask import Segments
+from zoo.layers.attention import Segments
 
 # The name the repeat's weight slice carries, so that the remat around a stage's work
 # recomputes it (a dynamic slice of weights already resident) instead of keeping one slice
@@ -180,7 +180,8 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
     windows_SRL = jnp.asarray(np.asarray(windows, np.int32)[order].reshape(S, R, Lc))
     freqs_SRLR = jnp.asarray(np.asarray(freqs_LR)[order].reshape(S, R, Lc, -1))
 
-    graphdef, weights = nnx.split(model.blocks)
+    # Matmul weights cast to the compute dtype once, before the loop (as the layer scan does).
+    graphdef, weights = nnx.split(model._compute_dtype_blocks())
     weights = jax.tree.map(lambda w: _to_schedule_order(w, stage_axis, S, R), weights)
 
     inputs = _microbatch(x_BTM, Mb)  # [Mb, B/Mb, T, M]
