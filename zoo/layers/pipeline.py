@@ -24,7 +24,16 @@ Mb >= S). After the last iteration stage 0's buffer holds the outputs, which one
 As in MaxText's circular pipeline (layers/pipeline.py), every stage runs every iteration
 (SPMD): bubble iterations compute on stale values whose results are never stored.
 Memory is GPipe's: the backward pass keeps every iteration's activations (per block, what
-the model's remat policy saves).
+the model's remat policy saves). Not done: a 1F1B schedule, whose activation memory is bounded
+by the stages in flight. Under jax.grad the backward loop runs only after the whole forward
+loop, so it needs a custom VJP around this loop that runs forward and backward items in one
+loop (each iteration: one micro-batch forward, one backward with `jax.vjp` of the stage
+work, the weight gradients accumulated in the carry), and the loss and LM head moved inside
+the pipeline's last stage so the backward of micro-batch m can start before micro-batch m+1's
+forward ends.
+
+Besides the permutes, `stage` carries the sum that hands stage 0's outputs to every stage
+(and its transpose), and the all-reduce of the replicated embedding / LM head gradients.
 """
 
 from __future__ import annotations
