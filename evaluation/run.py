@@ -20,6 +20,7 @@ from data.tokenizers import make_tokenizer
 from evaluation import metrics as eval_metrics
 from evaluation import model as eval_model
 from evaluation.settings import EvalSettings, from_run_info
+from zoo.generate import check_can_generate
 
 EVAL_FILE = "eval.json"
 
@@ -64,9 +65,13 @@ class EvalResult:
 def evaluate(request: EvalRequest) -> EvalResult:
     if not request.evaluate and request.generation is None:
         raise ValueError("--noevaluate leaves nothing to do without --prompt")
+    strategy = request.overrides.get("strategy")
+    if request.generation is not None and strategy:
+        check_can_generate(strategy)  # before reading the checkpoint
     if request.evaluate:
         check_writable_everywhere(request.workdir)  # before the work, not after it
     if request.generation is not None:
+        check_can_generate(settings.strategy)
         request.generation.check()
     settings, tokenizer, model, mesh, step = load(request)
     metrics = None

@@ -28,6 +28,7 @@ from planning.hlo_traffic import Traffic, traffic
 from planning.targets import TargetError, target_devices
 from shardings import get_strategy, hlo
 from training.step_memory import StepMemory, step_memory
+from zoo.layers import pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,8 @@ class Plan:
             "overlapped_comm_seconds": self.estimate.overlapped_comm_seconds,
             "predicted_step_seconds": self.estimate.step_seconds,
             "predicted_mfu": self.estimate.mfu,
+            # Pipeline strategies: (S-1)/(micro-batches*repeats + S-1); 0 for the others.
+            "pipeline_bubble": self.estimate.bubble,
             # The same bound under a name that says so, and the forecast beside it.
             "bound_step_seconds": self.estimate.step_seconds,
             "bound_mfu": self.estimate.mfu,
@@ -260,6 +263,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         chip=target.chip,
         exposed_comm=exposed,
         overlapped_comm=overlapped,
+        pipeline=pipeline.plan_for(built.model.cfg, built.model.sharding, mesh),
     )
     own = traffic(text)
     return Plan(

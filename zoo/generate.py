@@ -44,7 +44,18 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardings import get_strategy
 from shardings.specs import split_size
+
+
+def check_can_generate(strategy_name: str) -> None:
+    """ValueError (one line) for a strategy generation cannot run under: a pipeline's."""
+    if get_strategy(strategy_name).lm_sharding().stage_axis is not None:
+        raise ValueError(
+            f"--prompt: generation (KV-cache decoding) does not run under the pipeline "
+            f"strategy {strategy_name}; add --sharding_strategy=fsdp (or another without a "
+            "`stage` axis): checkpoints load under any strategy"
+        )
 
 
 def model_mesh(model):
