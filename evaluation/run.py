@@ -71,9 +71,10 @@ def evaluate(request: EvalRequest) -> EvalResult:
     if request.evaluate:
         check_writable_everywhere(request.workdir)  # before the work, not after it
     if request.generation is not None:
-        check_can_generate(settings.strategy)
         request.generation.check()
     settings, tokenizer, model, mesh, step = load(request)
+    if request.generation is not None:
+        check_can_generate(settings.strategy)  # the run's own, when no --sharding_strategy
     metrics = None
     if request.evaluate:
         metrics = eval_metrics.json_safe(eval_metrics.evaluate(model, mesh, settings, tokenizer))
