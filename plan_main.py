@@ -41,6 +41,8 @@ cli.preamble(huge_pages=False, cpu_only=True)
 
 from absl import flags  # noqa: E402
 
+from zoo.layers.remat import POLICIES  # noqa: E402
+
 RUN = cli.define_run_flags(" | a comma list | all | auto (pick the best)")
 _MODEL = flags.DEFINE_string("model", None, "A model preset (zoo.get_config), instead of --config.")
 _TOPOLOGY = flags.DEFINE_string(
@@ -51,8 +53,8 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Alias of --config.data.seq_len
 _REMAT = flags.DEFINE_list(
     "remat",
     None,
-    "one or several of none,dots,full,save_qkv_proj,save_out_proj,offload (offload: TPU/GPU "
-    "targets); default: config.model.remat, none,dots,full for auto.",
+    f"one or several of {','.join(POLICIES)} (offload: TPU/GPU targets); default: "
+    "config.model.remat, none,dots,full for auto.",
 )
 _MICRO = flags.DEFINE_list(
     "micro_batches", None, "Micro-batch counts; default: the config's, 1,2,4,8 for auto."
