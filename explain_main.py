@@ -123,10 +123,5 @@ def _compiled_text(cfg, strategy):
         return fn.lower(state, tokens).compile().as_text(), partition_slices(mesh)
 
 
-def console_main():
-    """The `zoo-explain` console script (pyproject.toml): what `python explain_main.py` runs."""
-    cli.run_main(main)
-
-
 if __name__ == "__main__":
-    console_main()
+    cli.run_main(main)

@@ -3,7 +3,8 @@ and never read a damaged one.
 
 Layout: `<workdir>/checkpoints/<step>/` with four Orbax items and our manifest,
 
-  params          nnx.state(model, nnx.Param) as a pure dict of arrays (OCDBT, sharded writes)
+  params          nnx.state(model, nnx.Param) as a pure dict of arrays (OCDBT, sharded writes);
+                  for a LoRA run only its adapters (LoraParam), the base being run_info's init_from
   opt_state       nnx.state(optimizer, nnx.optimizer.OptState): the step count, optax's state
   data            the Grain iterator's state, one JSON file per process (grain.checkpoint)
   meta            JSON: {'step', 'run_info' (config, strategy, mesh), and what the loop adds
@@ -58,6 +59,10 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from checkpoint import integrity
 from zoo import VOCAB_DIMS
+
+# What `params` holds: every nnx.Param, or for a LoRA run only its adapters (the frozen base
+# is the run's --init_from directory, which run_info.json names).
+from zoo.layers.lora import trainable
 
 CHECKPOINT_SUBDIR = "checkpoints"
 INVALID_SUBDIR = "invalid"
@@ -232,7 +237,7 @@ def check_fits(
 
 
 def _params(model) -> dict:
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return nnx.to_pure_dict(nnx.state(model, trainable(model)))
 
 
 def _opt_state(optimizer) -> dict:
@@ -424,7 +429,7 @@ class Checkpointer:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         args["meta"] = ocp.args.JsonRestore()
         restored = _restore(step_dir, "model", args, getattr(model, "cfg", None))
-        _put_back(model, nnx.Param, restored["params"])
+        _put_back(model, trainable(model), restored["params"])
         if optimizer is not None:
             _put_back(optimizer, nnx.optimizer.OptState, restored["opt_state"])
         logging.info("restored checkpoint %s", step_dir)
@@ -547,5 +552,5 @@ def restore_params(workdir: str, model, step: int | None = None) -> int:
             raise
         raise CorruptCheckpointError(f"{e}; choose another with --step (steps: {others})") from None
     restored = _restore(step_dir, "model", _params_args(model), getattr(model, "cfg", None))
-    _put_back(model, nnx.Param, restored["params"])
+    _put_back(model, trainable(model), restored["params"])
     return step

@@ -27,6 +27,7 @@ from training.config import RunConfig
 
 # DataSection fields that define the document stream a saved iterator position refers to.
 STREAM_FIELDS = (
+    "format",
     "source",
     "tokenizer",
     "text_field",

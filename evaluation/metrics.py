@@ -4,6 +4,7 @@ that is the same on every mesh; and the record eval.json holds."""
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from evaluation.settings import EvalSettings
 from runtime.distributed import to_global
 from shardings.mesh import check_batch
 from shardings.specs import split_size
-from zoo.loss import target_mask
+from zoo.loss import answer_mask, target_mask
 
 
 def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
@@ -43,6 +44,8 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
         num_batches=settings.eval_batches,
         text_field=settings.text_field,
         validation_fraction=settings.validation_fraction,
+        data_format=settings.data_format,
+        chat_template=_chat_template(settings),
     )
     graphdef, state = nnx.split(model)
 
@@ -55,6 +58,9 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
             positions=batch["positions"],
             chunk_size=settings.loss_chunk_size,
         )
+        if "loss_mask" in batch:  # chat / instruction data: the answers' tokens only
+            mask_BT = answer_mask(mask_BT, batch["loss_mask"])
+            nll_BT = jnp.where(mask_BT, nll_BT, 0.0)
         return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
     total_nll, total_tokens, total_bytes = 0.0, 0, 0
@@ -74,6 +80,8 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
             targets_BT, mask_BT = (
                 np.asarray(a) for a in target_mask(local["tokens"], local["segment_ids"])
             )
+            if "loss_mask" in local:
+                mask_BT = mask_BT & (np.roll(local["loss_mask"], -1, axis=1) != 0)
             total_bytes += int(tokenizer.token_num_bytes[targets_BT[mask_BT]].sum())
     if jax.process_count() > 1:
         total_bytes = int(np.sum(multihost_utils.process_allgather(np.int64(total_bytes))))
@@ -87,6 +95,14 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
         "tokens": total_tokens,
         "bytes": total_bytes,
     }
+
+
+def _chat_template(settings):
+    if settings.data_format == "text" or settings.tokenizer == "byte":
+        return None
+    from data.chat import ChatTemplate
+
+    return ChatTemplate.from_dir(os.path.expanduser(settings.tokenizer))
 
 
 def json_safe(metrics: dict) -> dict:

@@ -28,6 +28,8 @@ class EvalSettings:
     loss_chunk_size: int
     # The attention backend to evaluate with (xla|cudnn|splash|auto); None: the run's own.
     attention_impl: str | None = None
+    # text | chat | prompt_completion (data/chat.py): the run's; chat data counts answers only.
+    data_format: str = "text"
 
 
 def _default_loss_chunk_size() -> int:
@@ -70,7 +72,9 @@ def from_run_info(
             eval_batches=run.training.eval_batches,
             loss_chunk_size=run.training.loss_chunk_size,
         )
+        data_format = d.format
     else:
+        data_format = "text"
         base = dict(
             strategy="fsdp_tp",
             source=HF_DEFAULTS["source"],
@@ -100,5 +104,6 @@ def from_run_info(
         attention_impl=attention_impl,
         source=data or source,
         split="all" if data else "validation",
+        data_format=data_format,
         **base,
     )

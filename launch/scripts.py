@@ -29,3 +29,7 @@ def plan() -> None:
 
 def explain() -> None:
     _run("explain_main")
+
+
+def export() -> None:
+    _run("export_main")

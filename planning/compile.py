@@ -18,11 +18,13 @@ from flax import nnx
 from launch.build import build
 from planning.chips import Chip, chip_for
 from planning.estimate import (
+    Forecast,
     StepEstimate,
     axis_bandwidth,
     comm_seconds,
     estimate_step,
 )
+from planning.hlo_traffic import Traffic, traffic
 from planning.targets import TargetError, target_devices
 from shardings import get_strategy, hlo
 from training.step_memory import StepMemory, step_memory
@@ -85,7 +87,10 @@ class Plan:
     compile_seconds: float
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
-    estimate: StepEstimate
+    estimate: StepEstimate  # the bound
+    traffic: Traffic | None = None  # this program's kernels and memory-bound bytes
+    # What a real step should take (planning.estimate), set by planning.forecast.add_forecast.
+    forecast: Forecast | None = None
 
     def __getattr__(self, name: str):
         # argument_bytes, temp_bytes, peak_bytes, host_temp_bytes, required_bytes, ...
@@ -126,7 +131,10 @@ class Plan:
             "overlapped_comm_seconds": self.estimate.overlapped_comm_seconds,
             "predicted_step_seconds": self.estimate.step_seconds,
             "predicted_mfu": self.estimate.mfu,
-        }
+            # The same bound under a name that says so, and the forecast beside it.
+            "bound_step_seconds": self.estimate.step_seconds,
+            "bound_mfu": self.estimate.mfu,
+        } | (self.forecast.to_json() if self.forecast else {"forecast_step_seconds": None})
 
 
 def collective_counts(ops) -> dict[str, int]:
@@ -225,8 +233,8 @@ def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
 
 def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
-    the layouts or the batch cannot take (a split that does not divide)."""
-
+    the layouts or the batch cannot take (a split that does not divide). The step forecast is
+    added by `planning.forecast.add_forecast` (two more compiles, so only where asked)."""
     run = run_for(run, candidate)
     mesh = make_mesh(target, candidate)
     built = build(run, mesh, abstract=True)
@@ -252,6 +260,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         exposed_comm=exposed,
         overlapped_comm=overlapped,
     )
+    own = traffic(text)
     return Plan(
         candidate=candidate,
         target=target,
@@ -265,4 +274,5 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         collectives=ops,
         kernels=dict(sorted(hlo.kernels(text).items())),
         estimate=estimate,
+        traffic=own,
     )

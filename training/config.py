@@ -14,9 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from zoo.layers.config import ATTENTION_IMPLEMENTATIONS
+from zoo.layers.lora import LoraConfig
 from zoo.layers.remat import POLICIES as REMAT_POLICIES
 
-SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging")
+SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora")
+DATA_FORMATS = ("text", "chat", "prompt_completion")  # data/chat.py's FORMATS
 
 
 def _fail(section: str, field: str, value: Any, why: str) -> None:
@@ -108,9 +110,15 @@ class DataSection:
     num_workers: int = 0  # Grain worker processes for reading/tokenizing (0: in-process)
     shuffle_seed: int = 0  # seeds document shuffling and packing order
     validation_fraction: float = 0.02  # share of documents held out for validation loss
+    # text: documents, loss on every token | chat: JSONL/Parquet records with `messages`
+    # (role/content), rendered with the tokenizer dir's chat template, loss on the assistant
+    # turns | prompt_completion: records with `prompt` and `completion`, loss on completions.
+    format: str = "text"
 
     def __post_init__(self):
         _positive("data", self, "seq_len", "global_batch_size")
+        if self.format not in DATA_FORMATS:
+            _fail("data", "format", self.format, f"valid: {', '.join(DATA_FORMATS)}")
         if self.num_workers < 0:
             _fail("data", "num_workers", self.num_workers, "must be >= 0")
         if not 0 < self.validation_fraction < 1:
@@ -194,9 +202,39 @@ class LoggingSection:
     log_every: int = 10  # metrics.jsonl / TensorBoard / progress-bar line every N steps
     peak_tflops: float | None = None  # per-device peak for MFU; None: table, or measured on CPU
     progress_bar: bool = True  # tqdm bar on stderr (process 0)
+    # 'START:END': a jax.profiler trace of steps START..END-1 (metrics.jsonl's step numbers)
+    # into <workdir>/profile, for TensorBoard's profile plugin / XProf; '' traces nothing.
+    profile_steps: str = ""
 
     def __post_init__(self):
         _positive("logging", self, "log_every", "peak_tflops")
+        from training.profile import parse_steps
+
+        parse_steps(self.profile_steps)  # one line naming the valid form
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    rank: int | None = None  # LoRA rank r; None: no adapters, every parameter trains
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input while training
+    # Projections that get adapters, comma-separated: q_proj,k_proj,v_proj,o_proj,gate,up,down
+    targets: str = "q_proj,k_proj,v_proj,o_proj"
+
+    def __post_init__(self):
+        if self.rank is not None:
+            self.lora_config()  # one-line ValueError for a bad rank, alpha, dropout or target
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    def lora_config(self):
+        """The zoo's LoraConfig (zoo/layers/lora.py), or None without adapters."""
+        if self.rank is None:
+            return None
+        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        return LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=targets)
 
 
 def defaults() -> dict[str, dict[str, tuple[Any, str]]]:
@@ -220,6 +258,7 @@ _SECTION_TYPES = {
     "training": TrainingSection,
     "checkpoint": CheckpointSection,
     "logging": LoggingSection,
+    "lora": LoraSection,
 }
 
 
@@ -232,6 +271,7 @@ class RunConfig:
     training: TrainingSection
     checkpoint: CheckpointSection
     logging: LoggingSection
+    lora: LoraSection = LoraSection()
 
     def __post_init__(self):
         k = self.optimizer.micro_batches

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from training.optim import accumulate_gradients
+from zoo.loss import answer_mask
 
 Batch = Mapping[str, jax.Array]
 
@@ -42,13 +43,20 @@ class DivergedError(FloatingPointError):
 
 
 def _token_nll(model, batch: Batch, packed: bool, chunk_size: int):
-    return model.token_nll(
+    nll_BT, mask_BT, moe = model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
         chunk_size=chunk_size,
         packed=packed,
     )
+    if "loss_mask" in batch:
+        # Chat / instruction data: only the trained targets (answers, completions) count.
+        # The loss is then the mean over those tokens of the whole global batch: sums and
+        # counts add over micro-batches and devices before the one division.
+        mask_BT = answer_mask(mask_BT, batch["loss_mask"])
+        nll_BT = jnp.where(mask_BT, nll_BT, 0.0)
+    return nll_BT, mask_BT, moe
 
 
 def loss_sum(
@@ -86,8 +94,10 @@ def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
     return total, (count, sums)
 
 
-def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
-    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch, packed, chunk_size)
+def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0, wrt=nnx.Param):
+    """Gradients of the variables of kind `wrt` (nnx.Param; LoRA adapters: LoraParam)."""
+    grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
+    return grad_fn(model, batch, packed, chunk_size)
 
 
 class Trainer:
@@ -101,6 +111,7 @@ class Trainer:
         False states one document per row from index 0, then padding.
       loss_chunk_size: tokens per device per chunk of the fused LM head + loss (train and
         eval steps); 0 builds the full logits.
+      wrt: the variable kind that trains, as the optimizer's `wrt` (LoRA: LoraParam).
     """
 
     def __init__(
@@ -112,8 +123,10 @@ class Trainer:
         batch_spec: P | None = None,
         packed: bool = True,
         loss_chunk_size: int = 0,
+        wrt=nnx.Param,
     ):
         self.model, self.optimizer = model, optimizer
+        self.wrt = wrt
         self.packed = packed
         self.loss_chunk_size = loss_chunk_size
         self.micro_batches = micro_batches
@@ -129,7 +142,9 @@ class Trainer:
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads, means = accumulate_gradients(
-            functools.partial(_loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size),
+            functools.partial(
+                _loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size, wrt=self.wrt
+            ),
             model,
             batch,
             self.micro_batches,
@@ -203,6 +218,7 @@ class LoopOptions:
     eval_every: int = 0  # 0: only at the end
     checkpoint_every: int = 0  # 0: only at the end (and on preemption)
     seed: int = 0
+    profiler: Any = None  # training.profile.StepProfiler, or None
 
 
 class _Loop:
@@ -217,6 +233,9 @@ class _Loop:
         self.metrics: dict[str, jax.Array] = {}
         self.saved_step = start_step or None  # resumed: the workdir holds that step
         self.records: list[dict[str, Any]] = []
+        # The step-time breakdown of each logged interval: seconds waiting for the next batch,
+        # and seconds blocked saving a checkpoint (outside the timed interval, as validation).
+        self.data_wait = self.checkpoint_wait = 0.0
 
     def check_finite(self, fetched) -> None:
         # A finite loss with a non-finite gradient norm still writes NaN into the parameters.
@@ -225,9 +244,20 @@ class _Loop:
             if not math.isfinite(value):
                 raise DivergedError(self.step, f"{name} is {value}", self.saved_step)
 
+    def next_batch(self, batches: Iterator[Batch]) -> Batch:
+        waited = time.perf_counter()
+        batch = next(batches)
+        self.data_wait += time.perf_counter() - waited
+        return batch
+
     def train_step(self, batch: Batch) -> None:
+        profiler = self.options.profiler
+        if profiler is not None:
+            profiler.before(self.step + 1)
         self.metrics = self.trainer.train_step(batch)
         self.step += 1
+        if profiler is not None:
+            profiler.after(self.step, self.metrics)
         self.interval_steps += 1
         self.tokens_seen += self.options.tokens_per_step
 
@@ -244,6 +274,11 @@ class _Loop:
             "tokens_per_second": tokens_per_second,
             "mfu": tokens_per_second * o.flops_per_token / o.peak_flops,
             "step_time": elapsed / self.interval_steps,
+            # step_time = data_wait_time + compute_time (dispatch and device, per step);
+            # checkpoint_time: seconds the loop blocked saving since the last record.
+            "data_wait_time": self.data_wait / self.interval_steps,
+            "compute_time": (elapsed - self.data_wait) / self.interval_steps,
+            "checkpoint_time": self.checkpoint_wait,
             "loss_tokens": int(fetched["loss_tokens"]),
             "tokens_seen": self.tokens_seen,
         }
@@ -252,6 +287,7 @@ class _Loop:
             record["aux_loss"] = float(fetched["aux_loss"])
             record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
         self.writer.write(self.step, record)
+        self.data_wait = self.checkpoint_wait = 0.0
         self.records.append({"step": self.step, **record})
         self.check_finite(record)
 
@@ -261,6 +297,7 @@ class _Loop:
             return
         if not force and not (o.checkpoint_every and step % o.checkpoint_every == 0):
             return  # the checkpointer would skip it; do not sync the objects for nothing
+        started = time.perf_counter()
         if self.metrics:  # a step between log steps may have diverged: never save its state
             self.check_finite(jax.device_get(self.metrics))
         model, optimizer = self.trainer.sync()
@@ -274,6 +311,7 @@ class _Loop:
             force=force,
         ):
             self.saved_step = step
+        self.checkpoint_wait += time.perf_counter() - started
 
     def validate(self, make_val_batches) -> None:
         if make_val_batches is None:
@@ -314,7 +352,7 @@ def run(
     total = options.total_steps
     preempted = False
     while loop.step < total:
-        loop.train_step(next(train_batches))
+        loop.train_step(loop.next_batch(train_batches))
         step, last = loop.step, loop.step == total
         # The first step of a run is logged too, so the curve starts at the untrained loss.
         log_now = step % options.log_every == 0 or last or step == start_step + 1
@@ -329,6 +367,8 @@ def run(
             preempted = True
             break
         loop.restart_interval(log_now, paused)
+    if options.profiler is not None:
+        options.profiler.stop(loop.metrics)  # a range past the last step ends with the run
     if not preempted and loop.step > start_step:
         loop.validate(make_val_batches)
         loop.save(force=True)

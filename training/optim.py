@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from shardings.specs import normalize
+
 # Weight decay is off for any parameter whose path has a component containing one of these
 # (case-insensitive): norm scales/biases ('attn_norm', 'mlp_norm', 'final_norm', 'q_norm', ...),
 # embedding tables ('embed', 'embedding', 'embed_tokens', GPT-2 'wte'/'wpe', learned 'position'
@@ -149,8 +151,8 @@ def _split_micro_batches(x: jax.Array, num_micro_batches: int, batch_spec: P | N
     if batch_spec is None:
         x = jnp.reshape(x, new_shape)
     else:
-        rest = tuple(batch_spec[1:]) + (None,) * (x.ndim - len(batch_spec))
-        x = jnp.reshape(x, new_shape, out_sharding=P(batch_spec[0], None, *rest))
+        spec = normalize(batch_spec, x.ndim)
+        x = jnp.reshape(x, new_shape, out_sharding=P(spec[0], None, *spec[1:]))
     return jnp.swapaxes(x, 0, 1)  # -> [k, B/k, ...], the batch sharding now on axis 1
 
 

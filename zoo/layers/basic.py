@@ -55,12 +55,16 @@ class Einsum(nnx.Module):
             if use_bias
             else None
         )
+        # A LoRA adapter (zoo/layers/lora.py) that `add_lora` may attach; None: plain.
+        self.lora = nnx.data(None)
 
     def __call__(self, x):
         w = self.weight[...].astype(self.dtype)
         y = jnp.einsum(self.eq, x.astype(self.dtype), w, out_sharding=self.sharding.out)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora is not None:
+            y = y + self.lora(x)
         return y
 
 

@@ -277,7 +277,28 @@ class DecoderLM(nnx.Module):
             return x, ((None if kv is None else (kv.k, kv.v)), layer_stats)
 
         # Per layer: (kv cache, router stats), stacked on L by the scan.
-        return run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
+        return run(x_BTM, self._compute_dtype_blocks(), windows_L, freqs_LR, caches)
+
+    def _compute_dtype_blocks(self):
+        """The stacked blocks with their matmul weights cast to the compute dtype once, before
+        the layer loop (as MaxText does), rather than per layer inside it: a cast inside the
+        scan is a value the backward pass needs, so XLA wrote every layer's bf16 copy out as
+        a stacked scan output beside the float32 stack. The values are the ones each Einsum
+        would cast to itself (an astype of an astype is the same); norm scales and biases
+        (1-D per layer) stay float32, as the norms compute in float32. The gradient flows back
+        through the cast unchanged, so the float32 parameters and Adam see the same values."""
+        dtype = self.cfg.compute_dtype
+        if jnp.dtype(dtype) == jnp.float32:
+            return self.blocks
+        graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+
+        def cast(x):
+            # Stacked [L, ...] weights with 2+ dims per layer: the matmul weights.
+            if x.ndim >= 3 and x.dtype == jnp.float32:
+                return x.astype(dtype)
+            return x
+
+        return nnx.merge(graphdef, jax.tree.map(cast, params), rest)
 
     def _scan_unroll(self) -> int:
         """Layers per scan iteration: the config's, or for 0 (auto) all of them when this
