@@ -39,6 +39,11 @@ cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from configs.locate import resolve_argv  # noqa: E402
+
+# config_flags loads the file while defining the flag: a shipped config by name (`tiny`) or
+# by its checkout path from any directory (configs/locate.py), as train_main takes it.
+sys.argv[1:] = resolve_argv(sys.argv[1:])
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "A run config file (as train_main.py's); its model section wins over --model."
