@@ -66,20 +66,9 @@ def evaluate(request: EvalRequest) -> EvalResult:
         raise ValueError("--noevaluate leaves nothing to do without --prompt")
     if request.evaluate:
         check_writable_everywhere(request.workdir)  # before the work, not after it
-    run_info, step = None, request.step
-    if request.hf_checkpoint is None:
-        step, meta = read_meta(request.workdir, request.step)
-        run_info = meta.get("run_info") or {}
-    settings = from_run_info(run_info, hf_checkpoint=request.hf_checkpoint, **request.overrides)
     if request.generation is not None:
         request.generation.check()
-    tokenizer = make_tokenizer(settings.tokenizer)
-    if request.hf_checkpoint is not None:
-        model, mesh = eval_model.load_from_hf(request.hf_checkpoint, settings)
-    else:
-        model, mesh, step = eval_model.load_from_checkpoint(
-            request.workdir, run_info, settings, step
-        )
+    settings, tokenizer, model, mesh, step = load(request)
     metrics = None
     if request.evaluate:
         metrics = eval_metrics.json_safe(eval_metrics.evaluate(model, mesh, settings, tokenizer))
@@ -87,6 +76,24 @@ def evaluate(request: EvalRequest) -> EvalResult:
     if request.generation is not None:
         generated = _generate(model, mesh, tokenizer, request.generation)
     return EvalResult(request, settings, mesh, step, metrics, generated)
+
+
+def load(request: EvalRequest):
+    """(settings, tokenizer, model, mesh, step): the request's model on its strategy's mesh,
+    from the run's checkpoint or the Hugging Face directory (also used by --tasks)."""
+    run_info, step = None, request.step
+    if request.hf_checkpoint is None:
+        step, meta = read_meta(request.workdir, request.step)
+        run_info = meta.get("run_info") or {}
+    settings = from_run_info(run_info, hf_checkpoint=request.hf_checkpoint, **request.overrides)
+    tokenizer = make_tokenizer(settings.tokenizer)
+    if request.hf_checkpoint is not None:
+        model, mesh = eval_model.load_from_hf(request.hf_checkpoint, settings)
+    else:
+        model, mesh, step = eval_model.load_from_checkpoint(
+            request.workdir, run_info, settings, step
+        )
+    return settings, tokenizer, model, mesh, step
 
 
 def _generate(model, mesh, tokenizer, gen: Generation) -> tuple[str, int]:

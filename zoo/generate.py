@@ -192,11 +192,13 @@ def generate(
     top_k: int | None = None,
     eos_id: int | None = None,
     seed: int = 0,
+    prompt_len: int | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` ids.
 
     Returns, per prompt, the new ids up to (not including) the first `eos_id`. Runs on the
-    mesh the model's parameters live on.
+    mesh the model's parameters live on. `prompt_len`: left-pad the prompts to at least this
+    many columns (callers with many batches bucket their lengths, so fewer shapes compile).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
@@ -211,7 +213,7 @@ def generate(
     bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-    prompt_len = max(len(p) for p in prompts)
+    prompt_len = max(max(len(p) for p in prompts), prompt_len or 0)
     if prompt_len + max_new_tokens > cfg.max_seq_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
