@@ -154,10 +154,5 @@ def _run_tasks():
         cli.usage_error(e)
 
 
-def console_main():
-    """The `zoo-eval` console script (pyproject.toml): what `python eval_main.py` runs."""
-    cli.run_main(main)
-
-
 if __name__ == "__main__":
-    console_main()
+    cli.run_main(main)
