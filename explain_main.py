@@ -20,11 +20,30 @@ import os
 import pathlib
 import sys
 
-from absl import flags
-from ml_collections import config_flags
-
 from launch import cli
 
+
+def _simulate_devices() -> None:
+    # Simulated devices must be requested before jax starts, and a --config file imports jax
+    # while the flags are parsed: read --devices from the command line first.
+    count = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--devices=")), "8")
+    if count.isdigit():
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+        )
+
+
+_simulate_devices()
+cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from configs.locate import resolve_argv  # noqa: E402
+
+# config_flags loads the file while defining the flag: a shipped config by name (`tiny`) or
+# by its checkout path from any directory (configs/locate.py), as train_main takes it.
+sys.argv[1:] = resolve_argv(sys.argv[1:])
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "A run config file (as train_main.py's); its model section wins over --model."
@@ -44,12 +63,6 @@ _COLLECTIVES = flags.DEFINE_bool(
 
 def main(argv):
     cli.no_arguments(argv)
-    if "jax" not in sys.modules:  # simulated devices must be requested before jax starts
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={_DEVICES.value}"
-        )
-        cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
     import jax
 
     from shardings import STRATEGIES, get_strategy
@@ -61,11 +74,18 @@ def main(argv):
     )
     from zoo import get_config, param_layouts
 
+    config = None
+    if _CONFIG.value is not None:
+        try:
+            config = _CONFIG.value
+            hasattr(config, "to_dict")  # a file that failed to load raises at the first use
+        except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
+            cli.usage_error(cli.config_file_message(e))
     try:
-        if _CONFIG.value is not None:
+        if config is not None:
             from training.config import RunConfig
 
-            cfg = RunConfig.from_config_dict(_CONFIG.value).model.decoder_config()
+            cfg = RunConfig.from_config_dict(config).model.decoder_config()
         else:
             cfg = get_config(_MODEL.value)
         strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]
@@ -123,10 +143,5 @@ def _compiled_text(cfg, strategy):
         return fn.lower(state, tokens).compile().as_text(), partition_slices(mesh)
 
 
-def console_main():
-    """The `zoo-explain` console script (pyproject.toml): what `python explain_main.py` runs."""
-    cli.run_main(main)
-
-
 if __name__ == "__main__":
-    console_main()
+    cli.run_main(main)

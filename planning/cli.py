@@ -116,7 +116,9 @@ def _strategies(text: str, auto_ok: bool = True) -> tuple[list[str], bool]:
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if names == ["auto"] and auto_ok:
-        return list(STRATEGIES), True
+        # Pipeline strategies are planned when named (or `all`), not yet searched by auto:
+        # their micro-batch count is a model field the search does not vary yet.
+        return [n for n in STRATEGIES if get_strategy(n).lm_sharding().stage_axis is None], True
     if names == ["all"]:
         return list(STRATEGIES), False
     for name in names:
@@ -224,6 +226,11 @@ def resolve_auto(run, log=print):
     remat and micro-batches, for this process's view of the run's devices (all of them).
     Logs the one-line why; raises NoFitError (a ValueError) when nothing fits."""
 
+    if run.training.mesh_shape:  # it would be silently replaced by the pick's mesh
+        raise ValueError(
+            f"mesh shape {run.training.mesh_shape!r} cannot be combined with "
+            "--sharding_strategy=auto, which chooses the mesh; name a strategy to set one"
+        )
     devices = jax.devices()
     chip = chip_for(chip_name_for(devices[0]))
     target = Target(

@@ -28,6 +28,7 @@ from planning.hlo_traffic import Traffic, traffic
 from planning.targets import TargetError, target_devices
 from shardings import get_strategy, hlo
 from training.step_memory import StepMemory, step_memory
+from zoo.layers import pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,8 @@ class Plan:
             "overlapped_comm_seconds": self.estimate.overlapped_comm_seconds,
             "predicted_step_seconds": self.estimate.step_seconds,
             "predicted_mfu": self.estimate.mfu,
+            # Pipeline strategies: (S-1)/(micro-batches*repeats + S-1); 0 for the others.
+            "pipeline_bubble": self.estimate.bubble,
             # The same bound under a name that says so, and the forecast beside it.
             "bound_step_seconds": self.estimate.step_seconds,
             "bound_mfu": self.estimate.mfu,
@@ -184,7 +187,8 @@ def make_target(name: str, memory_gib: float | None = None) -> Target:
         if not count.isdigit() or not 1 <= int(count) <= len(available):
             raise TargetError(
                 f"target {name!r}: this host has {len(available)} CPU devices; valid: "
-                f"cpu:1 .. cpu:{len(available)}"
+                f"cpu:1 .. cpu:{len(available)} (XLA_FLAGS="
+                f"--xla_force_host_platform_device_count=N set before start-up simulates N)"
             )
         devices = tuple(available[: int(count)])
     else:
@@ -266,6 +270,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         chip=target.chip,
         exposed_comm=exposed,
         overlapped_comm=overlapped,
+        pipeline=pipeline.plan_for(built.model.cfg, built.model.sharding, mesh),
     )
     own = traffic(text)
     plan = Plan(

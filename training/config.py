@@ -61,6 +61,12 @@ class ModelSection:
     # the padded exchange's capacity factor (0: dropless).
     moe_exchange: str = "auto"
     moe_capacity_factor: float = 0.0
+    # Pipeline strategies (fsdp_pp, fsdp_tp_pp; zoo/layers/pipeline.py): micro-batches each
+    # forward pass is cut into (0: one per stage; at least the stages), and repeats (virtual
+    # stages per device: 1 is GPipe, more is the circular schedule, bubble
+    # (S-1)/(micro-batches*repeats + S-1)).
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
 
     SHAPE_FIELDS = (
         "vocab_size",
@@ -77,6 +83,10 @@ class ModelSection:
         _positive("model", self, *self.SHAPE_FIELDS)
         if self.scan_unroll < 0:
             _fail("model", "scan_unroll", self.scan_unroll, "valid: 0 (auto), 1 (rolled), or more")
+        if self.pipeline_microbatches < 0:
+            _fail("model", "pipeline_microbatches", self.pipeline_microbatches, "valid: >= 0")
+        if self.pipeline_repeats < 1:
+            _fail("model", "pipeline_repeats", self.pipeline_repeats, "valid: >= 1 (1: GPipe)")
         for name, valid in (
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
@@ -99,6 +109,8 @@ class ModelSection:
             attention_interpret=self.attention_interpret,
             moe_exchange=self.moe_exchange,
             moe_capacity_factor=self.moe_capacity_factor,
+            pipeline_microbatches=self.pipeline_microbatches,
+            pipeline_repeats=self.pipeline_repeats,
         )
         return out
 
@@ -306,8 +318,19 @@ class RunConfig:
         return self.optimizer.decay_steps or self.training.steps
 
     @classmethod
-    def from_config_dict(cls, config: Mapping[str, Any]) -> RunConfig:
-        """Typed config from a ConfigDict (or nested dict); one-line ValueError on a bad one."""
+    def from_config_dict(
+        cls, config: Mapping[str, Any], notes: list[str] | None = None
+    ) -> RunConfig:
+        """Typed config from a ConfigDict (or nested dict); one-line ValueError on a bad one.
+
+        A warmup at least as long as the schedule (a preset's warmup of 20 with
+        `--config.training.steps=1`, a smoke run) is clamped to the schedule length - 1, and
+        a line saying so is appended to `notes` (the entry point prints it as a warning)."""
+        if not isinstance(config, Mapping) and not hasattr(config, "to_dict"):
+            raise ValueError(
+                f"the config is a {type(config).__name__}, not a ConfigDict: get_config() "
+                "must return an ml_collections ConfigDict (see configs/tiny.py)"
+            )
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         unknown = sorted(set(raw) - set(SECTIONS) - {"name"})
         if unknown:
@@ -328,11 +351,29 @@ class RunConfig:
                 if field.name in values:
                     values[field.name] = _coerce(section, field, values[field.name])
             sections[section] = section_type(**values)
+        sections["optimizer"] = _clamp_warmup(sections, notes)
         return cls(name=str(raw.get("name", "run")), **sections)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict (for checkpoint metadata and the run record)."""
         return dataclasses.asdict(self)
+
+
+def _clamp_warmup(sections: dict, notes: list[str] | None):
+    """The optimizer section with its warmup cut to fit the schedule (which needs at least
+    one step of decay after it); a note in `notes` when it was cut."""
+    optimizer = sections["optimizer"]
+    length = optimizer.decay_steps or sections["training"].steps
+    if optimizer.warmup_steps < length:
+        return optimizer
+    clamped = length - 1
+    if notes is not None:
+        notes.append(
+            f"optimizer.warmup_steps={optimizer.warmup_steps} does not fit a schedule of "
+            f"{length} steps (training.steps, or optimizer.decay_steps when set): warming up "
+            f"for {clamped} steps instead (set --config.optimizer.warmup_steps to choose)"
+        )
+    return dataclasses.replace(optimizer, warmup_steps=clamped)
 
 
 def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
@@ -355,8 +396,10 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
             _fail(section, field.name, value, "must be an integer")
         return value
     if base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(section, field.name, value, "must be a number")
+        if not math.isfinite(value):
+            _fail(section, field.name, value, "must be a finite number")
         return float(value)
     if base == "str" and not isinstance(value, str):
         _fail(section, field.name, value, "must be a string")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -43,7 +44,18 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardings import get_strategy
 from shardings.specs import split_size
+
+
+def check_can_generate(strategy_name: str) -> None:
+    """ValueError (one line) for a strategy generation cannot run under: a pipeline's."""
+    if get_strategy(strategy_name).lm_sharding().stage_axis is not None:
+        raise ValueError(
+            f"--prompt: generation (KV-cache decoding) does not run under the pipeline "
+            f"strategy {strategy_name}; add --sharding_strategy=fsdp (or another without a "
+            "`stage` axis): checkpoints load under any strategy"
+        )
 
 
 def model_mesh(model):
@@ -191,18 +203,20 @@ def generate(
     top_k: int | None = None,
     eos_id: int | None = None,
     seed: int = 0,
+    prompt_len: int | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` ids.
 
     Returns, per prompt, the new ids up to (not including) the first `eos_id`. Runs on the
-    mesh the model's parameters live on.
+    mesh the model's parameters live on. `prompt_len`: left-pad the prompts to at least this
+    many columns (callers with many batches bucket their lengths, so fewer shapes compile).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature} must be a number >= 0 (0: greedy)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1 (or None: the whole vocabulary)")
     cfg = model.cfg
@@ -210,13 +224,19 @@ def generate(
     bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-    prompt_len = max(len(p) for p in prompts)
+    prompt_len = max(max(len(p) for p in prompts), prompt_len or 0)
     if prompt_len + max_new_tokens > cfg.max_seq_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"model's max_seq_len={cfg.max_seq_len}"
         )
     mesh = model_mesh(model)
+    split_T = model.sharding.tokens[1] if len(model.sharding.tokens) > 1 else None
+    if split_T is not None:
+        raise ValueError(
+            f"generation does not split the sequence over {split_T!r} (a context-parallel "
+            "strategy): generate with a strategy without context, e.g. --sharding_strategy=fsdp"
+        )
     rows = _pad_rows([list(p) for p in prompts], batch_multiple(model, mesh))
     sharding = NamedSharding(mesh, model.sharding.tokens)
     arrays = [jax.device_put(a, sharding) for a in left_pad(rows, prompt_len)]

@@ -108,6 +108,12 @@ class DecoderConfig:
     # Run Pallas attention kernels (splash) in interpret mode, so they run on CPU: for tests
     # and debugging only (slow).
     attention_interpret: bool = False
+    # Pipeline parallelism (strategies with a `stage` axis; zoo/layers/pipeline.py): the
+    # micro-batches each step's batch is cut into (0: one per stage; at least the stages),
+    # and the repeats (virtual stages per device: 1 is GPipe, more is the circular schedule,
+    # layer chunk r*S + s on stage s). Ignored by the other strategies.
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -116,6 +122,12 @@ class DecoderConfig:
                 f"{self.num_kv_heads}; grouped-query attention needs K | N"
             )
         remat.check_name(self.remat)
+        if self.pipeline_microbatches < 0 or self.pipeline_repeats < 1:
+            raise ValueError(
+                f"pipeline_microbatches={self.pipeline_microbatches}, pipeline_repeats="
+                f"{self.pipeline_repeats}; valid: microbatches >= 0 (0: one per stage), "
+                "repeats >= 1 (1: GPipe)"
+            )
         if self.scan_unroll < 0:
             raise ValueError(
                 f"scan_unroll={self.scan_unroll}; valid: 0 (auto: unrolled on CPU without "
