@@ -4,6 +4,8 @@
         [--data=PATH] [--eval_batches=N] [--step=N]
         [--prompt="def main(" --max_new_tokens=64 --temperature=0.8 --top_k=40]
     python eval_main.py --workdir=OUT --hf_checkpoint=HF_DIR [--data=PATH] [--prompt=...]
+    python eval_main.py --workdir=DIR --tasks=zoo_facts,hellaswag [--include_path=TASK_DIR]
+        [--num_fewshot=0] [--limit=N]    (lm-evaluation-harness: DIR/lm_eval.json)
 
 The model config, tokenizer, sequence length, batch size and data source come from the run's
 own record (the `run_info` saved in the checkpoint's meta); the flags override the runtime
@@ -68,6 +70,13 @@ _HF_CHECKPOINT = flags.DEFINE_string(
     "hf_checkpoint", None, "Evaluate a Hugging Face checkpoint directory instead of the run's."
 )
 
+_TASKS = flags.DEFINE_string(
+    "tasks", None, "lm-eval tasks, comma-separated: run them (not the held-out metrics)."
+)
+_INCLUDE_PATH = flags.DEFINE_string("include_path", None, "Directory of local task YAML.")
+_NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples; default: task's.")
+_LIMIT = flags.DEFINE_float("limit", None, "Examples per task (N, or a fraction if < 1).")
+
 _EVALUATE = flags.DEFINE_bool(
     "evaluate", True, "Compute the held-out metrics; --noevaluate with --prompt only generates."
 )
@@ -114,6 +123,9 @@ def main(argv):
     cli.quiet_logging()
     from evaluation import run as evaluation
 
+    if _TASKS.value is not None:  # lm-evaluation-harness tasks (evaluation/harness.py)
+        _run_tasks()
+        return
     try:
         request = _request()
         result = evaluation.evaluate(request)
@@ -125,10 +137,22 @@ def main(argv):
         cli.usage_error(e)
 
 
-def console_main():
-    """The `zoo-eval` console script (pyproject.toml): what `python eval_main.py` runs."""
-    cli.run_main(main)
+def _run_tasks():
+    from checkpoint.workdir import expand
+    from evaluation import harness
+
+    include = expand(_INCLUDE_PATH.value) if _INCLUDE_PATH.value else None
+    try:
+        request = _request()
+        tasks = harness.prepare(_TASKS.value, include, _NUM_FEWSHOT.value, _LIMIT.value)
+        results, result = harness.evaluate(request, tasks)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        cli.usage_error(cli.device_hint(e))
+    try:
+        harness.report(results, result)
+    except OSError as e:
+        cli.usage_error(e)
 
 
 if __name__ == "__main__":
-    console_main()
+    cli.run_main(main)

@@ -39,6 +39,11 @@ cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from configs.locate import resolve_argv  # noqa: E402
+
+# config_flags loads the file while defining the flag: a shipped config by name (`tiny`) or
+# by its checkout path from any directory (configs/locate.py), as train_main takes it.
+sys.argv[1:] = resolve_argv(sys.argv[1:])
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "A run config file (as train_main.py's); its model section wins over --model."
@@ -138,10 +143,5 @@ def _compiled_text(cfg, strategy):
         return fn.lower(state, tokens).compile().as_text(), partition_slices(mesh)
 
 
-def console_main():
-    """The `zoo-explain` console script (pyproject.toml): what `python explain_main.py` runs."""
-    cli.run_main(main)
-
-
 if __name__ == "__main__":
-    console_main()
+    cli.run_main(main)

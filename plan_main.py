@@ -100,10 +100,5 @@ def main(argv):
     print(output, flush=True)
 
 
-def console_main():
-    """The `zoo-plan` console script (pyproject.toml): what `python plan_main.py` runs."""
-    cli.run_main(main)
-
-
 if __name__ == "__main__":
-    console_main()
+    cli.run_main(main)

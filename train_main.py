@@ -91,10 +91,5 @@ def main(argv):
         os._exit(1)
 
 
-def console_main():
-    """The `zoo-train` console script (pyproject.toml): what `python train_main.py` runs."""
-    cli.run_main(main)
-
-
 if __name__ == "__main__":
-    console_main()
+    cli.run_main(main)

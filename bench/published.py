@@ -203,6 +203,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="all", help=f"all or {','.join(r.key for r in ROWS)}")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args(argv)
+    from launch.cli import preamble
+
+    preamble(huge_pages=False, cpu_only=True)  # compile-only: targets are abstract devices
     keys = [r.key for r in ROWS] if args.rows == "all" else args.rows.split(",")
     unknown = [k for k in keys if k not in {r.key for r in ROWS}]
     if unknown:

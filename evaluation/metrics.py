@@ -17,6 +17,7 @@ from evaluation.settings import EvalSettings
 from runtime.distributed import to_global
 from shardings.mesh import check_batch
 from shardings.specs import split_size
+from zoo.layers import pipeline
 from zoo.loss import answer_mask, target_mask
 
 
@@ -31,6 +32,8 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     batch_spec = model.sharding.tokens
     rows = settings.batch_size
     multiple = split_size(batch_spec, 0, mesh.shape)
+    pp = pipeline.plan_for(model.cfg, model.sharding, mesh)
+    multiple *= pp.microbatches if pp is not None else 1  # rows per pipeline micro-batch
     padded_rows = -(-rows // multiple) * multiple  # same data on every mesh, padding rows added
     check_batch(padded_rows, batch_spec, mesh, settings.strategy, seq_len=settings.seq_len)
     dataset = data.build_dataset(

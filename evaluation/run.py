@@ -20,6 +20,7 @@ from data.tokenizers import make_tokenizer
 from evaluation import metrics as eval_metrics
 from evaluation import model as eval_model
 from evaluation.settings import EvalSettings, from_run_info
+from zoo.generate import check_can_generate
 
 EVAL_FILE = "eval.json"
 
@@ -64,22 +65,16 @@ class EvalResult:
 def evaluate(request: EvalRequest) -> EvalResult:
     if not request.evaluate and request.generation is None:
         raise ValueError("--noevaluate leaves nothing to do without --prompt")
+    strategy = request.overrides.get("strategy")
+    if request.generation is not None and strategy:
+        check_can_generate(strategy)  # before reading the checkpoint
     if request.evaluate:
         check_writable_everywhere(request.workdir)  # before the work, not after it
-    run_info, step = None, request.step
-    if request.hf_checkpoint is None:
-        step, meta = read_meta(request.workdir, request.step)
-        run_info = meta.get("run_info") or {}
-    settings = from_run_info(run_info, hf_checkpoint=request.hf_checkpoint, **request.overrides)
     if request.generation is not None:
         request.generation.check()
-    tokenizer = make_tokenizer(settings.tokenizer)
-    if request.hf_checkpoint is not None:
-        model, mesh = eval_model.load_from_hf(request.hf_checkpoint, settings)
-    else:
-        model, mesh, step = eval_model.load_from_checkpoint(
-            request.workdir, run_info, settings, step
-        )
+    settings, tokenizer, model, mesh, step = load(request)
+    if request.generation is not None:
+        check_can_generate(settings.strategy)  # the run's own, when no --sharding_strategy
     metrics = None
     if request.evaluate:
         metrics = eval_metrics.json_safe(eval_metrics.evaluate(model, mesh, settings, tokenizer))
@@ -87,6 +82,24 @@ def evaluate(request: EvalRequest) -> EvalResult:
     if request.generation is not None:
         generated = _generate(model, mesh, tokenizer, request.generation)
     return EvalResult(request, settings, mesh, step, metrics, generated)
+
+
+def load(request: EvalRequest):
+    """(settings, tokenizer, model, mesh, step): the request's model on its strategy's mesh,
+    from the run's checkpoint or the Hugging Face directory (also used by --tasks)."""
+    run_info, step = None, request.step
+    if request.hf_checkpoint is None:
+        step, meta = read_meta(request.workdir, request.step)
+        run_info = meta.get("run_info") or {}
+    settings = from_run_info(run_info, hf_checkpoint=request.hf_checkpoint, **request.overrides)
+    tokenizer = make_tokenizer(settings.tokenizer)
+    if request.hf_checkpoint is not None:
+        model, mesh = eval_model.load_from_hf(request.hf_checkpoint, settings)
+    else:
+        model, mesh, step = eval_model.load_from_checkpoint(
+            request.workdir, run_info, settings, step
+        )
+    return settings, tokenizer, model, mesh, step
 
 
 def _generate(model, mesh, tokenizer, gen: Generation) -> tuple[str, int]:

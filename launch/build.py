@@ -32,7 +32,7 @@ from training.step_memory import abstract_batch
 from zoo import create_model, from_pretrained
 from zoo.build import check_model_fits, fit_vocab, model_class
 from zoo.hf_io import read_config
-from zoo.layers import remat
+from zoo.layers import pipeline, remat
 from zoo.layers.attention import check_implementation
 
 
@@ -220,6 +220,7 @@ def build(
     check_positions(model_cfg, run.data.seq_len, "data.seq_len")
     model_cfg = fit_vocab(model_cfg, strategy, mesh)  # padded where the vocab split needs it
     check_model_fits(model_cfg, strategy, mesh)
+    pipeline.check_batch_size(micro_batch, model_cfg, strategy.lm_sharding(), mesh)
     tx, schedule = build_optimizer(run)
 
     if abstract:

@@ -26,9 +26,7 @@ def preamble(*, huge_pages: bool = True, cpu_flags: bool = True, cpu_only: bool 
     if cpu_only:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    script = os.path.basename(sys.argv[0]) if sys.argv else ""
-    # The *_main.py files run as scripts or `python -m`, or their `zoo-*` console scripts.
-    if huge_pages and (script.endswith("_main.py") or script.startswith("zoo-")):
+    if huge_pages and sys.argv and os.path.basename(sys.argv[0]).endswith("_main.py"):
         # glibc reads its tunables when a process starts: restart now (before anything
         # heavy is loaded) with huge pages for the host allocator where that helps.
         from runtime.cpu_memory import reexec_with_huge_pages

@@ -28,6 +28,7 @@ from planning.hlo_traffic import Traffic, traffic
 from planning.targets import TargetError, target_devices
 from shardings import get_strategy, hlo
 from training.step_memory import StepMemory, step_memory
+from zoo.layers import pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,8 @@ class Plan:
     traffic: Traffic | None = None  # this program's kernels and memory-bound bytes
     # What a real step should take (planning.estimate), set by planning.forecast.add_forecast.
     forecast: Forecast | None = None
+    # MoE with an expert axis: the token exchange's bytes against the routed payload.
+    moe: dict = dataclasses.field(default_factory=dict)
 
     def __getattr__(self, name: str):
         # argument_bytes, temp_bytes, peak_bytes, host_temp_bytes, required_bytes, ...
@@ -121,6 +124,11 @@ class Plan:
             "fits": self.fits,
             "collectives": collective_counts(self.collectives),
             "collective_bytes": collective_bytes(self.collectives),
+            # MoE token exchange, dense and ragged together.
+            "all_to_all_bytes": sum(
+                b for op, b in collective_bytes(self.collectives).items() if "all-to-all" in op
+            ),
+            **self.moe,
             "collectives_by_axis": collectives_by_axis(self.collectives),
             "kernels": self.kernels,
             "compile_seconds": round(self.compile_seconds, 2),
@@ -131,6 +139,8 @@ class Plan:
             "overlapped_comm_seconds": self.estimate.overlapped_comm_seconds,
             "predicted_step_seconds": self.estimate.step_seconds,
             "predicted_mfu": self.estimate.mfu,
+            # Pipeline strategies: (S-1)/(micro-batches*repeats + S-1); 0 for the others.
+            "pipeline_bubble": self.estimate.bubble,
             # The same bound under a name that says so, and the forecast beside it.
             "bound_step_seconds": self.estimate.step_seconds,
             "bound_mfu": self.estimate.mfu,
@@ -260,9 +270,10 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         chip=target.chip,
         exposed_comm=exposed,
         overlapped_comm=overlapped,
+        pipeline=pipeline.plan_for(built.model.cfg, built.model.sharding, mesh),
     )
     own = traffic(text)
-    return Plan(
+    plan = Plan(
         candidate=candidate,
         target=target,
         mesh=dict(mesh.shape),
@@ -277,3 +288,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         estimate=estimate,
         traffic=own,
     )
+    from planning.moe import exchange_summary
+
+    plan.moe = exchange_summary(plan, run.model.decoder_config())
+    return plan

@@ -12,7 +12,15 @@ negative or no times).
     comm(op) = executions per step * bytes a device sends (ring algorithm: (n-1)/n of the
                array for all-gather / reduce-scatter / all-to-all, twice that for all-reduce,
                the operand for a permute) / bandwidth of the mesh axes the op crosses.
-    step     = compute + comm over `model` / `context` only + max(0, other comm - compute)
+    step     = compute + comm over `model` / `context` / `stage` only
+               + max(0, other comm - compute)
+
+Pipeline strategies (a `stage` axis, S stages, Mb micro-batches, R repeats): every stage runs
+all Mb*R + S - 1 iterations of the schedule, S - 1 of them on no real work (the bubble,
+(S-1)/(Mb*R + S-1) of the layer time), so the layers' executed FLOPs are their share times
+(Mb*R + S-1)/(Mb*R); the LM head and embedding run on every stage (each stage runs the head
+on its data shard's whole batch), so the head's FLOPs count S times. MFU counts the useful
+FLOPs only (the config's formula), so the bubble and the repeated head lower it.
 
 The overlap assumption, stated: collectives whose group spans a data-parallel axis (`data`,
 `replica`: FSDP weight all-gathers, gradient reduce-scatters / all-reduces, also when XLA
@@ -68,9 +76,10 @@ from planning.chips import Chip
 from shardings.hlo import Collective
 from zoo.layers.config import causal_keys_per_query
 
-# Collectives crossing these are exposed (see the overlap assumption): tensor parallelism, and
-# context parallelism's exchanges of keys and values inside attention.
-TP_AXES = ("model", "context")
+# Collectives crossing these are exposed (see the overlap assumption): tensor parallelism,
+# context parallelism's exchanges of keys and values inside attention, and the pipeline's
+# stage-to-stage permutes (the next stage waits for them).
+TP_AXES = ("model", "context", "stage")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +91,7 @@ class StepEstimate:
     overlapped_comm_seconds: float  # data-parallel collectives, hidden behind compute
     step_seconds: float
     mfu: float  # model FLOPs / (peak * step)
+    bubble: float = 0.0  # pipeline strategies: idle fraction of each stage's layer time
 
 
 # Matmul efficiency: achieved / peak bf16 FLOP/s for the step's large matmuls, by the narrowest
@@ -240,10 +250,18 @@ def estimate_step(
     chip: Chip,
     exposed_comm: float,
     overlapped_comm: float,
+    pipeline=None,
 ) -> StepEstimate:
+    """`pipeline`: the schedule (zoo.layers.pipeline.PipelinePlan) of a pipeline strategy."""
     tokens = global_batch * seq_len
     model = cfg.flops_per_token(seq_len) * tokens / num_devices
     executed = model + recompute_flops_per_token(cfg, seq_len, remat) * tokens / num_devices
+    bubble = 0.0
+    if pipeline is not None:
+        bubble = pipeline.bubble
+        head = 6.0 * cfg.hidden_dim * cfg.vocab_size * tokens / num_devices
+        work = pipeline.microbatches * pipeline.repeats
+        executed = (executed - head) * pipeline.iterations / work + head * pipeline.stages
     compute = executed / chip.peak_bf16_flops
     step = compute + exposed_comm + max(0.0, overlapped_comm - compute)
     return StepEstimate(
@@ -254,6 +272,7 @@ def estimate_step(
         overlapped_comm_seconds=overlapped_comm,
         step_seconds=step,
         mfu=model / (chip.peak_bf16_flops * step),
+        bubble=bubble,
     )
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from planning.compile import Plan, compile_plan
 from planning.estimate import Forecast, forecast_step
 from planning.hlo_traffic import Traffic
+from shardings import get_strategy
 
 _CACHE: dict = {}
 
@@ -33,9 +34,13 @@ def step_traffic(run, candidate, target) -> Traffic:
 
 
 def add_forecast(run, plan: Plan) -> Forecast | None:
-    """Set `plan.forecast` (None on a chip without the figures, e.g. the simulated CPU)."""
+    """Set `plan.forecast` (None on a chip without the figures, e.g. the simulated CPU, and
+    for pipeline strategies)."""
     chip = plan.target.chip
-    if chip.hbm_bytes_per_s is None:
+    # Pipeline strategies: the one- and two-layer unscanned twins this needs cannot be cut
+    # into stages, so they get the bound (with the bubble) and no forecast.
+    pipelined = get_strategy(plan.candidate.strategy).lm_sharding().stage_axis is not None
+    if chip.hbm_bytes_per_s is None or pipelined:
         plan.forecast = None
         return None
     total = step_traffic(run, plan.candidate, plan.target)

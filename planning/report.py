@@ -79,6 +79,11 @@ def table(plans: list[Plan]) -> str:
         lines.append(f"  largest parameters (GiB/device): {largest}")
         lines.append(f"  collectives per step: {_collectives(p)}")
         lines.append(f"  custom-call kernels: {kernels}")
+        if p.moe:
+            lines.append(
+                f"  MoE token exchange: {p.moe['all_to_all_bytes'] / GiB:.3g} GiB all-to-all per"
+                f" step = {p.moe['all_to_all_over_payload']}x the routed payload"
+            )
         if p.host_temp_bytes:
             lines.append(f"  pinned host memory (offloaded activations): {_gib(p.host_temp_bytes)}")
         e = p.estimate

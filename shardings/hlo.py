@@ -23,7 +23,14 @@ from collections import Counter
 
 import numpy as np
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 # TPU's fused reduce-scatter: a fusion whose called computation has this name.
 _FUSED_REDUCE_SCATTER = "all-reduce-scatter"
 
@@ -57,7 +64,9 @@ class Collective:
 
     op: str  # one of COLLECTIVES
     name: str  # the HLO instruction's name
-    array_bytes: int  # the whole array in the group: AG output, RS input, AR/A2A/CP operand
+    # The whole array in the group: AG output, RS input, AR/A2A/CP operand; for a ragged
+    # all-to-all the smaller of operand and output (see `_ragged_bytes`).
+    array_bytes: int
     group_size: int  # devices in each replica group (2 for a permute pair)
     axes: tuple[str, ...]  # mesh axes the group spans
     executions: int  # per step: the product of the enclosing loops' trip counts
@@ -279,6 +288,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
     if entry is None:
         return []
     times = _multipliers(computations, entry)
+    shapes = {name: {i.name: i.shape for i in insts} for name, insts in computations.items()}
     num_devices = math.prod(mesh_shape.values()) if mesh_shape else 0
     out = []
     for comp_name, instructions in computations.items():
@@ -297,9 +307,22 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
             group_size = max(len(g) for g in groups) if groups else 1
             output = _output_bytes(op, is_start, inst.shape)
             array = output * group_size if op == "reduce-scatter" else output
+            if op == "ragged-all-to-all":
+                array = _ragged_bytes(inst, output, shapes[comp_name])
             axes = _axes_crossed(groups, mesh_shape) if mesh_shape else ()
             out.append(Collective(op, inst.name, array, group_size, axes, runs))
     return out
+
+
+def _ragged_bytes(inst: _Instruction, output: int, shapes: dict[str, str]) -> int:
+    """A ragged all-to-all sends slices of its operand into a preallocated output, so its
+    buffers bound the bytes: a device sends at most its operand and receives at most its
+    output, and what the group sends it receives, so the mean per device is at most the
+    smaller of the two. An MoE dispatch fills its whole operand (every routed row is sent)
+    and its combine fills its whole output, so there the bound is the bytes moved."""
+    first = re.match(r"\s*%?([\w.\-]+)", inst.attrs)
+    operand = shapes.get(first.group(1)) if first else None
+    return min(output, _arrays_bytes(operand)) if operand else output
 
 
 def kernels(hlo_text: str) -> Counter:

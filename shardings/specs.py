@@ -107,19 +107,28 @@ class LmSharding:
     tokens: P  # [B, T] for tokens, segment ids, positions
     embed: EmbeddingSharding
     position_embed: EmbeddingSharding  # learned positions (GPT-2): [T_max, M]
-    block: BlockSharding  # every layer; stacked weights get a leading replicated L dim
+    block: BlockSharding  # every layer; stacked weights get a leading L dim (`stacked`)
     final_norm: NormSharding
     lm_head: LinearSharding  # [M, V] -> logits [B, T, V]
     # With T split (context parallelism): "balanced" keeps rows inside the model in
     # load-balanced chunk order (device i holds chunks i and 2c-1-i of 2c), "natural" in
     # index order. Inputs and logits are always in index order.
     seq_order: str = "natural"
+    # Pipeline parallelism: the mesh axis the stacked layers' L dim is split over (stage s
+    # holds a contiguous L/stage block and runs it; zoo/layers/pipeline.py), or None.
+    stage_axis: str | None = None
 
 
 def normalize(spec: P | None, rank: int) -> P:
     """`spec` padded with None to `rank` dims, so equal layouts compare equal."""
     entries = tuple(spec or ()) + (None,) * (rank - len(spec or ()))
     return P(*entries)
+
+
+def stacked(spec: P, stage_axis: str | None = None) -> P:
+    """The layout of a weight stacked over layers: the L dim is split over the pipeline's
+    stage axis, else never."""
+    return P(stage_axis, *spec)
 
 
 def axes_of(entry) -> tuple[str, ...]:

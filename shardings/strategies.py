@@ -39,6 +39,9 @@ MODEL = "model"  # tensor parallel: heads, FFN width, vocab
 CONTEXT = "context"
 # Expert parallel: MoE experts split, tokens sent to their experts by all-to-all over it.
 EXPERT = "expert"
+# Pipeline parallel: the layer stack split into stages; activations collective-permuted
+# from stage to stage (zoo/layers/pipeline.py). Outermost in the mesh: across hosts.
+STAGE = "stage"
 
 # The logical dims a rule may name, each with the config field that gives its size (None:
 # no single field), which the default mesh rule must divide.
@@ -57,6 +60,7 @@ LOGICAL_DIMS: dict[str, str | None] = {
     "vocab": None,
     "expert": "num_experts",  # E of the stacked MoE expert weights
     "expert_ffn": "moe_ffn_dim",  # F of one MoE expert
+    "layers": "num_layers",  # L of the stacked layer weights (the pipeline's stages)
 }
 
 Axes = str | tuple[str, ...] | None
@@ -249,6 +253,7 @@ def _lm(s: Strategy) -> LmSharding:
         # A split T runs in balanced chunk order inside the model, so that causal attention
         # gives every device the same work (zoo/layers/attention/context_parallel.py).
         seq_order="balanced" if s.rules.get("seq") else "natural",
+        stage_axis=s.rules.get("layers"),
         tokens=tokens,
         embed=EmbeddingSharding(table=table, out=residual),
         position_embed=EmbeddingSharding(table=table, out=residual),
@@ -414,8 +419,62 @@ FSDP_EP = Strategy(
     },
 )
 
+# Expert parallelism with tensor parallelism inside (MaxText's EP x TP): experts over
+# `expert` as fsdp_ep; each expert's F, the attention heads, the MLP and the vocab over `model`
+# as fsdp_tp, for a dense part too large for FSDP alone; the rest FSDP over `data`. The
+# `model` devices of one expert column hold the same tokens and each exchange them with their
+# own column (all-to-all over `expert`), then reduce-scatter the experts' partial sums of
+# `down` over `model` into the split residual, as the dense MLP does.
+FSDP_TP_EP = Strategy(
+    name="fsdp_tp_ep",
+    axes=(DATA, EXPERT, MODEL),
+    axis_caps={EXPERT: _at_most_node, MODEL: _at_most_node_and_sqrt},
+    rules={**FSDP_TP.rules, "batch": (DATA, EXPERT), "expert": EXPERT},
+)
+
+
+def _stages_per_node(num_devices: int) -> int:
+    # One stage per 8-device node (NVLink / ICI domain), so only the stage-to-stage
+    # collective-permutes cross nodes; at least 2, so a single node still pipelines.
+    return max(2, num_devices // MAX_MODEL_AXIS)
+
+
+# Pipeline parallelism (GPipe / circular: zoo/layers/pipeline.py). The stacked layer weights
+# `[L, ...]` are split on L over `stage`: stage s stores and runs L/stage consecutive layers;
+# between stages only activations move (one collective-permute over `stage` per micro-batch
+# and repeat, forward and backward). Inside a stage the table is fsdp's (or fsdp_tp's).
+# Embeddings, the final norm and the LM head are replicated over `stage` (each stage runs
+# them on the whole batch); their gradients are all-reduced over `stage`.
+FSDP_PP = Strategy(
+    name="fsdp_pp",
+    axes=(STAGE, DATA),
+    axis_caps={STAGE: _stages_per_node},
+    rules={**FSDP.rules, "layers": STAGE},
+)
+
+FSDP_TP_PP = Strategy(
+    name="fsdp_tp_pp",
+    axes=(STAGE, DATA, MODEL),
+    axis_caps={STAGE: _stages_per_node, MODEL: _at_most_node_and_sqrt},
+    rules={**FSDP_TP.rules, "layers": STAGE},
+)
+
 STRATEGIES: dict[str, Strategy] = {
-    s.name: s for s in (DP, FSDP, TP, FSDP_TP, HSDP, HSDP_TP, FSDP_CP, FSDP_TP_CP, FSDP_EP)
+    s.name: s
+    for s in (
+        DP,
+        FSDP,
+        TP,
+        FSDP_TP,
+        HSDP,
+        HSDP_TP,
+        FSDP_CP,
+        FSDP_TP_CP,
+        FSDP_EP,
+        FSDP_TP_EP,
+        FSDP_PP,
+        FSDP_TP_PP,
+    )
 }
 
 

@@ -156,3 +156,36 @@ def test_traffic_counts_a_scanned_layer_once_per_iteration_and_a_stack_slice_by_
     # a copy of x into the loop (8 KiB: read and write) before it.
     per_iteration = 3 * 4096
     assert 10 * per_iteration + 8192 <= t.memory_bytes <= 10 * per_iteration + 8192 + 10 * 64
+
+
+def test_plan_reports_the_forecast_beside_the_bound():
+    """plan_main's path (planning.cli.plan): a GPU target gets forecast_* fields, never below
+    the bound, and its memory-bound bytes come from the one- and two-layer compiles."""
+    import json
+
+    from planning.cli import Request, plan
+
+    request = Request(
+        topology="h100:8",
+        model="tiny",
+        strategies="fsdp",
+        batch_size=8,
+        seq_len=128,
+        remat=["full"],
+        micro_batches=["1"],
+    )
+    row = json.loads(plan(request, as_json=True).splitlines()[0])
+    assert row["bound_step_seconds"] == row["predicted_step_seconds"]
+    assert row["forecast_step_seconds"] >= row["bound_step_seconds"]
+    assert row["forecast_memory_bytes"] > 0 and row["forecast_kernels"] > 0
+    terms = (
+        row["forecast_matmul_seconds"]
+        + row["forecast_attention_seconds"]
+        + row["forecast_memory_seconds"]
+        + row["forecast_host_seconds"]
+        + row["forecast_exposed_comm_seconds"]
+    )
+    assert row["forecast_step_seconds"] >= terms * (1 - 1e-12)
+    # A simulated CPU device has no HBM figure: no forecast, said as null.
+    cpu = Request(topology="cpu:8", model="tiny", strategies="fsdp", batch_size=8, seq_len=128)
+    assert json.loads(plan(cpu, as_json=True).splitlines()[0])["forecast_step_seconds"] is None

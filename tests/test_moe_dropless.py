@@ -41,7 +41,8 @@ def _naive(x_BTM, router_ME, gate_EMF, up_EMF, down_EFM, k, norm_topk_prob):
     return out, counts
 
 
-def _run(cfg, strategy_name, shape, zero_router):
+def _run(cfg, strategy_name, shape, zero_router, with_dropped=False):
+    """(x, y, counts, params); y is (y, share of assignments dropped) with `with_dropped`."""
     strategy = get_strategy(strategy_name)
     devices = jax.devices()[:1] if shape == (1,) else None
     mesh = strategy.make_mesh(shape=shape, devices=devices)
@@ -57,7 +58,8 @@ def _run(cfg, strategy_name, shape, zero_router):
             np.asarray(p.get_value(), np.float64)
             for p in (moe.router.weight, moe.gate, moe.up, moe.down)
         ]
-    return x_BTM, np.asarray(y), np.asarray(stats.counts), params
+    y = (np.asarray(y), float(stats.dropped)) if with_dropped else np.asarray(y)
+    return x_BTM, y, np.asarray(stats.counts), params
 
 
 CASES = [

@@ -1,6 +1,7 @@
 """Qwen3-MoE and Mixtral against transformers (tests/hf_reference/, made by make_reference.py):
-logits and the load-balancing loss under dp, fsdp_tp and fsdp_ep (4 experts on expert axes of
-2 and 4), bit-exact export/import, and a checkpoint with the wrong expert count.
+logits and the load-balancing loss under dp, fsdp_tp, fsdp_ep (4 experts on expert axes of
+2 and 4) and fsdp_tp_ep (expert 2 x model 2), bit-exact export/import, and a checkpoint with
+the wrong expert count.
 
 The reference files are read with numpy only; neither torch nor transformers is imported.
 """
@@ -44,7 +45,13 @@ TILE = 4  # the [2, 24] references tiled to 8 rows, so the batch splits over 8 d
 CASES = [
     (family, name, shape)
     for family in FAMILIES
-    for name, shape in (("dp", (8,)), ("fsdp_tp", (4, 2)), ("fsdp_ep", (4, 2)), ("fsdp_ep", (2, 4)))
+    for name, shape in (
+        ("dp", (8,)),
+        ("fsdp_tp", (4, 2)),
+        ("fsdp_ep", (4, 2)),
+        ("fsdp_ep", (2, 4)),
+        ("fsdp_tp_ep", (2, 2, 2)),
+    )
 ]
 
 
@@ -90,7 +97,7 @@ def test_logits_and_aux_loss_equal_transformers(family, strategy_name, shape):
     for path, value in _flat_params(model).items():
         want = NamedSharding(mesh, P(*layouts[path]))
         assert value.sharding.is_equivalent_to(want, value.ndim), (path, value.sharding)
-    if strategy_name == "fsdp_ep":  # each device holds E / expert whole experts
+    if strategy_name in ("fsdp_ep", "fsdp_tp_ep"):  # each device: E / expert whole experts
         gate = model.blocks.moe.gate.get_value()
         assert gate.addressable_shards[0].data.shape[1] == 4 // mesh.shape["expert"]
 

@@ -33,9 +33,10 @@ from zoo.loss import token_nll
 
 # 8 experts of 64, top 2; aux weight raised so its gradient is not lost in the NLL's.
 CFG = get_config("qwen3-moe-tiny", router_aux_loss_coef=0.1)
-# One case per way the experts are laid out: replicated, FSDP+TP-split, expert-split (the
-# dropless test runs the all-to-all on other expert axes; the HF test on 2 and 4).
-CASES = [("dp", (8,)), ("fsdp_tp", (4, 2)), ("fsdp_ep", (1, 8))]
+# One case per way the experts are laid out: replicated, FSDP+TP-split, expert-split, and
+# expert-split with F over `model` (the dropless test runs the all-to-all on other expert
+# axes; the HF test on 2 and 4).
+CASES = [("dp", (8,)), ("fsdp_tp", (4, 2)), ("fsdp_ep", (1, 8)), ("fsdp_tp_ep", (2, 2, 2))]
 
 
 def objective_sum(logits_BTV, moe, batch, aux_coef: float):
@@ -121,6 +122,8 @@ def test_layouts_are_declared(sharded):
     experts = run["live_layouts"]["blocks/moe/gate"]
     if name == "fsdp_ep":
         assert experts[1] == "expert"  # [L, E/expert, M/data, F]
+    elif name == "fsdp_tp_ep":
+        assert experts[1:] == ("expert", "data", "model")  # [L, E/expert, M/data, F/model]
     elif name != "dp":
         assert any(a is not None for a in experts)  # FSDP- or TP-split
 

@@ -1,5 +1,6 @@
 """train_main.py trains the tiny Qwen3-MoE under fsdp_ep: the loss falls, and metrics.jsonl
-carries the load-balancing loss and the router's load per expert."""
+carries the load-balancing loss, the router's load per expert, its spread and the share of
+assignments dropped."""
 
 from __future__ import annotations
 
@@ -41,5 +42,9 @@ def test_qwen3_moe_trains_under_fsdp_ep(tmp_path):
         assert len(load) == 8 and abs(sum(load) - 1.0) < 1e-3, load  # shares of assignments
         # E * sum(f * p) >= 1 when f and p agree; a broken router would give 0 or NaN.
         assert 0.5 < record["aux_loss"] < 8.0, record["aux_loss"]
+        # Dropless (CPU's padded exchange at capacity factor 0); the busiest expert's share
+        # over the mean is at least 1 and at most E.
+        assert record["moe_dropped"] == 0.0
+        assert 1.0 <= record["moe_load_spread"] <= 8.0, record["moe_load_spread"]
     with open(os.path.join(workdir, "run_info.json")) as f:
         assert json.load(f)["strategy"] == "fsdp_ep"

@@ -6,8 +6,10 @@ is process 0's local batch followed by process 1's (process 0 owns the first hal
 batch axis). The one-process reference feeds exactly those global batches, built here from
 the same two shards, and must give the same losses.
 
-Two layouts: `fsdp_tp` (`data` spans both processes) and `hsdp`, where each process plays
-one slice: the default mesh puts `replica` across the processes and `data` inside each.
+Three layouts: `fsdp_tp` (`data` spans both processes), `hsdp`, where each process plays
+one slice: the default mesh puts `replica` across the processes and `data` inside each, and
+`fsdp_ep` on the tiny Qwen3-MoE, whose 8 experts put every device on `expert`: the token
+all-to-all of every MoE layer crosses the processes.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from _train_helpers import (
 )
 
 RUN = {**SMALL_RUN, "training.steps": 10, "training.eval_every": 0}
-# strategy -> (the mesh the two processes choose by default, the mesh the reference is given)
+# strategy -> (the mesh the two processes choose by default, the mesh the reference is given,
+# the slice-crossing axes, run overrides)
 CASES = {
-    "fsdp_tp": ({"data": 4, "model": 2}, ""),
-    "hsdp": ({"replica": 2, "data": 4}, "replica:2,data:4"),
+    "fsdp_tp": ({"data": 4, "model": 2}, "", ["data"], {}),
+    "hsdp": ({"replica": 2, "data": 4}, "replica:2,data:4", ["replica"], {}),
+    "fsdp_ep": ({"data": 1, "expert": 8}, "", ["expert"], {"model.preset": "qwen3-moe-tiny"}),
 }
 
 
@@ -45,9 +49,14 @@ def _reference_losses(workdir: str, strategy: str) -> list[float]:
     from launch import session as train_run
     from runtime.distributed import to_global
 
-    mesh, mesh_text = CASES[strategy]
+    mesh, mesh_text, _, overrides = CASES[strategy]
     run = run_config(
-        {**RUN, "training.sharding_strategy": strategy, "training.mesh_shape": mesh_text}
+        {
+            **RUN,
+            **overrides,
+            "training.sharding_strategy": strategy,
+            "training.mesh_shape": mesh_text,
+        }
     )
     setup = train_run.prepare(run, workdir)
     assert dict(setup.built.mesh.shape) == mesh
@@ -92,7 +101,7 @@ def test_two_processes_equal_one(tmp_path, strategy):
                 "--num_processes=2",
                 f"--process_id={i}",
                 f"--sharding_strategy={strategy}",
-                *cli_flags(RUN),
+                *cli_flags({**RUN, **CASES[strategy][3]}),
             ],
             env=child_env(num_devices=4),
             cwd=ROOT,
@@ -105,7 +114,7 @@ def test_two_processes_equal_one(tmp_path, strategy):
     outputs = []
     try:
         for child in children:
-            outputs.append(child.communicate(timeout=300))
+            outputs.append(child.communicate(timeout=600))
     finally:
         for child in children:
             if child.poll() is None:
@@ -117,13 +126,14 @@ def test_two_processes_equal_one(tmp_path, strategy):
     assert len(two_process) == RUN["training.steps"]
     # Process 1 prints none of the run's lines (gloo's own connection lines may appear).
     assert "2 processes" in outputs[0][0] and "done:" in outputs[0][0]
-    assert "LlamaConfig" not in outputs[1][0] and "done:" not in outputs[1][0]
+    assert "Config: " in outputs[0][0]
+    assert "Config: " not in outputs[1][0] and "done:" not in outputs[1][0]
 
     with open(os.path.join(workdir, "run_info.json")) as f:
         info = json.load(f)
     assert info["mesh_shape"] == CASES[strategy][0]
     # Only `replica` joins devices of different processes ("slices") under hsdp.
-    assert info["slice_crossing_axes"] == (["replica"] if strategy == "hsdp" else ["data"])
+    assert info["slice_crossing_axes"] == CASES[strategy][2]
 
     one_process = _reference_losses(str(tmp_path / "one"), strategy)
     # Same arrays on the same 8 device positions; the cross-process all-reduce (gloo) may add

@@ -45,6 +45,8 @@ CASES = [
     ("fsdp_cp", (4, 2)),
     ("fsdp_cp", (2, 4)),
     ("fsdp_tp_cp", (2, 2, 2)),
+    # A dense model under the MoE strategy: fsdp_tp with the batch over `data` x `expert`.
+    ("fsdp_tp_ep", (2, 2, 2)),
 ]
 
 
@@ -59,13 +61,13 @@ def _loss_and_grads(model, batch):
     return loss, logits, grads
 
 
-def _run(strategy_name, mesh, init_params=None):
+def _run(strategy_name, mesh, init_params=None, cfg=CFG):
     """Everything the checks compare, from one model: layouts, logits, loss, grads, the
     loss sequence of ten AdamW steps."""
     strategy = get_strategy(strategy_name)
-    batch_np = packed_batch(batch=8, seq=32, vocab=CFG.vocab_size)
+    batch_np = packed_batch(batch=8, seq=32, vocab=cfg.vocab_size)
     with jax.set_mesh(mesh):
-        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
+        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
         if init_params is not None:
             load_params(model, init_params)
         batch = put_batch(batch_np, strategy.batch_spec())

@@ -57,6 +57,16 @@ class ModelSection:
     # --attention_impl overrides; an explicit backend that cannot run here is an error.
     attention_impl: str = "xla"
     attention_interpret: bool = False  # run splash in Pallas interpret mode (CPU tests; slow)
+    # MoE expert parallelism (zoo/layers/moe_exchange.py): 'auto' | 'ragged' | 'padded', and
+    # the padded exchange's capacity factor (0: dropless).
+    moe_exchange: str = "auto"
+    moe_capacity_factor: float = 0.0
+    # Pipeline strategies (fsdp_pp, fsdp_tp_pp; zoo/layers/pipeline.py): micro-batches each
+    # forward pass is cut into (0: one per stage; at least the stages), and repeats (virtual
+    # stages per device: 1 is GPipe, more is the circular schedule, bubble
+    # (S-1)/(micro-batches*repeats + S-1)).
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
 
     SHAPE_FIELDS = (
         "vocab_size",
@@ -73,13 +83,20 @@ class ModelSection:
         _positive("model", self, *self.SHAPE_FIELDS)
         if self.scan_unroll < 0:
             _fail("model", "scan_unroll", self.scan_unroll, "valid: 0 (auto), 1 (rolled), or more")
+        if self.pipeline_microbatches < 0:
+            _fail("model", "pipeline_microbatches", self.pipeline_microbatches, "valid: >= 0")
+        if self.pipeline_repeats < 1:
+            _fail("model", "pipeline_repeats", self.pipeline_repeats, "valid: >= 1 (1: GPipe)")
         for name, valid in (
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
             ("attention_impl", ATTENTION_IMPLEMENTATIONS),
+            ("moe_exchange", ("auto", "ragged", "padded")),
         ):
             if getattr(self, name) not in valid:
                 _fail("model", name, getattr(self, name), f"valid: {', '.join(valid)}")
+        if not self.moe_capacity_factor >= 0:
+            _fail("model", "moe_capacity_factor", self.moe_capacity_factor, "0 (dropless) or > 0")
 
     def overrides(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.SHAPE_FIELDS if getattr(self, k) is not None}
@@ -90,6 +107,10 @@ class ModelSection:
             remat=self.remat,
             attention_impl=self.attention_impl,
             attention_interpret=self.attention_interpret,
+            moe_exchange=self.moe_exchange,
+            moe_capacity_factor=self.moe_capacity_factor,
+            pipeline_microbatches=self.pipeline_microbatches,
+            pipeline_repeats=self.pipeline_repeats,
         )
         return out
 

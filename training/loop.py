@@ -90,7 +90,15 @@ def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
     sums = {}
     if moe is not None:
         total = total + aux_coef * moe.aux_loss * count
-        sums = {"aux_loss": moe.aux_loss * count, "expert_load": jnp.mean(moe.load, 0) * count}
+        # Load-balance spread: the busiest expert's share over the mean share, worst layer
+        # (1 is balanced; the busiest expert shard's work and received rows scale with it).
+        spread = jnp.max(jnp.max(moe.load, axis=1) * moe.load.shape[1])
+        sums = {
+            "aux_loss": moe.aux_loss * count,
+            "expert_load": jnp.mean(moe.load, 0) * count,
+            "moe_load_spread": spread * count,
+            "moe_dropped": moe.dropped * count,  # share of assignments dropped (0: dropless)
+        }
     return total, (count, sums)
 
 
@@ -288,6 +296,8 @@ class _Loop:
         if "aux_loss" in fetched:
             record["aux_loss"] = float(fetched["aux_loss"])
             record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
+            record["moe_load_spread"] = float(fetched["moe_load_spread"])
+            record["moe_dropped"] = float(fetched["moe_dropped"])
         self.writer.write(self.step, record)
         self.data_wait = self.checkpoint_wait = 0.0
         self.records.append({"step": self.step, **record})

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardings.mesh import check_divisible
 from shardings.specs import split_size
+from zoo.layers import pipeline
 from zoo.layers.config import DecoderConfig
 from zoo.registry import family_for_config, get_config
 
@@ -132,6 +133,7 @@ def check_model_fits(cfg: DecoderConfig, strategy, mesh) -> None:
     cfg = fit_vocab(cfg, strategy, mesh)
     check_divisible(param_layouts(cfg, strategy), mesh, strategy.name)
     check_divisible(activation_layouts(cfg, strategy), mesh, strategy.name)
+    pipeline.plan_for(cfg, strategy.lm_sharding(), mesh)  # stages, repeats, micro-batches
 
 
 def create_model(cfg: DecoderConfig, strategy, *, rngs: nnx.Rngs, mesh=None):

@@ -44,7 +44,18 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardings import get_strategy
 from shardings.specs import split_size
+
+
+def check_can_generate(strategy_name: str) -> None:
+    """ValueError (one line) for a strategy generation cannot run under: a pipeline's."""
+    if get_strategy(strategy_name).lm_sharding().stage_axis is not None:
+        raise ValueError(
+            f"--prompt: generation (KV-cache decoding) does not run under the pipeline "
+            f"strategy {strategy_name}; add --sharding_strategy=fsdp (or another without a "
+            "`stage` axis): checkpoints load under any strategy"
+        )
 
 
 def model_mesh(model):
@@ -192,11 +203,13 @@ def generate(
     top_k: int | None = None,
     eos_id: int | None = None,
     seed: int = 0,
+    prompt_len: int | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` ids.
 
     Returns, per prompt, the new ids up to (not including) the first `eos_id`. Runs on the
-    mesh the model's parameters live on.
+    mesh the model's parameters live on. `prompt_len`: left-pad the prompts to at least this
+    many columns (callers with many batches bucket their lengths, so fewer shapes compile).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
@@ -211,7 +224,7 @@ def generate(
     bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-    prompt_len = max(len(p) for p in prompts)
+    prompt_len = max(max(len(p) for p in prompts), prompt_len or 0)
     if prompt_len + max_new_tokens > cfg.max_seq_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "

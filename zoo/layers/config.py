@@ -82,6 +82,13 @@ class DecoderConfig:
     # Weight of the load-balancing loss (Switch Transformer form, as transformers computes it)
     # added to the training loss.
     router_aux_loss_coef: float = 0.0
+    # How expert parallelism moves tokens (zoo/layers/moe_exchange.py): 'ragged' sends exactly
+    # the routed rows (TPU, GPU), 'padded' fixed [e, C, M] buffers (what CPU can run), 'auto'
+    # the first where it lowers. `moe_capacity_factor` sets the padded exchange's C =
+    # ceil(factor x rows / e) per expert shard, dropping the overflow (counted in the
+    # metrics); 0 is dropless (C = all rows).
+    moe_exchange: str = "auto"
+    moe_capacity_factor: float = 0.0
 
     dtype: str = "float32"  # compute dtype; parameters stay float32
     scan_layers: bool = True  # stack layers and run them with nnx.scan (one compiled block)
@@ -101,6 +108,12 @@ class DecoderConfig:
     # Run Pallas attention kernels (splash) in interpret mode, so they run on CPU: for tests
     # and debugging only (slow).
     attention_interpret: bool = False
+    # Pipeline parallelism (strategies with a `stage` axis; zoo/layers/pipeline.py): the
+    # micro-batches each step's batch is cut into (0: one per stage; at least the stages),
+    # and the repeats (virtual stages per device: 1 is GPipe, more is the circular schedule,
+    # layer chunk r*S + s on stage s). Ignored by the other strategies.
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -109,6 +122,12 @@ class DecoderConfig:
                 f"{self.num_kv_heads}; grouped-query attention needs K | N"
             )
         remat.check_name(self.remat)
+        if self.pipeline_microbatches < 0 or self.pipeline_repeats < 1:
+            raise ValueError(
+                f"pipeline_microbatches={self.pipeline_microbatches}, pipeline_repeats="
+                f"{self.pipeline_repeats}; valid: microbatches >= 0 (0: one per stage), "
+                "repeats >= 1 (1: GPipe)"
+            )
         if self.scan_unroll < 0:
             raise ValueError(
                 f"scan_unroll={self.scan_unroll}; valid: 0 (auto: unrolled on CPU without "
@@ -130,6 +149,12 @@ class DecoderConfig:
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                 f"{self.num_experts}"
+            )
+        if self.moe_exchange not in ("auto", "ragged", "padded"):
+            raise ValueError(f"moe_exchange={self.moe_exchange!r}; valid: auto, ragged, padded")
+        if not self.moe_capacity_factor >= 0:
+            raise ValueError(
+                f"moe_capacity_factor={self.moe_capacity_factor}; valid: 0 (dropless) or > 0"
             )
         if self.num_experts and self.moe_ffn_dim < 1:
             raise ValueError(f"moe_ffn_dim={self.moe_ffn_dim}; an MoE config needs it >= 1")

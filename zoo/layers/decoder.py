@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from shardings.mesh import compile_platform
 from shardings.specs import BlockSharding, LmSharding
 from zoo import loss
-from zoo.layers import remat, rope
+from zoo.layers import pipeline, remat, rope
 from zoo.layers.attention import Attention, Segments, context_parallel
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
@@ -100,11 +101,21 @@ class DecoderLM(nnx.Module):
         if cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.num_layers)
-            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            # L is split over the pipeline's stage axis, if any (None: never split).
+            @nnx.vmap(
+                in_axes=0,
+                out_axes=0,
+                transform_metadata={nnx.PARTITION_NAME: sharding.stage_axis},
+            )
             def make_blocks(rngs):
                 return Block(cfg, sharding.block, rngs=rngs)
 
             self.blocks = make_blocks(rngs)
+            if sharding.stage_axis is not None:
+                # vmap records the stage split in the metadata but creates L unsplit.
+                for _, var in nnx.to_flat_state(nnx.state(self.blocks)):
+                    spec = var.get_metadata().get("out_sharding")
+                    var.set_value(jax.sharding.reshard(var.get_value(), P(*spec)))
         else:
             self.blocks = nnx.List(
                 [Block(cfg, sharding.block, rngs=rngs) for _ in range(cfg.num_layers)]
@@ -230,8 +241,11 @@ class DecoderLM(nnx.Module):
             kv_ctx = (kv_segment_ids, kv_positions, cache.index)
 
         windows, freqs_LR = self._layer_tables()
-        run = self._run_scanned if cfg.scan_layers else self._run_unscanned
-        x_BTM, (new_kv, stats) = run(x_BTM, segments, windows, freqs_LR, cache, kv_ctx)
+        if self.sharding.stage_axis is not None:
+            x_BTM, (new_kv, stats) = self._run_pipelined(x_BTM, segments, windows, freqs_LR, cache)
+        else:
+            run = self._run_scanned if cfg.scan_layers else self._run_unscanned
+            x_BTM, (new_kv, stats) = run(x_BTM, segments, windows, freqs_LR, cache, kv_ctx)
 
         if balanced:
             x_BTM = context_parallel.from_balanced(x_BTM, cp_axis)
@@ -299,6 +313,15 @@ class DecoderLM(nnx.Module):
             return x
 
         return nnx.merge(graphdef, jax.tree.map(cast, params), rest)
+
+    def _run_pipelined(self, x_BTM, segments, windows, freqs_LR, cache):
+        """The layer stack split into stages over the strategy's stage axis."""
+        if cache is not None:
+            raise ValueError(
+                "KV-cache decoding (generation) does not run under a pipeline strategy; "
+                "generate with one without a `stage` axis, e.g. --sharding_strategy=fsdp"
+            )
+        return pipeline.run(self, x_BTM, segments, windows, freqs_LR, self.sharding.stage_axis)
 
     def _scan_unroll(self) -> int:
         """Layers per scan iteration: the config's, or for 0 (auto) all of them when this

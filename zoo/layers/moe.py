@@ -36,6 +36,13 @@ from flax import nnx
 
 from shardings.specs import MoeSharding, normalize
 from zoo.layers.basic import Einsum, _normal
+from zoo.layers.moe_exchange import (
+    compile_platform,
+    packet_rows,
+    padded_exchange,
+    ragged_exchange,
+    resolve_exchange,
+)
 
 
 class RouterStats(NamedTuple):
@@ -44,6 +51,7 @@ class RouterStats(NamedTuple):
     counts: jax.Array  # [E] top-k assignments per expert
     probs: jax.Array  # [E] router probabilities per expert
     tokens: jax.Array  # tokens counted
+    dropped: jax.Array  # share of all assignments (padding included) the exchange dropped
 
 
 class MoeStats(NamedTuple):
@@ -51,6 +59,7 @@ class MoeStats(NamedTuple):
 
     aux_loss: jax.Array  # transformers' load-balancing loss (unweighted)
     load: jax.Array  # [L, E] share of each layer's assignments that went to each expert
+    dropped: jax.Array  # share of the assignments dropped (capacity-bounded exchange; else 0)
 
 
 def moe_stats(stats: RouterStats, num_experts: int) -> MoeStats:
@@ -64,7 +73,7 @@ def moe_stats(stats: RouterStats, num_experts: int) -> MoeStats:
     prob_per_expert_E = jnp.sum(stats.probs, axis=0) / rows
     aux = num_experts * jnp.sum(tokens_per_expert_E * prob_per_expert_E)
     per_layer = jnp.maximum(jnp.sum(stats.counts, axis=-1, keepdims=True), 1.0)
-    return MoeStats(aux_loss=aux, load=stats.counts / per_layer)
+    return MoeStats(aux_loss=aux, load=stats.counts / per_layer, dropped=jnp.mean(stats.dropped))
 
 
 def route(logits_BTE, k: int, norm_topk_prob: bool):
@@ -84,50 +93,6 @@ def swiglu_experts(x_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E):
     return jax.lax.ragged_dot(jax.nn.silu(g_XF) * u_XF, down_EFM, group_sizes_E)
 
 
-def _expert_parallel(x_XM, counts_E, gate_EMF, up_EMF, down_EFM, axis: str):
-    """`swiglu_experts` with the experts split over mesh axis `axis` (local E/e of them).
-
-    x_XM holds this device's assignments sorted by global expert id, `counts_E` of each.
-    """
-    e = jax.lax.axis_size(axis)
-    X, M = x_XM.shape
-    E_local = gate_EMF.shape[0]
-    # Rows bound for expert shard j are contiguous in the sorted order, starting at start_j.
-    send_counts_eL = counts_E.reshape(e, E_local)
-    send_totals_e = jnp.sum(send_counts_eL, axis=1)
-    send_start_e = jnp.cumsum(send_totals_e) - send_totals_e
-    row_eX = send_start_e[:, None] + jnp.arange(X)[None, :]
-    valid_eX = jnp.arange(X)[None, :] < send_totals_e[:, None]
-    send_eXM = jnp.where(valid_eX[..., None], x_XM[jnp.minimum(row_eX, X - 1)], 0)
-
-    # [source shard, X, M]: what every shard sent to this one, and how many rows per expert.
-    recv_eXM = jax.lax.all_to_all(send_eXM, axis, 0, 0, tiled=True)
-    recv_counts_eL = jax.lax.all_to_all(send_counts_eL, axis, 0, 0, tiled=True)
-
-    # Each source's block is sorted by local expert; rows past its total are padding, given
-    # the id E_local so that sorting puts them after every group (ragged_dot zeroes them).
-    ends_eL = jnp.cumsum(recv_counts_eL, axis=1)
-    local_eX = jax.vmap(lambda ends, rows: jnp.searchsorted(ends, rows, side="right"))(
-        ends_eL, jnp.broadcast_to(jnp.arange(X), (e, X))
-    )
-    local_R = local_eX.reshape(-1)  # R = e * X received rows
-    order_R = jnp.argsort(local_R, stable=True)
-    y_RM = swiglu_experts(
-        recv_eXM.reshape(-1, M)[order_R],
-        gate_EMF,
-        up_EMF,
-        down_EFM,
-        jnp.sum(recv_counts_eL, axis=0),
-    )
-    y_eXM = jnp.zeros_like(y_RM).at[order_R].set(y_RM).reshape(e, X, M)
-
-    # Back to the shards the rows came from, then into this device's sorted order.
-    back_eXM = jax.lax.all_to_all(y_eXM, axis, 0, 0, tiled=True)
-    dest_X = jnp.searchsorted(jnp.cumsum(send_totals_e), jnp.arange(X), side="right")
-    dest_X = jnp.minimum(dest_X, e - 1)
-    return back_eXM[dest_X, jnp.arange(X) - send_start_e[dest_X]]
-
-
 def _local_moe(
     x_BTM,
     experts_BTk,
@@ -140,8 +105,12 @@ def _local_moe(
     expert_axis: str | None,
     ffn_axis: str | None,
     scatter_out: bool,
+    exchange: str,
+    capacity_factor: float,
+    packet_rows: int,
 ):
-    """One device's tokens through their experts (runs inside shard_map)."""
+    """One device's tokens through their experts (runs inside shard_map): (y_BTM, [1] the
+    assignments this device's exchange dropped)."""
     B, T, M = x_BTM.shape
     k = experts_BTk.shape[-1]
     x_NM = x_BTM.reshape(B * T, M)
@@ -150,10 +119,17 @@ def _local_moe(
     token_X = (jnp.arange(expert_X.shape[0]) // k)[order_X]
     x_XM = x_NM[token_X]
     counts_E = jnp.bincount(expert_X, length=num_experts).astype(jnp.int32)
+
+    def experts(rows_XM, group_sizes_E):
+        return swiglu_experts(rows_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E)
+
+    dropped = jnp.zeros((), jnp.int32)
     if expert_axis is None:
-        y_XM = swiglu_experts(x_XM, gate_EMF, up_EMF, down_EFM, counts_E)
+        y_XM = experts(x_XM, counts_E)
+    elif exchange == "ragged":
+        y_XM, dropped = ragged_exchange(x_XM, counts_E, experts, expert_axis, packet_rows)
     else:
-        y_XM = _expert_parallel(x_XM, counts_E, gate_EMF, up_EMF, down_EFM, expert_axis)
+        y_XM, dropped = padded_exchange(x_XM, counts_E, experts, expert_axis, capacity_factor)
     y_XM = y_XM * weights_BTk.reshape(-1)[order_X][:, None].astype(y_XM.dtype)
     y_NM = jnp.zeros_like(x_NM).at[token_X].add(y_XM)  # the k experts' outputs summed
     y_BTM = y_NM.reshape(B, T, M)
@@ -163,7 +139,7 @@ def _local_moe(
             y_BTM = jax.lax.psum_scatter(y_BTM, ffn_axis, scatter_dimension=2, tiled=True)
         else:
             y_BTM = jax.lax.psum(y_BTM, ffn_axis)
-    return y_BTM
+    return y_BTM, dropped[None]
 
 
 class Moe(nnx.Module):
@@ -176,6 +152,8 @@ class Moe(nnx.Module):
         self.k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.dtype = cfg.compute_dtype
+        self.exchange = cfg.moe_exchange
+        self.capacity_factor = cfg.moe_capacity_factor
         self.router = Einsum("BTM,ME->BTE", (M, E), sharding.router, rngs=rngs, dtype=self.dtype)
 
         def param(shape, spec):
@@ -191,11 +169,8 @@ class Moe(nnx.Module):
         weights_BTk, experts_BTk, probs_BTE = route(self.router(x_BTM), self.k, self.norm_topk_prob)
         mask_BT = mask_BT.astype(jnp.float32)
         one_hot_BTE = jnp.sum(jax.nn.one_hot(experts_BTk, self.num_experts), axis=2)
-        stats = RouterStats(
-            counts=jnp.sum(one_hot_BTE * mask_BT[..., None], axis=(0, 1)),
-            probs=jnp.sum(probs_BTE * mask_BT[..., None], axis=(0, 1)),
-            tokens=jnp.sum(mask_BT),
-        )
+        counts_E = jnp.sum(one_hot_BTE * mask_BT[..., None], axis=(0, 1))
+        probs_E = jnp.sum(probs_BTE * mask_BT[..., None], axis=(0, 1))
         # FSDP-split expert weights are gathered here (reduce-scattered in the backward),
         # like a dense weight before its matmul.
         weight = lambda p, spec: jax.sharding.reshard(p[...].astype(self.dtype), spec)  # noqa: E731
@@ -204,6 +179,7 @@ class Moe(nnx.Module):
         down_EFM = weight(self.down, s.down_compute)
         scatter_out = s.ffn_axis is not None and normalize(s.out, 3)[2] == s.ffn_axis
         routing = jax.sharding.PartitionSpec(*tuple(normalize(s.tokens, 3))[:2], None)
+        platform = compile_platform()
         compute = jax.shard_map(
             functools.partial(
                 _local_moe,
@@ -211,12 +187,31 @@ class Moe(nnx.Module):
                 expert_axis=s.expert_axis,
                 ffn_axis=s.ffn_axis,
                 scatter_out=scatter_out,
+                exchange=resolve_exchange(self.exchange, platform),
+                capacity_factor=self.capacity_factor,
+                packet_rows=packet_rows(platform, x_BTM.shape[-1] * jnp.dtype(self.dtype).itemsize),
             ),
             in_specs=(s.tokens, routing, routing, s.gate_compute, s.up_compute, s.down_compute),
-            out_specs=s.out if scatter_out else s.tokens,
+            # One count of dropped assignments per device holding distinct tokens.
+            out_specs=(s.out if scatter_out else s.tokens, _token_devices(s.tokens)),
         )
         x_BTM = jax.sharding.reshard(x_BTM.astype(self.dtype), s.tokens)
         experts_BTk = jax.sharding.reshard(experts_BTk, routing)
         weights_BTk = jax.sharding.reshard(weights_BTk, routing)
-        y_BTM = compute(x_BTM, experts_BTk, weights_BTk, gate_EMF, up_EMF, down_EFM)
+        y_BTM, dropped_D = compute(x_BTM, experts_BTk, weights_BTk, gate_EMF, up_EMF, down_EFM)
+        B, T, _ = x_BTM.shape
+        stats = RouterStats(
+            counts=counts_E,
+            probs=probs_E,
+            tokens=jnp.sum(mask_BT),
+            dropped=jnp.sum(dropped_D).astype(jnp.float32) / (B * T * self.k),
+        )
         return jax.sharding.reshard(y_BTM, s.out), stats
+
+
+def _token_devices(tokens: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
+    """[devices] over every mesh axis that splits the tokens' B or T, in that order."""
+    axes = []
+    for entry in tuple(normalize(tokens, 3))[:2]:
+        axes += [] if entry is None else list(entry if isinstance(entry, tuple) else (entry,))
+    return jax.sharding.PartitionSpec(tuple(axes) or None)

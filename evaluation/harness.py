@@ -1,0 +1,215 @@
+"""Run lm-evaluation-harness tasks on this project's model and write the harness's results.
+
+    results = run_tasks(lm, ["zoo_facts"], include_path="examples/lm_eval_tasks")
+    write_results(results, "runs/a/lm_eval.json")
+
+Tasks are the harness's own names or those of local task YAML under `include_path` (see
+examples/lm_eval_tasks/). Local tasks are looked up first; the harness's ~15k built-in tasks
+are indexed (about a minute) only when a name is not among them. The hub is never asked for a
+model or a tokenizer (HF_HUB_OFFLINE), and built-in tasks whose data is not in the local
+datasets cache need the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+INSTALL = 'pip install "nnx-zoo[eval]"  (lm-eval 0.4.13)'
+RESULTS_FILE = "lm_eval.json"
+
+
+def require_lm_eval() -> None:
+    """ValueError naming the install command when the [eval] extra is missing."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ValueError(f"--tasks needs lm-evaluation-harness: {INSTALL}") from None
+
+
+def parse_tasks(spec: str) -> list[str]:
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"--tasks={spec!r} names no task; e.g. --tasks=zoo_facts,zoo_prose")
+    return names
+
+
+def task_manager(names: list[str], include_path: str | None):
+    """A TaskManager that knows every name in `names`, or ValueError naming the unknown."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not os.path.isdir(include_path):
+        raise ValueError(f"--include_path={include_path!r} is not a directory of task YAML files")
+    where = (
+        f"in --include_path={include_path} or the harness's tasks"
+        if include_path
+        else "among the harness's tasks (a local task needs --include_path=DIR)"
+    )
+    local = []
+    if include_path is not None:
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        local = manager.all_tasks
+        if all(n in local for n in names):
+            return manager
+    # A name that no built-in YAML file even mentions is unknown: seconds, not the minute
+    # the full index takes.
+    unknown = _unmentioned([n for n in names if n not in local])
+    if unknown:
+        raise ValueError(f"unknown task {', '.join(map(repr, unknown))}: not {where}")
+    manager = TaskManager(include_path=include_path)
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown task {', '.join(map(repr, unknown))}: not {where}")
+    return manager
+
+
+def _unmentioned(names: list[str]) -> list[str]:
+    """The names that appear as a word in none of the harness's built-in task YAML files."""
+    import re
+
+    import lm_eval.tasks
+
+    if not names:
+        return []
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    seen = set()
+    for directory, _, files in os.walk(os.path.dirname(lm_eval.tasks.__file__)):
+        for name in files:
+            if name.endswith((".yaml", ".yml")):
+                with open(os.path.join(directory, name), encoding="utf-8", errors="replace") as f:
+                    seen.update(pattern.findall(f.read()))
+                if len(seen) == len(names):
+                    return []
+    return [n for n in names if n not in seen]
+
+
+def prepare(
+    tasks: str, include_path: str | None, num_fewshot: int | None, limit: float | None
+) -> TaskRequest:
+    """The --tasks request, checked before any model is loaded: ValueError (one line) for a
+    missing extra, a bad path, an unknown task or a bad count."""
+    require_lm_eval()
+    _quiet_harness()
+    names = parse_tasks(tasks)
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(f"--num_fewshot={num_fewshot} must be >= 0")
+    if limit is not None and limit <= 0:
+        raise ValueError(f"--limit={limit} must be > 0 (N examples, or a fraction below 1)")
+    return TaskRequest(names, task_manager(names, include_path), num_fewshot, limit)
+
+
+def _quiet_harness() -> None:
+    """The harness warns at length about every local task's custom loader; errors stay."""
+    import logging
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+
+
+def run_tasks(
+    lm,
+    names: list[str],
+    *,
+    manager=None,
+    include_path: str | None = None,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    log_samples: bool = False,
+) -> dict:
+    """The harness's results dict (`simple_evaluate`) for `lm` on tasks `names`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import lm_eval
+
+    manager = manager or task_manager(names, include_path)
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=names,
+        task_manager=manager,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        log_samples=log_samples,
+        torch_random_seed=None,  # no torch here
+    )
+
+
+def write_results(results: dict, path: str) -> None:
+    """`results` as the harness's CLI writes them (its serializer; samples left out)."""
+    from lm_eval.utils import handle_non_serializable
+
+    from checkpoint.files import write_json_atomic
+
+    record = {k: v for k, v in results.items() if k != "samples"}
+    write_json_atomic(path, json.loads(json.dumps(record, default=handle_non_serializable)))
+
+
+def summary(results: dict) -> list[str]:
+    """One line per task: its metrics."""
+    lines = []
+    for task, metrics in results["results"].items():
+        shown = ", ".join(
+            f"{k.split(',')[0]} {v:.4f}"
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and "stderr" not in k and k != "sample_len"
+        )
+        lines.append(f"{task}: {shown}")
+    return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskRequest:
+    """eval_main's --tasks, --include_path, --num_fewshot, --limit (checked by `prepare`)."""
+
+    names: list[str]
+    manager: object  # lm_eval.tasks.TaskManager
+    num_fewshot: int | None = None
+    limit: float | None = None  # examples per task: N, or a fraction when < 1
+
+
+def evaluate(request, tasks: TaskRequest):
+    """(results, EvalResult): the harness's results for the request's model (loaded as for
+    the held-out metrics), and what eval_main prints beside them."""
+    from checkpoint.workdir import check_writable_everywhere
+    from evaluation import run
+    from evaluation.harness_lm import ZooLM
+
+    check_writable_everywhere(request.workdir)  # before the work, not after it
+    settings, tokenizer, model, mesh, step = run.load(request)
+    # A run's context is the length it trained at (--seq_len overrides); an HF model's, the
+    # length its config allows (the hf backend reads max_position_embeddings).
+    seq_len = request.overrides.get("seq_len")
+    max_length = seq_len or (None if request.hf_checkpoint else settings.seq_len)
+    lm = ZooLM(model, mesh, tokenizer, rows=settings.batch_size, max_length=max_length)
+    limit = tasks.limit
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    results = run_tasks(
+        lm, tasks.names, manager=tasks.manager, num_fewshot=tasks.num_fewshot, limit=limit
+    )
+    return results, run.EvalResult(request, settings, mesh, step, None, None)
+
+
+def report(results: dict, result) -> str | None:
+    """Print one line per task, then write the harness's results JSON beside eval.json."""
+    import jax
+
+    if jax.process_index() != 0:
+        return None
+    request = result.request
+    what = (
+        f"hf checkpoint {request.hf_checkpoint}" if request.hf_checkpoint else f"step {result.step}"
+    )
+    where = f"{result.settings.strategy} on {dict(result.mesh.shape)}"
+    for line in summary(results):
+        print(f"{what}: {line} ({where})", flush=True)
+    path = os.path.join(request.workdir, RESULTS_FILE)
+    try:
+        write_results(results, path)
+    except OSError as e:
+        raise OSError(
+            f"cannot write {path} ({e.strerror or e}); the result is printed above"
+        ) from e
+    print(f"wrote {path}", flush=True)
+    return path

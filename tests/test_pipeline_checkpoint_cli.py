@@ -1,0 +1,95 @@
+"""A pipeline strategy stores the global arrays every other strategy stores: a checkpoint
+saved under fsdp_pp restores under fsdp bit for bit, and one saved under fsdp restores under
+fsdp_pp; bad pipeline inputs end train_main / eval_main with exit status 2 and one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from _train_helpers import ROOT, SMALL_RUN, child_env, cli_flags, run_train_main
+from flax import nnx
+from test_checkpoint import build, data_iter, leaves, take_optimizer_step
+
+from checkpoint.manager import Checkpointer
+
+PIPE = ("fsdp_pp", (2, 4))
+FLAT = ("fsdp", (8,))
+
+
+def _save(workdir, strategy_shape):
+    mesh, model, optimizer = build(*strategy_shape)
+    take_optimizer_step(mesh, model, optimizer)
+    ckpt = Checkpointer(workdir, save_every=1, keep=1, run_info={"strategy": strategy_shape[0]})
+    assert ckpt.save(3, model=model, optimizer=optimizer, data_iter=data_iter(), meta={})
+    ckpt.close()
+    return leaves(model), leaves(optimizer, nnx.optimizer.OptState)
+
+
+@pytest.mark.parametrize(
+    "source, target", [(PIPE, FLAT), (FLAT, PIPE)], ids=["pp-to-fsdp", "fsdp-to-pp"]
+)
+def test_checkpoint_moves_between_pipeline_and_fsdp_bit_for_bit(tmp_path, source, target):
+    params, opt_state = _save(str(tmp_path), source)
+    mesh, model, optimizer = build(*target, seed=5)
+    ckpt = Checkpointer(str(tmp_path), save_every=1, keep=1, run_info={})
+    with jax.set_mesh(mesh):
+        ckpt.restore(3, model=model, optimizer=optimizer, data_iter=data_iter())
+    ckpt.close()
+    for got, want in zip(leaves(model), params, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(leaves(optimizer, nnx.optimizer.OptState), opt_state, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # The restored stacked weights carry the target's layout: L over `stage` under fsdp_pp.
+    q = nnx.state(model, nnx.Param)["blocks"]["attention"]["q"]["weight"][...]
+    assert (tuple(q.sharding.spec)[0] == "stage") == (target is PIPE)
+
+
+def _one_line_error(proc):
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+PIPE_FLAGS = ["--sharding_strategy=fsdp_pp", "--mesh_shape=stage:2,data:4"]
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            {"model.num_layers": 2, "model.pipeline_repeats": 2},
+            "does not divide by stages x repeats",
+        ),
+        ({"model.pipeline_microbatches": 1}, "fewer than the 2 pipeline stages"),
+        ({"data.global_batch_size": 8, "model.pipeline_microbatches": 4}, "micro-batches"),
+    ],
+    ids=["layers", "microbatches", "batch"],
+)
+def test_bad_pipeline_input_is_one_line(tmp_path, overrides, expected):
+    args = [*cli_flags({**SMALL_RUN, **overrides}), *PIPE_FLAGS, f"--workdir={tmp_path}"]
+    assert expected in _one_line_error(run_train_main(args))
+
+
+def test_prompt_under_pipeline_is_one_line(tmp_path):
+    # The strategy is checked before the checkpoint is read: no run is needed.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "eval_main.py"),
+            f"--workdir={tmp_path}",
+            "--sharding_strategy=fsdp_pp",
+            "--prompt=hi",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert "pipeline strategy fsdp_pp" in _one_line_error(proc)

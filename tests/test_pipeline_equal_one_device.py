@@ -1,0 +1,66 @@
+"""The pipeline strategies pass the same checks as every other strategy
+(test_strategies_equal_one_device.py, whose tests run here on these cases): declared layouts
+are the live ones, and logits, loss, gradients and ten AdamW steps equal the one-device run,
+in float32 on packed rows, for both schedules (GPipe: repeats 1; circular: repeats 2) on 2 and
+4 stages, with as many micro-batches as stages and with more (the loop-back buffer's delay).
+
+The model has 4 layers, so that 2 stages x 2 repeats and 4 stages divide it. Tolerances are
+that file's (its docstring gives the reasons): a pipeline only reorders which rows run when,
+so the sums inside a row are the one-device run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_strategies_equal_one_device as equal
+from model_utils import one_device_mesh
+
+from shardings import get_strategy
+from zoo import get_config
+
+BASE = get_config("tiny").replace(num_layers=4)
+# (strategy, mesh, micro-batches, repeats)
+CASES = [
+    ("fsdp_pp", (2, 4), 2, 1),  # GPipe, 2 stages
+    ("fsdp_pp", (4, 2), 4, 1),  # GPipe, 4 stages
+    ("fsdp_pp", (2, 4), 2, 2),  # circular, layer chunk c on stage c mod 2
+    ("fsdp_tp_pp", (2, 2, 2), 4, 2),  # circular, more micro-batches than stages, with tp
+]
+
+# The shared tests, run on this module's fixtures.
+test_parameter_layouts_are_declared = equal.test_parameter_layouts_are_declared
+test_module_outputs_have_declared_layouts = equal.test_module_outputs_have_declared_layouts
+test_strategy_actually_shards = equal.test_strategy_actually_shards
+test_logits_loss_grads_equal_one_device = equal.test_logits_loss_grads_equal_one_device
+test_adamw_steps_equal_one_device = equal.test_adamw_steps_equal_one_device
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return equal._run("dp", one_device_mesh(), cfg=BASE)
+
+
+@pytest.fixture(
+    scope="module",
+    params=CASES,
+    ids=[f"{s}-{'x'.join(map(str, m))}-mb{mb}-r{r}" for s, m, mb, r in CASES],
+)
+def sharded(request, reference, monkeypatch_module):
+    name, shape, microbatches, repeats = request.param
+    cfg = BASE.replace(pipeline_microbatches=microbatches, pipeline_repeats=repeats)
+    # The shared layout test reads the module's config.
+    monkeypatch_module.setattr(equal, "CFG", cfg)
+    mesh = get_strategy(name).make_mesh(shape=shape)
+    return name, equal._run(name, mesh, init_params=reference["params"], cfg=cfg)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_weights_split_over_stage(sharded):
+    name, run = sharded
+    for path, spec in run["live_layouts"].items():
+        assert (spec[0] == "stage") == path.startswith("blocks/"), f"{name}: {path} is {spec}"
