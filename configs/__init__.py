@@ -39,6 +39,9 @@ def base_config() -> ConfigDict:
     # --attention_impl overrides; an explicit backend that cannot run here is an error.
     m.attention_impl = "xla"
     m.attention_interpret = False  # run splash in Pallas interpret mode (CPU tests only; slow)
+    # Projections (q/k/v/o, MLP) in low precision, forward and backward: none | fp8 (e4m3,
+    # e5m2 gradients; cuBLASLt fp8 GEMMs on H100/H200) | int8 (TPU's int8 MXU path).
+    m.quantization = "none"
 
     c.data = d = ConfigDict()
     d.source = "default"  # 'default' (stdlib source text, no download) or a path / dir / glob

@@ -15,6 +15,7 @@ from typing import Any
 
 # zoo/layers/remat.py's names; repeated here so reading a config imports no JAX.
 REMAT_POLICIES = ("none", "full", "dots", "save_qkv_proj", "save_out_proj", "offload")
+QUANTIZATIONS = ("none", "fp8", "int8")  # zoo/layers/quant.py's
 SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging")
 
 
@@ -47,6 +48,7 @@ class ModelSection:
     remat: str = "none"
     attention_impl: str = "xla"
     attention_interpret: bool = False
+    quantization: str = "none"
 
     SHAPE_FIELDS = (
         "vocab_size",
@@ -67,6 +69,7 @@ class ModelSection:
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
             ("attention_impl", ("xla", "splash", "cudnn", "auto")),
+            ("quantization", QUANTIZATIONS),
         ):
             if getattr(self, name) not in valid:
                 _fail("model", name, getattr(self, name), f"valid: {', '.join(valid)}")
@@ -80,6 +83,7 @@ class ModelSection:
             remat=self.remat,
             attention_impl=self.attention_impl,
             attention_interpret=self.attention_interpret,
+            quantization=self.quantization,
         )
         return out
 

@@ -262,6 +262,7 @@ def _from_pretrained(path: str, strategy, model_section):
         remat=model_section.remat,
         attention_impl=model_section.attention_impl,
         attention_interpret=model_section.attention_interpret,
+        quantization=model_section.quantization,
     )
     return from_pretrained(path, strategy, **runtime)
 

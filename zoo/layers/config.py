@@ -11,7 +11,7 @@ import math
 
 import jax.numpy as jnp
 
-from zoo.layers import remat
+from zoo.layers import quant, remat
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -101,6 +101,11 @@ class DecoderConfig:
     # Run Pallas attention kernels (splash) in interpret mode, so they run on CPU: for tests
     # and debugging only (slow).
     attention_interpret: bool = False
+    # Operands of the attention and MLP projections (q, k, v, o, gate, up, down), forward and
+    # backward: 'none' (the compute dtype) | 'fp8' (e4m3 / e5m2 gradients, per-tensor scales)
+    # | 'int8' (per-row/column scales); see zoo/layers/quant.py. The LM head, the MoE router
+    # and experts and the attention core stay in the compute dtype.
+    quantization: str = "none"
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -109,6 +114,7 @@ class DecoderConfig:
                 f"{self.num_kv_heads}; grouped-query attention needs K | N"
             )
         remat.check_name(self.remat)
+        quant.check(self.quantization)
         if self.scan_unroll < 0:
             raise ValueError(
                 f"scan_unroll={self.scan_unroll}; valid: 0 (auto: unrolled on CPU without "
