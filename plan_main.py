@@ -51,6 +51,9 @@ _MICRO = flags.DEFINE_list(
 )
 _ATTENTION = flags.DEFINE_string("attention_impl", None, "xla | cudnn | splash | auto.")
 _DTYPE = flags.DEFINE_string("dtype", None, "Compute dtype; default: the config's.")
+_QUANT = flags.DEFINE_string(
+    "quantization", None, "Projections in none | fp8 | int8; default: the config's."
+)
 _MEMORY = flags.DEFINE_float("memory_gib", None, "Pretend the chip has this much memory.")
 _MAX_COMPILES = flags.DEFINE_integer("max_compiles", 16, "Most compiles `auto` may spend.")
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per candidate on stdout.")
@@ -95,6 +98,7 @@ def main(argv):
             micro_batches=_MICRO.value,
             attention_impl=_ATTENTION.value,
             dtype=_DTYPE.value,
+            quantization=_QUANT.value,
             memory_gib=_MEMORY.value,
             max_compiles=_MAX_COMPILES.value,
         )

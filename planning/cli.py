@@ -34,6 +34,7 @@ class Request:
     micro_batches: list[str] | None = None
     attention_impl: str | None = None
     dtype: str | None = None
+    quantization: str | None = None
     memory_gib: float | None = None
     max_compiles: int = 16
 
@@ -70,6 +71,7 @@ def load_run(request: Request, num_devices: int):
     for key, value in (
         ("attention_impl", request.attention_impl),
         ("dtype", request.dtype),
+        ("quantization", request.quantization),
     ):
         if value is not None:
             model[key] = value

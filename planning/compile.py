@@ -90,6 +90,7 @@ class Plan:
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
     estimate: StepEstimate
+    dot_dtypes: dict[str, int] = dataclasses.field(default_factory=dict)  # hlo.dot_dtypes
 
     @property
     def required_bytes(self) -> int:
@@ -128,6 +129,7 @@ class Plan:
             "collective_bytes": collective_bytes(self.collectives),
             "collectives_by_axis": collectives_by_axis(self.collectives),
             "kernels": self.kernels,
+            "dot_dtypes": self.dot_dtypes,
             "compile_seconds": round(self.compile_seconds, 2),
             "model_flops_per_device": self.estimate.model_flops,
             "executed_flops_per_device": self.estimate.executed_flops,
@@ -340,6 +342,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         collectives=ops,
         kernels=dict(sorted(hlo.kernels(text).items())),
         estimate=estimate,
+        dot_dtypes=dict(sorted(hlo.dot_dtypes(text).items())),
     )
 
 

@@ -10,12 +10,14 @@ Current scaling: each scale is taken from the tensor being quantized, in the sam
 and a resumed run is the uninterrupted one bit for bit. (Delayed scaling, the other fp8
 recipe, keeps an amax history per tensor; not built.)
 
-fp8 is written as XLA's GPU compiler expects to find it: each operand is quantized, then
-dequantized (`convert(f8) * scalar scale`) right before a dot in the compute dtype. XLA GPU's
-GEMM rewriter folds that pattern into one cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8` custom
-call, e4m3 x e4m3 forward, e5m2 x e4m3 backward); CPU and TPU run the same arithmetic in the
-compute dtype, so CPU results are the fp8 GEMM's up to the accumulation order. cuBLASLt takes
-one scale per operand, hence per-tensor scales.
+fp8 is a dot whose operands are the fp8 arrays themselves (`f8e4m3fn x f8e4m3fn` forward,
+`f8e5m2 x f8e4m3fn` / `f8e4m3fn x f8e5m2` backward), accumulated in the compute dtype's
+precision, with the two per-tensor scales multiplied into the result. Compiled for H100, XLA
+makes it an fp8 GEMM: a Triton GEMM fusion on fp8 operands by default, or cuBLASLt's
+`__cublas$lt$matmul$f8` with `--xla_gpu_enable_triton_gemm=false`. (The other spelling,
+dequantize `convert(f8) * scale` then a bf16 dot, becomes the cuBLASLt fp8 call only with
+Triton GEMMs off; with them on, XLA fuses it into a bf16 GEMM: checked by compiling.) CPU runs
+the same dot on the same fp8 values. cuBLASLt takes one scale per operand: per-tensor scales.
 
 int8 is an integer dot (`s8 x s8 -> s32`), the MXU's int8 path on TPU, with the scales applied
 to the int32 result. A scale is taken per slice along the contracting dims (per token row of
@@ -137,10 +139,11 @@ def _dot(eq: str, a: Quantized, b: Quantized, out_spec, dtype):
         spec = out_spec if out_spec is not None else _spec_of(acc)
         y = acc.astype(jnp.float32) * _scale_to_out(a.scale, la, out, spec)
         return (y * _scale_to_out(b.scale, lb, out, spec)).astype(dtype)
-    # fp8: the dequantize-then-dot pattern XLA GPU turns into a cuBLASLt fp8 GEMM.
-    return jnp.einsum(eq, dequantize(a, dtype), dequantize(b, dtype), out_sharding=out_spec).astype(
-        dtype
-    )
+    # fp8: a dot of the fp8 operands themselves (per-tensor scales applied to the result).
+    # XLA GPU compiles it to an fp8 GEMM (Triton's, or cuBLASLt's `__cublas$lt$matmul$f8`
+    # with Triton GEMMs off); the dequantize-then-dot form is left a bf16 Triton GEMM.
+    y = jnp.einsum(eq, a.q, b.q, preferred_element_type=dtype, out_sharding=out_spec)
+    return y * (a.scale * b.scale).astype(dtype)
 
 
 def _formats(quantization: str):
