@@ -1,4 +1,4 @@
-"""Chips the planner targets: memory, peak bf16 FLOP/s and link bandwidths, each sourced.
+"""Chips the planner targets: memory, peak FLOP/s per precision and link bandwidths, each sourced.
 
 Bandwidths are bytes/s in ONE direction over ONE link (TPU ICI) or per GPU (NVLink through the
 NVSwitch, InfiniBand NIC); `planning.estimate` turns them into the bandwidth of a mesh axis.
@@ -30,6 +30,10 @@ class Chip:
     # ring along it uses both directions of each link.
     wraparound_dim: int | None = None
     devices_per_host: int = 8  # GPU: NVLink domain; TPU: chips sharing a host's DCN NICs
+    # Dense peak of matmuls on fp8 / int8 operands; None: no faster path than bf16 (the
+    # quantized dot then runs at the bf16 rate, e.g. fp8 on TPU v5/v6).
+    peak_fp8_flops: float | None = None
+    peak_int8_flops: float | None = None
 
 
 # Sources:
@@ -39,9 +43,12 @@ class Chip:
 # [scaling-book] jax-ml.github.io/scaling-book/tpus ("How to Scale Your Model", part 2): ICI
 #   one-way bandwidth per link 9e10 B/s (v5p, v6e), 4.5e10 B/s (v5e); wraparound links only
 #   on full 4-chip-multiple v5p dims and on 16-wide v5e/v6e dims.
+# [tpu-int8] the same pages: int8 peak 918 TOPS (v5p), 394 (v5e), 1836 (v6e); no fp8 MXU.
 # [h100] nvidia.com/en-us/data-center/h100 (SXM): 989 TFLOP/s bf16 dense, 80 GB HBM3,
+#   FP8 1979 TFLOP/s and INT8 1979 TOPS dense (the sheet's 3958 are with sparsity),
 #   NVLink 900 GB/s bidirectional per GPU; DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU.
 # [h200] nvidia.com/en-us/data-center/h200 (SXM): 989 TFLOP/s bf16 dense, 141 GB HBM3e,
+#   FP8 1979 TFLOP/s and INT8 1979 TOPS dense,
 #   NVLink 900 GB/s bidirectional per GPU.
 CHIPS: dict[str, Chip] = {
     "v5p": Chip(
@@ -49,6 +56,7 @@ CHIPS: dict[str, Chip] = {
         "tpu",
         memory_bytes=95 * GiB,  # [tpu-v5p]
         peak_bf16_flops=459e12,  # [tpu-v5p]
+        peak_int8_flops=918e12,  # [tpu-int8]
         link_bytes_per_s=9e10,  # [scaling-book]
         cross_host_bytes_per_s=50e9 / 8,  # [tpu-v5p] 50 Gbps DCN per chip
         wraparound_dim=4,  # [scaling-book]
@@ -59,6 +67,7 @@ CHIPS: dict[str, Chip] = {
         "tpu",
         memory_bytes=16 * GiB,  # [tpu-v5e]
         peak_bf16_flops=197e12,  # [tpu-v5e]
+        peak_int8_flops=394e12,  # [tpu-int8]
         link_bytes_per_s=4.5e10,  # [scaling-book]
         cross_host_bytes_per_s=None,
         wraparound_dim=16,  # [scaling-book]
@@ -69,6 +78,7 @@ CHIPS: dict[str, Chip] = {
         "tpu",
         memory_bytes=32 * GiB,  # [tpu-v6e]
         peak_bf16_flops=918e12,  # [tpu-v6e]
+        peak_int8_flops=1836e12,  # [tpu-int8]
         link_bytes_per_s=9e10,  # [scaling-book]
         cross_host_bytes_per_s=None,
         wraparound_dim=16,  # [scaling-book]
@@ -79,6 +89,8 @@ CHIPS: dict[str, Chip] = {
         "gpu",
         memory_bytes=80 * 10**9,  # [h100]
         peak_bf16_flops=989e12,  # [h100]
+        peak_fp8_flops=1979e12,  # [h100]
+        peak_int8_flops=1979e12,  # [h100]
         link_bytes_per_s=450e9,  # [h100] half of 900 GB/s bidirectional
         cross_host_bytes_per_s=400e9 / 8,  # [h100] 400 Gb/s NIC per GPU
     ),
@@ -87,6 +99,8 @@ CHIPS: dict[str, Chip] = {
         "gpu",
         memory_bytes=141 * 10**9,  # [h200]
         peak_bf16_flops=989e12,  # [h200]
+        peak_fp8_flops=1979e12,  # [h200]
+        peak_int8_flops=1979e12,  # [h200]
         link_bytes_per_s=450e9,  # [h200]
         cross_host_bytes_per_s=400e9 / 8,  # [h100] same NIC per GPU as DGX H100
     ),
@@ -102,6 +116,22 @@ CHIPS: dict[str, Chip] = {
         cross_host_bytes_per_s=None,
     ),
 }
+
+
+def peak_flops(chip: Chip, quantization: str = "none") -> float:
+    """Dense peak FLOP/s of `chip` for the projections' precision (model.quantization): the
+    fp8 / int8 rate where the chip has one, else bf16's."""
+    faster = {"fp8": chip.peak_fp8_flops, "int8": chip.peak_int8_flops}.get(quantization)
+    return faster or chip.peak_bf16_flops
+
+
+def precision_peak_ratio(device, quantization: str) -> float:
+    """Peak at `quantization` over the bf16 peak for a real device (1 where unknown: CPU)."""
+    try:
+        chip = CHIPS[chip_name_for(device)]
+    except ValueError:
+        return 1.0
+    return peak_flops(chip, quantization) / chip.peak_bf16_flops
 
 
 def gpu_memory_fraction(environ: Mapping[str, str] = os.environ) -> float:

@@ -138,6 +138,7 @@ class Plan:
             "overlapped_comm_seconds": self.estimate.overlapped_comm_seconds,
             "predicted_step_seconds": self.estimate.step_seconds,
             "predicted_mfu": self.estimate.mfu,
+            "predicted_mfu_at_precision": self.estimate.mfu_at_precision,
         }
 
 

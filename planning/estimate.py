@@ -2,13 +2,21 @@
 principles, never from XLA's cost model (which counts a scanned layer once and can return
 negative or no times).
 
-    compute  = executed FLOPs per device / chip peak bf16 FLOP/s
+    compute  = quantized FLOPs / chip peak at model.quantization's precision
+               + the other executed FLOPs per device / chip peak bf16 FLOP/s
     executed = model FLOPs (the config's formula: 6 * matmul params + causal attention, per
                token, times the step's tokens) + what rematerialisation recomputes:
                  remat 'full': every block's forward pass again (its matmuls and attention);
                  remat 'dots': the attention score/value products (they have batch dims, so
                    the policy does not save them); the projections are saved;
                  remat 'none': nothing.
+    quantized = the executed FLOPs of the projections model.quantization runs in fp8 / int8
+               (q, k, v, o and the dense MLP, forward, backward and recomputed); the LM
+               head, the attention core and MoE experts stay at the bf16 rate.
+    mfu      = model FLOPs / (bf16 peak * step), the published convention;
+    mfu_at_precision = model FLOPs / (peak at the quantization's precision * step), so the
+               share of the faster peak reached (below 1 even at best: head and attention
+               run at the bf16 rate).
     comm(op) = executions per step * bytes a device sends (ring algorithm: (n-1)/n of the
                array for all-gather / reduce-scatter / all-to-all, twice that for all-reduce,
                the operand for a permute) / bandwidth of the mesh axes the op crosses.
@@ -37,7 +45,7 @@ import math
 
 import numpy as np
 
-from planning.chips import Chip
+from planning.chips import Chip, peak_flops
 from shardings.hlo import Collective
 from zoo.layers.config import causal_keys_per_query
 
@@ -54,7 +62,9 @@ class StepEstimate:
     exposed_comm_seconds: float  # tensor-parallel collectives
     overlapped_comm_seconds: float  # data-parallel collectives, hidden behind compute
     step_seconds: float
-    mfu: float  # model FLOPs / (peak * step)
+    mfu: float  # model FLOPs / (bf16 peak * step)
+    mfu_at_precision: float  # model FLOPs / (peak at model.quantization's precision * step)
+    quantized_flops: float = 0.0  # per device per step: executed in fp8 / int8
 
 
 def recompute_flops_per_token(cfg, seq_len: int, remat: str) -> float:
@@ -86,6 +96,27 @@ def recompute_flops_per_token(cfg, seq_len: int, remat: str) -> float:
     if remat not in kept:
         raise ValueError(f"remat={remat!r}; valid: none, dots, {', '.join(kept)}")
     return block_matmuls_forward - kept[remat] + attention_forward
+
+
+def quantized_flops_per_token(cfg, remat: str) -> float:
+    """Executed FLOPs per token of the projections `cfg.quantization` quantizes: q/k/v/o and
+    the dense MLP (not MoE experts), 6 FLOPs per weight for training plus 2 per weight that
+    `remat` recomputes (as `recompute_flops_per_token` counts it)."""
+    if getattr(cfg, "quantization", "none") == "none":
+        return 0.0
+    M, N, K, D, L = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    qkv, out = M * D * (N + 2 * K), N * D * M
+    mlp = 0 if cfg.is_moe else M * cfg.ffn_dim * (3 if cfg.glu else 2)
+    per_layer = qkv + out + mlp
+    recomputed = {
+        "none": 0,
+        "dots": 0,
+        "full": per_layer,
+        "offload": per_layer,
+        "save_qkv_proj": per_layer - qkv,
+        "save_out_proj": per_layer - out,
+    }[remat]
+    return L * (6.0 * per_layer + 2.0 * recomputed)
 
 
 def axis_bandwidth(devices_grid: np.ndarray, axis_index: tuple[int, ...], chip: Chip, dims=None):
@@ -156,7 +187,9 @@ def estimate_step(
     tokens = global_batch * seq_len
     model = cfg.flops_per_token(seq_len) * tokens / num_devices
     executed = model + recompute_flops_per_token(cfg, seq_len, remat) * tokens / num_devices
-    compute = executed / chip.peak_bf16_flops
+    quantized = quantized_flops_per_token(cfg, remat) * tokens / num_devices
+    peak_low = peak_flops(chip, getattr(cfg, "quantization", "none"))
+    compute = (executed - quantized) / chip.peak_bf16_flops + quantized / peak_low
     step = compute + exposed_comm + max(0.0, overlapped_comm - compute)
     return StepEstimate(
         model_flops=model,
@@ -166,6 +199,8 @@ def estimate_step(
         overlapped_comm_seconds=overlapped_comm,
         step_seconds=step,
         mfu=model / (chip.peak_bf16_flops * step),
+        mfu_at_precision=model / (peak_low * step),
+        quantized_flops=quantized,
     )
 
 

@@ -219,7 +219,10 @@ class LoopOptions:
     total_steps: int
     tokens_per_step: int  # global batch * seq_len (padding included: the compute done)
     flops_per_token: float  # model FLOPs per token for training (config.flops_per_token)
-    peak_flops: float  # all devices together
+    peak_flops: float  # all devices together, in the compute dtype (bf16 on accelerators)
+    # Peak at model.quantization's precision over `peak_flops` (2 for fp8 on H100, int8 on
+    # TPU v5/v6; 1 without quantization or a faster path): `mfu_at_precision`'s divisor.
+    precision_peak_ratio: float = 1.0
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
     checkpoint_every: int = 0  # 0: only at the end (and on preemption)
@@ -301,7 +304,12 @@ def run(
                 "learning_rate": float(learning_rate(step - 1)),  # the rate this step used
                 "grad_norm": float(fetched["grad_norm"]),
                 "tokens_per_second": tokens_per_second,
+                # Against the compute dtype's peak (bf16: the published convention), and
+                # against the peak of the precision the projections run in.
                 "mfu": tokens_per_second * options.flops_per_token / options.peak_flops,
+                "mfu_at_precision": tokens_per_second
+                * options.flops_per_token
+                / (options.peak_flops * options.precision_peak_ratio),
                 "step_time": elapsed / interval_steps,
                 "loss_tokens": int(fetched["loss_tokens"]),
                 "tokens_seen": tokens_seen,

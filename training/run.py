@@ -152,6 +152,9 @@ class Setup:
         self.peak_per_device = flops.peak_flops_per_device(
             jax.devices()[0], dtype=model_cfg.compute_dtype, override_tflops=run.logging.peak_tflops
         )
+        from planning.chips import precision_peak_ratio
+
+        self.precision_peak_ratio = precision_peak_ratio(jax.devices()[0], model_cfg.quantization)
         self.run_info = {
             "config": run.to_dict(),
             "strategy": strategy.name,
@@ -323,6 +326,7 @@ def train(setup: Setup) -> list[dict]:
                 tokens_per_step=run.data.global_batch_size * run.data.seq_len,
                 flops_per_token=setup.flops_per_token,
                 peak_flops=setup.peak_per_device * jax.device_count(),
+                precision_peak_ratio=setup.precision_peak_ratio,
                 log_every=run.logging.log_every,
                 eval_every=run.training.eval_every,
                 checkpoint_every=run.checkpoint.every if ckpt is not None else 0,

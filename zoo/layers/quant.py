@@ -59,14 +59,14 @@ def describe(quantization: str) -> str:
         "fp8": (
             "fp8: q/k/v/o and MLP projections take float8_e4m3fn operands forward and "
             "float8_e5m2 gradients backward, one scale per tensor from its current amax "
-            "(no scaling state: nothing extra in the checkpoint); LM head, router and "
-            "attention core in the compute dtype"
+            "(no scaling state: nothing extra in the checkpoint); LM head, attention core, "
+            "MoE router and experts in the compute dtype"
         ),
         "int8": (
             "int8: q/k/v/o and MLP projections take int8 operands (int32 accumulation) "
             "forward and backward, one scale per row/column from its current amax (no "
-            "scaling state: nothing extra in the checkpoint); LM head, router and attention "
-            "core in the compute dtype"
+            "scaling state: nothing extra in the checkpoint); LM head, attention core, MoE "
+            "router and experts in the compute dtype"
         ),
     }[quantization]
 
