@@ -26,37 +26,18 @@ evaluation/.
 
 from __future__ import annotations
 
-import os
+from launch import cli
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+cli.preamble()
 
-if __name__ == "__main__":
-    # glibc reads its tunables when a process starts: restart now (before anything heavy is
-    # loaded) with huge pages for the host allocator where that helps (runtime/cpu_memory.py).
-    from runtime.cpu_memory import reexec_with_huge_pages
+from absl import flags  # noqa: E402
 
-    reexec_with_huge_pages()
-
-from runtime.xla_cpu import set_cpu_flags  # noqa: E402
-
-set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
-
-# Before anything imports jax: on a host with no TPU / GPU, CPU platform and no native
-# start-up lines on stderr (see runtime/host.py).
-from runtime.host import import_jax_quietly  # noqa: E402
-
-import_jax_quietly()
-
-import sys  # noqa: E402
-
-from absl import app, flags, logging  # noqa: E402
-
-EXIT_USAGE = 2
-EVAL_FILE = "eval.json"
+from shardings import STRATEGIES  # noqa: E402
+from zoo.layers.attention import IMPLEMENTATIONS  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints/ and eval.json).")
-_STRATEGY = flags.DEFINE_string(
-    "sharding_strategy", None, "dp | fsdp | tp | fsdp_tp | fsdp_ep; default: the run's."
+_STRATEGY = flags.DEFINE_enum(
+    "sharding_strategy", None, list(STRATEGIES), "A strategy; default: the run's."
 )
 _MESH_SHAPE = flags.DEFINE_string("mesh_shape", None, "e.g. data:8; default: the strategy's rule.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest complete one.")
@@ -72,7 +53,7 @@ _TOKENIZER = flags.DEFINE_string(
 _ATTENTION = flags.DEFINE_enum(
     "attention_impl",
     None,
-    ["xla", "cudnn", "splash", "auto"],
+    list(IMPLEMENTATIONS),
     "Attention backend; default: the run's. A backend that cannot run here is an error.",
 )
 _LOSS_CHUNK = flags.DEFINE_integer(
@@ -92,139 +73,57 @@ _EVALUATE = flags.DEFINE_bool(
 )
 
 
-def _usage_error(message) -> None:
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_USAGE)
+def _request():
+    from checkpoint.workdir import expand
+    from evaluation.run import EvalRequest, Generation
 
-
-def _parse_flags(argv):
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _usage_error(e)
-
-
-def _generate(model, mesh, tokenizer) -> tuple[str, int]:
-    import jax
-
-    from zoo.generate import generate
-
-    prompt_ids = tokenizer.encode(_PROMPT.value)
-    if not prompt_ids:
-        raise ValueError("--prompt is empty after tokenization")
-    with jax.set_mesh(mesh):
-        new_ids = generate(
-            model,
-            [prompt_ids],
+    if not _WORKDIR.value:
+        cli.usage_error("--workdir is required (the run directory; eval.json is written there)")
+    generation = None
+    if _PROMPT.value is not None:
+        generation = Generation(
+            prompt=_PROMPT.value,
             max_new_tokens=_MAX_NEW_TOKENS.value,
             temperature=_TEMPERATURE.value,
-            top_k=_TOP_K.value or None,
-            eos_id=tokenizer.eos_id,
+            top_k=_TOP_K.value,
             seed=_SEED.value,
-        )[0]
-    return tokenizer.decode(new_ids), len(new_ids)
+        )
+    overrides = dict(
+        data=_DATA.value,
+        mesh_shape=_MESH_SHAPE.value,
+        attention_impl=_ATTENTION.value,
+        strategy=_STRATEGY.value,
+        loss_chunk_size=_LOSS_CHUNK.value,
+        tokenizer=_TOKENIZER.value,
+        seq_len=_SEQ_LEN.value,
+        batch_size=_BATCH_SIZE.value,
+        eval_batches=_EVAL_BATCHES.value,
+    )
+    return EvalRequest(
+        workdir=expand(_WORKDIR.value),
+        hf_checkpoint=expand(_HF_CHECKPOINT.value) if _HF_CHECKPOINT.value else None,
+        step=_STEP.value,
+        evaluate=_EVALUATE.value,
+        generation=generation,
+        overrides=overrides,
+    )
 
 
 def main(argv):
-    if len(argv) > 1:
-        _usage_error(f"unexpected arguments {argv[1:]}; flags look like --name=value")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    if not _WORKDIR.value:
-        _usage_error("--workdir is required (the run directory; eval.json is written there)")
-    if not _EVALUATE.value and _PROMPT.value is None:
-        _usage_error("--noevaluate leaves nothing to do without --prompt")
-    from checkpoint.workdir import check_writable_everywhere, expand
+    cli.no_arguments(argv)
+    cli.quiet_logging()
+    from evaluation import run as evaluation
 
-    workdir = expand(_WORKDIR.value)
-    hf_dir = expand(_HF_CHECKPOINT.value) if _HF_CHECKPOINT.value else None
+    request = _request()
     try:
-        import jax
-
-        from checkpoint.manager import read_meta
-        from data.tokenizers import make_tokenizer
-        from evaluation import metrics as eval_metrics
-        from evaluation import model as eval_model
-        from evaluation.settings import from_run_info
-        from training.run import device_hint
-
-        if _EVALUATE.value:
-            check_writable_everywhere(workdir)  # before the work, not after it
-        run_info, step = None, None
-        if hf_dir is None:
-            step, meta = read_meta(workdir, _STEP.value)
-            run_info = meta.get("run_info") or {}
-        settings = from_run_info(
-            run_info,
-            hf_checkpoint=hf_dir,
-            data=_DATA.value,
-            mesh_shape=_MESH_SHAPE.value,
-            attention_impl=_ATTENTION.value,
-            strategy=_STRATEGY.value,
-            loss_chunk_size=_LOSS_CHUNK.value,
-            tokenizer=_TOKENIZER.value,
-            seq_len=_SEQ_LEN.value,
-            batch_size=_BATCH_SIZE.value,
-            eval_batches=_EVAL_BATCHES.value,
-        )
-        if _TOP_K.value < 0 or _TEMPERATURE.value < 0 or _MAX_NEW_TOKENS.value < 1:
-            raise ValueError("--top_k and --temperature must be >= 0, --max_new_tokens >= 1")
-        tokenizer = make_tokenizer(settings.tokenizer)
-        if hf_dir is not None:
-            model, mesh = eval_model.load_from_hf(hf_dir, settings)
-        else:
-            model, mesh, step = eval_model.load_from_checkpoint(workdir, run_info, settings, step)
-        metrics = None
-        if _EVALUATE.value:
-            metrics = eval_metrics.json_safe(
-                eval_metrics.evaluate(model, mesh, settings, tokenizer)
-            )
-        generated = _generate(model, mesh, tokenizer) if _PROMPT.value is not None else None
+        result = evaluation.evaluate(request)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        _usage_error(device_hint(e))
-
-    if jax.process_index() != 0:
-        return
-    what = f"hf checkpoint {hf_dir}" if hf_dir else f"step {step}"
-    where = f"{settings.strategy} on {dict(mesh.shape)}"
-    if metrics is not None:
-        # Printed before eval.json is written: a failed write must not lose the result.
-        print(f"{what}: {eval_metrics.summary(metrics)} ({where})", flush=True)
-    if generated is not None:
-        print(f"{_PROMPT.value}{generated[0]}", flush=True)
-    if metrics is None:
-        return
-    record = {
-        "step": step,
-        **metrics,
-        "data": settings.source,
-        "split": settings.split,
-        "eval_batches": settings.eval_batches,
-        "batch_size": settings.batch_size,
-        "seq_len": settings.seq_len,
-        "strategy": settings.strategy,
-        "mesh_shape": dict(mesh.shape),
-        "num_devices": jax.device_count(),
-        "hf_checkpoint": hf_dir,
-    }
-    if generated is not None:
-        record.update(prompt=_PROMPT.value, generated=generated[0], generated_tokens=generated[1])
-    from checkpoint.files import write_json_atomic
-
-    path = os.path.join(workdir, EVAL_FILE)
+        cli.usage_error(cli.device_hint(e))
     try:
-        write_json_atomic(path, record)
+        evaluation.report(result)
     except OSError as e:
-        _usage_error(f"cannot write {path} ({e.strerror or e}); the result is printed above")
-    print(f"wrote {path}", flush=True)
-    if metrics["non_finite"]:
-        print(
-            f"warning: {', '.join(metrics['non_finite'])} not finite (null in eval.json, listed "
-            "under non_finite): the parameters have diverged",
-            file=sys.stderr,
-            flush=True,
-        )
+        cli.usage_error(e)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    cli.run_main(main)

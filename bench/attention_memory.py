@@ -28,9 +28,9 @@ from runtime.host import import_jax_quietly  # noqa: E402
 
 import_jax_quietly()
 
+from launch.build import abstract_run  # noqa: E402
 from planning import target_devices, target_platform  # noqa: E402
 from shardings import get_strategy  # noqa: E402
-from training.abstract import compile_train_step  # noqa: E402
 from training.config import RunConfig  # noqa: E402
 
 FLASH = {"tpu": "splash", "gpu": "cudnn"}
@@ -74,13 +74,13 @@ def main():
                     cfg = _model_config(name, seq_len, impl)
                     mesh = strategy.make_mesh(shape=(4, 2), devices=devices, config=cfg)
                     start = time.perf_counter()
-                    compiled = compile_train_step(
+                    compiled, _ = abstract_run(
                         cfg,
-                        strategy,
+                        strategy.name,
                         mesh,
                         batch_size=args.batch_per_device * len(devices),
                         seq_len=seq_len,
-                    )
+                    ).compile()
                     memory = compiled.memory_analysis()
                     print(
                         f"{name} T={seq_len} {target} {impl}: temp "

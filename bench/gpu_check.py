@@ -66,7 +66,7 @@ def _attention_case(packed: bool, D: int) -> bool:
     import jax.numpy as jnp
     import numpy as np
 
-    from zoo.layers.attention_ops import Segments, attention
+    from zoo.layers.attention import Segments, attention
 
     B, T, N, K = 2, 1024, 8, 2
     rng = np.random.default_rng(D)

@@ -82,12 +82,19 @@ def _devices():
 
 
 def _memory(cfg, strategy, mesh, batch_size, chunk):
-    from training.memory import train_step_memory
+    from launch.build import abstract_run
+    from training.step_memory import step_memory
 
     try:
-        return train_step_memory(
-            cfg, strategy, mesh, batch_size=batch_size, seq_len=_SEQ.value, loss_chunk_size=chunk
+        run = abstract_run(
+            cfg,
+            strategy.name,
+            mesh,
+            batch_size=batch_size,
+            seq_len=_SEQ.value,
+            loss_chunk_size=chunk,
         )
+        return step_memory(run.compile()[0]).to_json()
     except Exception as e:  # an allocation the compiler refuses (TPU: "exceeds HBM")
         return {"error": str(e).strip().splitlines()[0][:120]}
 

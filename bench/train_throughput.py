@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,8 +28,11 @@ def _child(args) -> None:
     sys.path.insert(0, ROOT)
     import jax
 
-    from training import run as train_run
+    from launch.build import build, make_mesh
+    from launch.data import build_data
+    from training import flops
     from training.config import RunConfig
+    from training.step_memory import step_memory
 
     config_module = __import__(f"configs.{args.config}", fromlist=["get_config"])
     config = config_module.get_config()
@@ -46,13 +48,18 @@ def _child(args) -> None:
         config.training.sharding_strategy = strategy
         run = RunConfig.from_config_dict(config)
         try:
-            setup = train_run.Setup(run, tempfile.mkdtemp())
+            _, mesh = make_mesh(run)
+            built = build(run, mesh)
         except ValueError as e:
             print(json.dumps({"strategy": strategy, "error": str(e)}), flush=True)
             continue
-        trainer = setup.trainer
-        with jax.set_mesh(setup.mesh):
-            batches = setup.train_batches
+        trainer, cfg = built.trainer, built.model_cfg
+        flops_per_token = cfg.flops_per_token(run.data.seq_len)
+        peak = flops.peak_flops_per_device(
+            jax.devices()[0], dtype=cfg.compute_dtype, override_tflops=run.logging.peak_tflops
+        )
+        with jax.set_mesh(mesh):
+            batches = build_data(run, mesh, built.batch_spec).train_batches
             compile_s = trainer.compile(next(batches))
             for _ in range(args.warmup):
                 jax.block_until_ready(trainer.train_step(next(batches)))
@@ -70,16 +77,16 @@ def _child(args) -> None:
             "config": args.config,
             "strategy": strategy,
             "devices": n,
-            "mesh": "x".join(f"{k}:{v}" for k, v in setup.mesh.shape.items()),
-            "params_M": setup.model_cfg.num_params() / 1e6,
+            "mesh": "x".join(f"{k}:{v}" for k, v in mesh.shape.items()),
+            "params_M": cfg.num_params() / 1e6,
             "batch": f"{run.data.global_batch_size}x{run.data.seq_len}",
             "step_s": elapsed / args.steps,
             "tokens_per_s": tps,
-            "mfu": tps * setup.flops_per_token / (n * setup.peak_per_device),
-            "peak_tflops_total": n * setup.peak_per_device / 1e12,
+            "mfu": tps * flops_per_token / (n * peak),
+            "peak_tflops_total": n * peak / 1e12,
             "compile_s": compile_s,
             "loss": float(metrics["loss"]),
-            **trainer.compiled_cost(),
+            **step_memory(trainer.compiled).to_json(),
         }
         print(json.dumps(row), flush=True)
 

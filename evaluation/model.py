@@ -33,8 +33,8 @@ def load_from_hf(hf_dir: str, settings: EvalSettings):
     """(model, mesh) read from a Hugging Face checkpoint directory."""
     import jax
 
+    from launch.build import check_attention
     from shardings import get_strategy
-    from training.run import check_attention
     from zoo import from_pretrained
     from zoo.hf_io import read_config
 
@@ -57,10 +57,10 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     from flax import nnx
 
     from checkpoint.manager import restore_params
+    from launch.build import abstract_model, check_attention
     from shardings import get_strategy
-    from training.run import check_attention
     from zoo import create_model
-    from zoo.build import check_model_fits, fit_vocab, model_class
+    from zoo.build import check_model_fits, fit_vocab
 
     strategy = get_strategy(settings.strategy)
     # Evaluation takes no gradients: what the backward pass would keep does not matter, and
@@ -79,9 +79,7 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     with jax.set_mesh(mesh):
         # Shapes only: the checkpoint's arrays are read straight into the layout, so the model
         # is never initialised (and never held twice).
-        model = nnx.eval_shape(
-            lambda: model_class(cfg)(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0))
-        )
+        model = abstract_model(cfg, strategy, mesh)
         step = restore_params(workdir, model, step)
         if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(model))):
             # State besides the parameters (none in today's families) needs real values.

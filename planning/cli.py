@@ -6,9 +6,7 @@ Every mistake in a request raises ValueError with one line (plan_main exits 2 wi
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import os
 
 from planning.compile import Target, make_target, run_for
 from planning.report import table
@@ -23,10 +21,20 @@ from planning.search import (
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+    """A plan request: the run train_main would start, and what to search around it.
+
+    `config` is the run config as a dict: train_main's (its config file with the command
+    line's `--config.*` overrides applied), or, with `model`, a preset with planning defaults
+    (bf16, full remat, one row per device, 2048 tokens, the target's flash attention) and
+    those overrides on top. `explicit` names the `--config.*` fields the command line set, so
+    a short alias (`batch_size`, ...) that disagrees with one is refused.
+    """
+
     topology: str
-    config: str | None = None
+    config: dict | None = None
     model: str | None = None
-    strategies: str = "all"
+    explicit: dict = dataclasses.field(default_factory=dict)
+    strategies: str | None = None  # None: the config's (the run train_main would start)
     mesh_shape: str | None = None
     batch_size: int | None = None
     seq_len: int | None = None
@@ -34,56 +42,67 @@ class Request:
     micro_batches: list[str] | None = None
     attention_impl: str | None = None
     dtype: str | None = None
-    quantization: str | None = None
     memory_gib: float | None = None
     max_compiles: int = 16
 
 
+# Short flag -> the config field it stands for.
+ALIASES = {
+    "batch_size": "data.global_batch_size",
+    "seq_len": "data.seq_len",
+    "dtype": "model.dtype",
+    "attention_impl": "model.attention_impl",
+}
+
+
+def _preset_config(model: str, num_devices: int) -> dict:
+    return {
+        "name": model,
+        "model": {
+            "preset": model,
+            "dtype": "bfloat16",
+            "remat": "full",
+            "attention_impl": "auto",
+        },
+        "data": {"seq_len": 2048, "global_batch_size": num_devices},
+    }
+
+
+def _set(raw: dict, path: str, value) -> None:
+    section, field = path.split(".")
+    raw[section] = {**(raw.get(section) or {}), field: value}
+
+
 def load_run(request: Request, num_devices: int):
-    """The typed run config: a config file's, or a preset's with planning defaults (bf16
-    compute, full remat, one row per device, and the target's flash attention through `auto`,
-    since the plan is for the target's kernels), with the request's overrides folded in."""
+    """(typed run config, its raw dict): the request's config with its overrides and short
+    aliases folded in. The candidates set micro-batches, so the config's cannot veto one."""
     from training.config import RunConfig
 
-    if request.config and request.model:
-        raise ValueError("give --config or --model, not both")
-    if request.config:
-        if not os.path.isfile(request.config):
-            raise ValueError(f"--config={request.config}: no such file")
-        spec = importlib.util.spec_from_file_location("plan_config", request.config)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        raw = module.get_config().to_dict()
-    elif request.model:
-        raw = {
-            "name": request.model,
-            "model": {
-                "preset": request.model,
-                "dtype": "bfloat16",
-                "remat": "full",
-                "attention_impl": "auto",
-            },
-            "data": {"seq_len": 2048, "global_batch_size": num_devices},
-        }
+    if request.model:
+        if request.config is not None:
+            raise ValueError("give --config or --model, not both")
+        raw = _preset_config(request.model, num_devices)
+        for path, value in request.explicit.items():
+            _set(raw, path, value)
+    elif request.config is not None:
+        raw = {k: dict(v) if isinstance(v, dict) else v for k, v in request.config.items()}
     else:
         raise ValueError("give --config=configs/<name>.py or --model=<preset>")
-    model, data = dict(raw.get("model") or {}), dict(raw.get("data") or {})
-    for key, value in (
-        ("attention_impl", request.attention_impl),
-        ("dtype", request.dtype),
-        ("quantization", request.quantization),
-    ):
-        if value is not None:
-            model[key] = value
-    if request.batch_size is not None:
-        data["global_batch_size"] = request.batch_size
-    if request.seq_len is not None:
-        data["seq_len"] = request.seq_len
-    optimizer = dict(raw.get("optimizer") or {})
-    optimizer["micro_batches"] = 1  # the candidates set it; the config's must not veto them
-    run = RunConfig.from_config_dict({**raw, "model": model, "data": data, "optimizer": optimizer})
+    for alias, path in ALIASES.items():
+        value = getattr(request, alias)
+        if value is None:
+            continue
+        if path in request.explicit and request.explicit[path] != value:
+            raise ValueError(
+                f"--{alias}={value} disagrees with --config.{path}={request.explicit[path]}; "
+                "give one of them"
+            )
+        _set(raw, path, value)
+    config_k = int((raw.get("optimizer") or {}).get("micro_batches", 1))
+    _set(raw, "optimizer.micro_batches", 1)
+    run = RunConfig.from_config_dict(raw)
     run.model.decoder_config()  # an unknown preset fails here, with the valid ones
-    return run, raw
+    return run, config_k
 
 
 def _strategies(text: str, auto_ok: bool = True) -> tuple[list[str], bool]:
@@ -119,11 +138,18 @@ def build(request: Request):
 
     target = make_target(request.topology, request.memory_gib)
     n = len(target.devices)
-    run, raw = load_run(request, n)
-    names, auto = _strategies(request.strategies)
+    run, config_k = load_run(request, n)
+    strategies = request.strategies or ("all" if request.model else run.training.sharding_strategy)
+    names, auto = _strategies(strategies)
     if auto:
         names = distinct_strategies(names, run.model.decoder_config(), target)
     config_remat = run.model.remat
+    named = request.explicit.get("model.remat")
+    if request.remat and named is not None and list(request.remat) != [named]:
+        raise ValueError(
+            f"--remat={','.join(request.remat)} disagrees with --config.model.remat={named}; "
+            "give one of them"
+        )
     remats = tuple(request.remat) if request.remat else (REMAT_ORDER if auto else (config_remat,))
     # `auto` searches REMAT_ORDER; a policy named by flag or config may be any the trainer
     # runs, offload included (TPU/GPU targets only).
@@ -131,18 +157,18 @@ def build(request: Request):
         if r not in remat_policies.POLICIES:
             raise ValueError(f"--remat={r}: valid: {', '.join(remat_policies.POLICIES)}")
         remat_policies.check_platform(r, target.chip.platform)
-    config_k = int((raw.get("optimizer") or {}).get("micro_batches", 1))
     micro = (
         _ints(request.micro_batches, "micro_batches")
         if request.micro_batches
         else ((1, 2, 4, 8) if auto else (config_k,))
     )
     mesh_shapes = None
-    if request.mesh_shape:
+    mesh_shape = request.mesh_shape or (run.training.mesh_shape if len(names) == 1 else None)
+    if mesh_shape:
         if len(names) != 1:
             raise ValueError("--mesh_shape needs exactly one --sharding_strategy")
         strategy = get_strategy(names[0])
-        mesh = strategy.make_mesh(shape=request.mesh_shape, devices=list(target.devices))
+        mesh = strategy.make_mesh(shape=mesh_shape, devices=list(target.devices))
         mesh_shapes = {names[0]: tuple(mesh.shape.values())}
     elif not auto:
         # Each strategy's documented default mesh, as train_main would build it.

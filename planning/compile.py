@@ -1,20 +1,20 @@
 """Compile the product's train step for a target without its hardware, and read the result.
 
-The step is `training.loop.Trainer`'s, built from the run config the way `training.run.Setup`
-builds it (model from `create_model`, AdamW from `training.run.run_optimizer`, gradient
-accumulation over micro-batches), but from abstract state: every array is a
-`jax.ShapeDtypeStruct` with its `NamedSharding` on the target's mesh, so nothing is allocated.
+The step is built by the one assembly train_main uses (`launch.build`, abstract): the same
+model, optimizer, micro-batches, remat and loss chunking, with every array a
+`jax.ShapeDtypeStruct` carrying its `NamedSharding` on the target's mesh, so nothing is
+allocated. Its memory figures come from `training.step_memory`, as run_info.json's do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import jax
 import numpy as np
 
+from launch.build import build
 from planning.chips import Chip
 from planning.estimate import (
     StepEstimate,
@@ -23,8 +23,7 @@ from planning.estimate import (
     estimate_step,
 )
 from shardings import hlo
-
-BATCH_FIELDS = ("tokens", "segment_ids", "positions")
+from training.step_memory import StepMemory, step_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,24 +79,18 @@ class Plan:
     global_batch: int
     seq_len: int
     state: StateBytes
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    peak_bytes: int
-    host_temp_bytes: int  # pinned host memory the step uses (remat='offload'), not the chip's
+    memory: StepMemory  # the compiled step's, as run_info.json records it
     compile_seconds: float
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
     estimate: StepEstimate
     dot_dtypes: dict[str, int] = dataclasses.field(default_factory=dict)  # hlo.dot_dtypes
 
-    @property
-    def required_bytes(self) -> int:
-        """What must fit: XLA's peak, or arguments + non-aliased outputs + temporaries when
-        that is larger (TPU's reported peak can sit below its own temp allocation)."""
-        live = self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-        return max(self.peak_bytes, live)
+    def __getattr__(self, name: str):
+        # argument_bytes, temp_bytes, peak_bytes, host_temp_bytes, required_bytes, ...
+        if name.endswith("_bytes") and name != "memory":
+            return getattr(self.memory, name)
+        raise AttributeError(name)
 
     @property
     def fits(self) -> bool:
@@ -117,12 +110,7 @@ class Plan:
             "optimizer_bytes": self.state.optimizer,
             "gradient_bytes": self.state.gradients,
             "largest_params": [list(p) for p in self.state.largest_params],
-            "argument_bytes": self.argument_bytes,
-            "output_bytes": self.output_bytes,
-            "temp_bytes": self.temp_bytes,
-            "peak_bytes": self.peak_bytes,
-            "host_temp_bytes": self.host_temp_bytes,
-            "required_bytes": self.required_bytes,
+            **self.memory.to_json(),
             "memory_bytes": self.target.chip.memory_bytes,
             "fits": self.fits,
             "collectives": collective_counts(self.collectives),
@@ -221,33 +209,6 @@ def make_mesh(target: Target, candidate: Candidate):
     )
 
 
-def _abstract_training_state(run, model_cfg, strategy, mesh):
-    """(model, optimizer) with abstract arrays, built by the product's own code."""
-    from flax import nnx
-
-    from training.run import run_optimizer
-    from zoo import create_model
-
-    def build():
-        model = create_model(model_cfg, strategy, rngs=nnx.Rngs(run.training.seed))
-        tx, _ = run_optimizer(run)
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    with jax.set_mesh(mesh):
-        return nnx.eval_shape(build)
-
-
-def _on_mesh(tree, mesh):
-    """Abstract leaves (typed on the abstract mesh) -> ShapeDtypeStructs on `mesh`."""
-
-    def place(x):
-        spec = x.sharding.spec if getattr(x, "sharding", None) is not None else None
-        sharding = jax.sharding.NamedSharding(mesh, spec or jax.sharding.PartitionSpec())
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jax.tree.map(place, tree)
-
-
 def run_for(run, candidate: Candidate):
     """The run config with the candidate's choices in it (what train_main would run)."""
     training = dataclasses.replace(
@@ -264,14 +225,8 @@ def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
     """State bytes per device without compiling (for pruning candidates that cannot fit)."""
     from flax import nnx
 
-    from shardings import get_strategy
-
-    run = run_for(run, candidate)
-    mesh = make_mesh(target, candidate)
-    model, optimizer = _abstract_training_state(
-        run, run.model.decoder_config(), get_strategy(candidate.strategy), mesh
-    )
-    return state_bytes(nnx.state(model, nnx.Param), nnx.state(optimizer.opt_state))
+    built = build(run_for(run, candidate), make_mesh(target, candidate), abstract=True)
+    return state_bytes(nnx.state(built.model, nnx.Param), nnx.state(built.optimizer.opt_state))
 
 
 def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
@@ -279,33 +234,11 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     the layouts or the batch cannot take (a split that does not divide)."""
     from flax import nnx
 
-    from shardings import check_batch, get_strategy
-    from training.loop import Trainer
-
     run = run_for(run, candidate)
-    strategy = get_strategy(candidate.strategy)
-    model_cfg = run.model.decoder_config()
     mesh = make_mesh(target, candidate)
-    batch_spec = strategy.batch_spec()
-    global_batch, seq_len = run.data.global_batch_size, run.data.seq_len
-    check_batch(global_batch // candidate.micro_batches, batch_spec, mesh, strategy.name)
-
-    model, optimizer = _abstract_training_state(run, model_cfg, strategy, mesh)
-    state = state_bytes(nnx.state(model, nnx.Param), nnx.state(optimizer.opt_state))
-    trainer = Trainer(
-        model, optimizer, micro_batches=candidate.micro_batches, batch_spec=batch_spec
-    )
-    trainer.state = _on_mesh(trainer.state, mesh)
-    batch_sharding = jax.sharding.NamedSharding(mesh, batch_spec)
-    batch = {
-        k: jax.ShapeDtypeStruct((global_batch, seq_len), np.int32, sharding=batch_sharding)
-        for k in BATCH_FIELDS
-    }
-    with jax.set_mesh(mesh):
-        start = time.perf_counter()
-        compiled = trainer.lower(batch).compile()
-        seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
+    built = build(run, mesh, abstract=True)
+    state = state_bytes(nnx.state(built.model, nnx.Param), nnx.state(built.optimizer.opt_state))
+    compiled, seconds = built.compile()
     text = compiled.as_text()
     ops = hlo.collectives(text, dict(mesh.shape))
 
@@ -317,9 +250,9 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
 
     exposed, overlapped = comm_seconds(ops, bandwidth, tuple(mesh.axis_names))
     estimate = estimate_step(
-        model_cfg,
-        seq_len=seq_len,
-        global_batch=global_batch,
+        run.model.decoder_config(),
+        seq_len=run.data.seq_len,
+        global_batch=run.data.global_batch_size,
         num_devices=mesh.size,
         remat=candidate.remat,
         chip=target.chip,
@@ -330,23 +263,13 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         candidate=candidate,
         target=target,
         mesh=dict(mesh.shape),
-        global_batch=global_batch,
-        seq_len=seq_len,
+        global_batch=run.data.global_batch_size,
+        seq_len=run.data.seq_len,
         state=state,
-        argument_bytes=int(memory.argument_size_in_bytes),
-        output_bytes=int(memory.output_size_in_bytes),
-        alias_bytes=int(memory.alias_size_in_bytes),
-        temp_bytes=int(memory.temp_size_in_bytes),
-        peak_bytes=int(_peak(memory)),
-        host_temp_bytes=int(getattr(memory, "host_temp_size_in_bytes", 0) or 0),
+        memory=step_memory(compiled),
         compile_seconds=seconds,
         collectives=ops,
         kernels=dict(sorted(hlo.kernels(text).items())),
         estimate=estimate,
         dot_dtypes=dict(sorted(hlo.dot_dtypes(text).items())),
     )
-
-
-def _peak(memory) -> int:
-    # XLA's own peak where the backend reports one (0 where it does not).
-    return int(getattr(memory, "peak_memory_in_bytes", 0) or 0)

@@ -143,3 +143,12 @@ def check_batch(
             f"{strategy_name}: batch size {batch_size} is split over mesh axis {axis_text}, "
             f"which does not divide it; use a batch size that is a multiple of {size}"
         )
+
+
+def compile_platform() -> str:
+    """The platform the current trace compiles for: the mesh's devices when a mesh is set
+    (an abstract TPU / GPU target on a CPU host), else this process's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    return platform or jax.default_backend()

@@ -247,7 +247,7 @@ def _lm(s: Strategy) -> LmSharding:
     # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
     return LmSharding(
         # A split T runs in balanced chunk order inside the model, so that causal attention
-        # gives every device the same work (zoo/layers/context_parallel.py).
+        # gives every device the same work (zoo/layers/attention/context_parallel.py).
         seq_order="balanced" if s.rules.get("seq") else "natural",
         tokens=tokens,
         embed=EmbeddingSharding(table=table, out=residual),

@@ -1,4 +1,4 @@
-"""A naive attention reference, written independently of zoo/layers/attention_ops.py.
+"""A naive attention reference, written independently of zoo/layers/attention/.
 
 A mask built by explicit loops over (b, t, s) in numpy from the rule "same segment, kv_pos <=
 q_pos if causal, q_pos - kv_pos < window", kv heads repeated to N (instead of grouped), -inf

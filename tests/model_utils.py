@@ -11,8 +11,8 @@ from flax import nnx
 
 from shardings import get_strategy
 from shardings.specs import normalize
-from zoo.layers import attention as attention_mod
 from zoo.layers import basic, decoder, mlp, moe
+from zoo.layers.attention import layer as attention_mod
 
 
 def packed_batch(batch=8, seq=32, vocab=512, seed=0, docs_per_row=3):

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import re
 
+import jax
 import pytest
 
+from launch.build import abstract_run
 from planning import target_devices
 from shardings import get_strategy
-from training.abstract import compile_eval_step, compile_train_step
 from zoo import get_config
 
 B, T = 8, 128
@@ -31,8 +32,9 @@ STRATEGY = get_strategy("fsdp_tp")
 def _compile(target, attention_impl, *, train=True, packed=True):
     cfg = get_config("tiny", dtype="bfloat16", attention_impl=attention_impl)
     mesh = STRATEGY.make_mesh(shape=(4, 2), devices=target_devices(target), config=cfg)
-    step = compile_train_step if train else compile_eval_step
-    return step(cfg, STRATEGY, mesh, batch_size=B, seq_len=T, packed=packed).as_text()
+    run = abstract_run(cfg, STRATEGY.name, mesh, batch_size=B, seq_len=T, packed=packed)
+    with jax.set_mesh(mesh):
+        return run.trainer.lower(run.abstract_batch(), train=train).compile().as_text()
 
 
 def _custom_calls(hlo: str) -> set[str]:

@@ -26,7 +26,8 @@ from model_utils import packed_batch, put_batch
 from shardings import get_strategy
 from shardings.specs import normalize
 from zoo import create_model, get_config
-from zoo.layers import attention_ops
+from zoo.layers.attention import dispatch as attention_ops
+from zoo.layers.attention import registry
 from zoo.loss import lm_loss
 
 STRATEGY = "fsdp_tp"
@@ -43,7 +44,7 @@ def _untyped(x):
 def cudnn_like(q_BTND, k_BSKD, v_BSKD, segments, *, sliding_window, out_sharding, **static):
     """xla's numbers behind a custom_vjp whose output and q/k/v gradients are untyped."""
     del out_sharding  # a black box does not take a layout
-    xla = attention_ops._BACKENDS["xla"].fn
+    xla = registry._BACKENDS["xla"].fn
     static_window = sliding_window is None or isinstance(sliding_window, int)
     window = jax.numpy.int32(0) if static_window else sliding_window
     out_spec = []  # the layout the xla numbers come in, for the incoming cotangent
@@ -137,7 +138,7 @@ def xla_run(setup):
 
 
 def test_with_the_fix_the_step_compiles_keeps_layouts_and_equals_xla(setup, xla_run, monkeypatch):
-    with attention_ops.override_backend("cudnn", cudnn_like, keeps_layout=False):
+    with registry.override_backend("cudnn", cudnn_like, keeps_layout=False):
         loss, grads, records = _step(setup, "cudnn", monkeypatch)
     declared = normalize(get_strategy(STRATEGY).lm_sharding().block.attention.q.out, 4)
     assert declared == P("data", None, "model", None)
@@ -156,7 +157,7 @@ def test_without_the_fix_the_same_step_raises(setup, backend):
     """keeps_layout=True: the dispatcher trusts the black box and calls it as is. Neither the
     bare call nor a reshard of its output gets through the backward pass."""
     with (
-        attention_ops.override_backend("cudnn", backend, keeps_layout=True),
+        registry.override_backend("cudnn", backend, keeps_layout=True),
         pytest.raises(ValueError, match="Custom VJP bwd rule must produce an output with the same"),
     ):
         _step(setup, "cudnn")
@@ -178,7 +179,7 @@ def test_without_the_fix_the_forward_output_loses_its_layout(setup, monkeypatch)
 
     monkeypatch.setattr(attention_ops, "attention", recording)
     with (
-        attention_ops.override_backend("cudnn", cudnn_like, keeps_layout=True),
+        registry.override_backend("cudnn", cudnn_like, keeps_layout=True),
         jax.set_mesh(mesh),
     ):
         model = create_model(cfg, strategy, rngs=nnx.Rngs(0))

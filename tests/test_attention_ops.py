@@ -27,8 +27,15 @@ from attention_reference import reference_attention, reference_mask
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from zoo.layers import attention_cudnn, attention_ops
-from zoo.layers.attention_ops import CallInfo, Segments, attention, resolve_implementation
+from zoo.layers.attention import (
+    CallInfo,
+    Segments,
+    attention,
+    registry,
+    resolve_implementation,
+)
+from zoo.layers.attention import cudnn as attention_cudnn
+from zoo.layers.attention import dispatch as attention_ops
 
 ATOL_F32 = 1e-5
 ATOL_BF16 = 3e-2
@@ -285,7 +292,7 @@ def test_auto_on_cpu_is_the_xla_path():
 
 
 def _recording_xla(calls):
-    xla = attention_ops._BACKENDS["xla"].fn
+    xla = registry._BACKENDS["xla"].fn
 
     def fn(q, k, v, segments, **kwargs):
         calls.append(segments.q_ids_BT.shape)
@@ -304,9 +311,9 @@ def test_calls_a_backend_cannot_express_go_to_xla_with_the_reason_once(monkeypat
     q, k, v = _qkv(2, 16, 16, 4, 2)
     dq, dk, dv = _qkv(2, 2, 12, 4, 2)  # a decode step: T=2 queries, S=12 cache slots
     xla_out = _run(q, k, v, case)
-    original = attention_ops._BACKENDS["cudnn"]
+    original = registry._BACKENDS["cudnn"]
     flags = dict(keeps_layout=True, packed_rows=False, equal_lengths=True, static_window=True)
-    with attention_ops.override_backend("cudnn", _recording_xla(calls), **flags):
+    with registry.override_backend("cudnn", _recording_xla(calls), **flags):
         with pytest.warns(UserWarning, match="cannot keep the documents of packed rows apart"):
             out = _run(q, k, v, case, implementation="cudnn")
         np.testing.assert_array_equal(out, xla_out)
@@ -339,7 +346,7 @@ def test_calls_a_backend_cannot_express_go_to_xla_with_the_reason_once(monkeypat
         # One document per row, T == S, static window: the backend itself runs.
         _run(q, k, v, _case("causal"), implementation="cudnn", packed=False, window=4)
         assert calls == [(2, 16)]
-    assert attention_ops._BACKENDS["cudnn"] is original  # restored after the block
+    assert registry._BACKENDS["cudnn"] is original  # restored after the block
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["lengths", "mask"])
@@ -434,7 +441,7 @@ def test_decode_under_mesh(mesh):
 def _dropping_backend(*args, **kwargs):
     """Stand-in for the cuDNN call: right numbers, layout dropped (typed unsharded) where
     there are explicit axes, i.e. outside shard_map."""
-    out = attention_ops._BACKENDS["xla"].fn(*args, **kwargs)
+    out = registry._BACKENDS["xla"].fn(*args, **kwargs)
     return jax.sharding.reshard(out, P()) if jax.sharding.get_abstract_mesh().explicit_axes else out
 
 
@@ -451,9 +458,7 @@ def test_dispatcher_restores_the_layout_of_untrusted_backends(mesh, keeps_layout
     q, k, v = (jnp.tile(x, (4, 1, 1, 1)) for x in (q, k, v))
     with jax.set_mesh(mesh):
         qs, ks, vs = (jax.sharding.reshard(x, HEADS_SPEC) for x in (q, k, v))
-        with attention_ops.override_backend(
-            "dropper", _dropping_backend, keeps_layout=keeps_layout
-        ):
+        with registry.override_backend("dropper", _dropping_backend, keeps_layout=keeps_layout):
             out = jax.jit(
                 lambda q, k, v: _run(
                     q, k, v, (*tok, True, None), implementation="dropper", out_sharding=HEADS_SPEC
@@ -461,4 +466,4 @@ def test_dispatcher_restores_the_layout_of_untrusted_backends(mesh, keeps_layout
             )(qs, ks, vs)
         want = HEADS_SPEC if not keeps_layout else P(None, None, None, None)
         assert jax.typeof(out).sharding.spec == want
-    assert "dropper" not in attention_ops.backend_names()
+    assert "dropper" not in registry.backend_names()

@@ -20,8 +20,8 @@ from attention_reference import packed_rows, reference_attention, reference_mask
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from zoo.layers import attention_ops
-from zoo.layers.attention_mask import Segments
+from zoo.layers.attention import Segments, xla
+from zoo.layers.attention import dispatch as attention_ops
 
 ATOL = 2e-5
 T, N, K, D = 512, 4, 2, 8
@@ -58,15 +58,15 @@ def _attend(q, k, v, seg, pos, window, out_sharding=None):
 
 @pytest.mark.parametrize("window", [None, 150])
 def test_blocks_are_the_ones_needed(window):
-    blocks = attention_ops._causal_blocks(T, T, True, window, True, None)
+    blocks = xla.causal_blocks(T, T, True, window, True, None)
     assert blocks == [
         (t0, t0 + 128, 0 if window is None else max(0, (t0 - 149) // 128 * 128), t0 + 128)
         for t0 in range(0, T, 128)
     ]
     # Not for cross-attention (a KV cache), non-causal rows, or rows too short to split.
-    assert attention_ops._causal_blocks(T, T, True, window, False, None) is None
-    assert attention_ops._causal_blocks(T, T, False, window, True, None) is None
-    assert attention_ops._causal_blocks(64, 64, True, window, True, None) is None
+    assert xla.causal_blocks(T, T, True, window, False, None) is None
+    assert xla.causal_blocks(T, T, False, window, True, None) is None
+    assert xla.causal_blocks(64, 64, True, window, True, None) is None
 
 
 @pytest.mark.parametrize("window", [None, 150])

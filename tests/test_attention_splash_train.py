@@ -23,7 +23,7 @@ from shardings import get_strategy
 from shardings.specs import normalize
 from training.loop import loss_sum
 from zoo import create_model, get_config
-from zoo.layers import attention_ops
+from zoo.layers.attention import dispatch as attention_ops
 
 STRATEGY = "fsdp_tp"
 MESH_SHAPE = (4, 2)

@@ -18,8 +18,9 @@ import pytest
 from flax import nnx
 from model_utils import one_device_mesh, packed_batch, put_batch
 
+from launch.build import abstract_run
 from shardings import get_strategy
-from training.memory import train_step_memory
+from training.step_memory import step_memory
 from zoo import create_model, get_config
 from zoo.lm_head_loss import chunk_positions, chunked_token_nll, head_logits
 from zoo.loss import target_mask, token_nll
@@ -167,8 +168,10 @@ def test_chunking_removes_the_full_logits_from_the_compiled_step():
     strategy, mesh = _mesh("dp", None)
     cfg = get_config("tiny", **BIG_VOCAB)
     common = dict(batch_size=BIG_BATCH, seq_len=BIG_SEQ)
-    full = train_step_memory(cfg, strategy, mesh, loss_chunk_size=0, **common)
-    chunked = train_step_memory(cfg, strategy, mesh, loss_chunk_size=1024, **common)
+    full, chunked = (
+        step_memory(abstract_run(cfg, "dp", mesh, loss_chunk_size=c, **common).compile()[0])
+        for c in (0, 1024)
+    )
     logits_bytes = BIG_BATCH * BIG_SEQ * cfg.vocab_size * 4
-    saved = full["temp_bytes"] - chunked["temp_bytes"]
+    saved = full.temp_bytes - chunked.temp_bytes
     assert saved >= 0.75 * logits_bytes, (full, chunked, logits_bytes)

@@ -25,10 +25,10 @@ RUN = {**SMALL_RUN, "training.steps": 20, "training.eval_every": 10}
 
 
 def _train(workdir, loss_chunk_size):
-    from training import run as train_run
+    from launch import session as train_run
 
     run = run_config({**RUN, "training.loss_chunk_size": loss_chunk_size})
-    setup = train_run.Setup(run, str(workdir))
+    setup = train_run.prepare(run, str(workdir))
     records = train_run.train(setup)
     losses = [r["loss"] for r in records if "loss" in r]
     val_losses = [r["val_loss"] for r in records if "val_loss" in r]

@@ -14,8 +14,9 @@ from model_utils import put_batch
 
 from shardings import check_batch, get_strategy
 from training.loop import Trainer
+from training.step_memory import step_memory
 from zoo import create_model, get_config
-from zoo.layers import context_parallel
+from zoo.layers.attention import Segments, attention_mask, context_parallel
 
 
 @pytest.mark.parametrize("context", [2, 4])
@@ -45,7 +46,7 @@ def test_causal_work_is_balanced_over_context_devices(context):
     # One causal document per row, the case the chunk order is for. (In packed rows the
     # per-device work also depends on where documents start: the order cannot fix that.)
     seg, pos = _one_document_rows(4, 1024)
-    counts = np.asarray(context_parallel.visible_pairs_per_device(seg, pos, context))
+    counts = np.asarray(visible_pairs_per_device(seg, pos, context))
     spread = np.abs(counts - counts.mean()).max() / counts.mean()
     assert spread <= 0.10, f"query-key pairs per device {counts.tolist()}"
     # The same count over contiguous slices is far from balanced: the check can fail.
@@ -79,7 +80,7 @@ def _train_step_temp_bytes(context: int, seq_len: int) -> int:
         seg, pos = _one_document_rows(2, seq_len)
         batch = {"tokens": pos % cfg.vocab_size, "segment_ids": seg, "positions": pos}
         trainer.compile(put_batch(batch, strategy.batch_spec()))
-        return trainer.compiled_cost()["temp_bytes"]
+        return step_memory(trainer.compiled).temp_bytes
 
 
 def test_context_axis_cuts_activation_memory_at_long_sequence():
@@ -87,3 +88,22 @@ def test_context_axis_cuts_activation_memory_at_long_sequence():
     four = _train_step_temp_bytes(context=4, seq_len=8192)
     print(f"\ntemp bytes per device, T=8192, global batch 2: context 1 {one}, context 4 {four}")
     assert four <= 0.4 * one, (one, four)
+
+
+def visible_pairs_per_device(segment_ids_BT, positions_BT, context: int, *, window=None):
+    """Query-key pairs each context device's mask lets through, summed over the batch, in
+    the balanced layout: the mask each device builds is its own T/c queries against all T
+    keys (as `attention` gathers them). numpy in, list of c ints out."""
+    T = segment_ids_BT.shape[1]
+    order = context_parallel.balanced_order(T, context)
+    seg, pos = jnp.asarray(segment_ids_BT)[:, order], jnp.asarray(positions_BT)[:, order]
+    per = T // context
+    counts = []
+    for i in range(context):
+        mask = attention_mask(
+            Segments(seg[:, i * per : (i + 1) * per], seg, pos[:, i * per : (i + 1) * per], pos),
+            causal=True,
+            sliding_window=window,
+        )
+        counts.append(int(jnp.sum(mask)))
+    return counts

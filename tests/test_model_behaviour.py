@@ -143,11 +143,11 @@ def test_remat_gives_equal_gradients(model, remat):
 def _scan_whiles(cfg, mesh, strategy=DP) -> int:
     """While loops in the lowered (pre-XLA) eval step: the layer scan is one unless it is
     unrolled."""
-    from training.abstract import abstract_batch, abstract_trainer
+    from launch.build import abstract_run
 
-    trainer = abstract_trainer(cfg, strategy, mesh)
+    run = abstract_run(cfg, strategy.name, mesh, batch_size=8, seq_len=16)
     with jax.set_mesh(mesh):
-        text = trainer.lower(abstract_batch(strategy, mesh, 8, 16), train=False).as_text()
+        text = run.trainer.lower(run.abstract_batch(), train=False).as_text()
     return text.count("stablehlo.while")
 
 

@@ -42,15 +42,15 @@ def _reference_losses(workdir: str, strategy: str) -> list[float]:
     """The 8-device, one-process run fed the two processes' batches, concatenated."""
     import data
     from data.tokenizers import make_tokenizer
+    from launch import session as train_run
     from runtime.distributed import to_global
-    from training import run as train_run
 
     mesh, mesh_text = CASES[strategy]
     run = run_config(
         {**RUN, "training.sharding_strategy": strategy, "training.mesh_shape": mesh_text}
     )
-    setup = train_run.Setup(run, workdir)
-    assert dict(setup.mesh.shape) == mesh
+    setup = train_run.prepare(run, workdir)
+    assert dict(setup.built.mesh.shape) == mesh
     shards = [
         data.make_dataset(
             run.data.source,
@@ -71,9 +71,9 @@ def _reference_losses(workdir: str, strategy: str) -> list[float]:
             # The shards hold different documents: the concatenation is not a duplicate.
             assert not np.array_equal(local[0]["tokens"], local[1]["tokens"])
             batch = {k: np.concatenate([b[k] for b in local]) for k in local[0]}
-            yield to_global(batch, setup.mesh, setup.batch_spec)
+            yield to_global(batch, setup.built.mesh, setup.built.batch_spec)
 
-    setup.train_batches = two_process_batches()
+    setup.data.train_batches = two_process_batches()
     train_run.train(setup)
     return train_losses(workdir)
 

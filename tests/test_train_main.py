@@ -78,12 +78,12 @@ DEFAULT_MESHES = {"dp": {"data": 8}, "fsdp": {"data": 8}, "fsdp_cp": {"data": 4,
 
 @pytest.mark.parametrize("strategy", list(DEFAULT_MESHES))
 def test_strategies_give_the_same_losses(strategy, fsdp_tp_run, tmp_path):
-    from training import run as train_run
+    from launch import session as train_run
 
     run = run_config({**SMALL_RUN, "training.sharding_strategy": strategy})
-    setup = train_run.Setup(run, str(tmp_path))
-    assert setup.strategy.name == strategy
-    assert dict(setup.mesh.shape) == DEFAULT_MESHES[strategy]
+    setup = train_run.prepare(run, str(tmp_path))
+    assert setup.built.strategy.name == strategy
+    assert dict(setup.built.mesh.shape) == DEFAULT_MESHES[strategy]
     train_run.train(setup)
     losses = train_losses(str(tmp_path))
     reference = train_losses(fsdp_tp_run)
@@ -173,17 +173,17 @@ def test_configs_parse_and_build_abstractly(name):
 def test_init_from_loads_the_checkpoint(tmp_path):
     from safetensors.numpy import load_file
 
-    from training import run as train_run
+    from launch import session as train_run
 
     hf_dir = os.path.join(os.path.dirname(__file__), "hf_reference", "llama")
     overrides = {**SMALL_RUN, "data.tokenizer": char_tokenizer(tmp_path)[0]}
-    setup = train_run.Setup(run_config(overrides), str(tmp_path), init_from=hf_dir)
+    setup = train_run.prepare(run_config(overrides), str(tmp_path), init_from=hf_dir)
     # The architecture is the checkpoint's (F=64, V=128), not the config's preset (F=128).
-    assert (setup.model_cfg.ffn_dim, setup.model_cfg.vocab_size) == (64, 128)
-    assert setup.run_info["model_config"]["ffn_dim"] == 64
+    assert (setup.built.model_cfg.ffn_dim, setup.built.model_cfg.vocab_size) == (64, 128)
+    assert setup.info["model_config"]["ffn_dim"] == 64
     weights = load_file(os.path.join(hf_dir, "model-00001-of-00003.safetensors"))
     np.testing.assert_array_equal(
-        np.asarray(setup.model.embed.table[...]), weights["model.embed_tokens.weight"]
+        np.asarray(setup.built.model.embed.table[...]), weights["model.embed_tokens.weight"]
     )
 
 

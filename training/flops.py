@@ -26,7 +26,7 @@ M hidden, N query heads, K kv heads, D head dim, F ffn, V vocab, T sequence leng
    triangle: the query at position t (1-based) sees t keys, so C is the mean over t of t,
    exactly (T+1)/2 -- "half", i.e. about 6*T*N*D per token per layer, where PaLM's
    12*L*H*Q*T counts the full square. With a sliding window of w visible keys (the query
-   itself and the w-1 before it, as zoo/layers/attention_ops.py defines it), the query at t
+   itself and the w-1 before it, as zoo/layers/attention/ defines it), the query at t
    sees min(t, w), and with w' = min(T, w):
        C = (1/T) * sum_{t=1..T} min(t, w') = (w'(w'+1)/2 + (T - w') * w') / T
    which is (T+1)/2 when w >= T. Layers may differ (local/global interleaving): the sum runs

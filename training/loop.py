@@ -131,7 +131,7 @@ class Trainer:
         self.graphdef, self.state = nnx.split((model, optimizer))
         self._train_jit = jax.jit(self._train_step, donate_argnums=0)
         self._eval_jit = jax.jit(self._eval_step)
-        self._train_compiled = None
+        self.compiled = None  # the train step compiled ahead of time (`compile`)
         self.compile_seconds: float | None = None
 
     # -- the steps ----------------------------------------------------------------------
@@ -161,7 +161,7 @@ class Trainer:
         Separate from the first step so step timings (tokens/s, MFU) never include it.
         """
         start = time.perf_counter()
-        self._train_compiled = self.lower(batch).compile()
+        self.compiled = self.lower(batch).compile()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
@@ -173,7 +173,7 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimizer step; returns its metrics as (not yet fetched) device scalars."""
-        step_fn = self._train_compiled or self._train_jit
+        step_fn = self.compiled or self._train_jit
         self.state, metrics = step_fn(self.state, batch)
         return metrics
 
@@ -192,16 +192,6 @@ class Trainer:
         """Take the state from `model` / `optimizer` after something changed them in place
         (a checkpoint restore)."""
         self.state = nnx.state((self.model, self.optimizer))
-
-    def compiled_cost(self) -> dict[str, Any]:
-        """XLA's memory figures for the compiled step (bytes per device), when compiled."""
-        if self._train_compiled is None:
-            return {}
-        # XLA's own FLOP count is left out: it counts a scanned layer body once, not L times,
-        # so it undercounts stacked models; MFU uses the config's formula instead.
-        from training.memory import memory_bytes
-
-        return memory_bytes(self._train_compiled)
 
 
 def evaluate(trainer: Trainer, batches: Iterator[Batch]) -> tuple[float, int]:
@@ -229,6 +219,96 @@ class LoopOptions:
     seed: int = 0
 
 
+class _Loop:
+    """The state of one pass of `run`: the step, the interval being timed, the last save."""
+
+    def __init__(self, trainer, options, writer, checkpointer, train_iter, start_step):
+        self.trainer, self.options, self.writer = trainer, options, writer
+        self.checkpointer, self.train_iter = checkpointer, train_iter
+        self.start_step = self.step = start_step
+        self.tokens_seen = start_step * options.tokens_per_step
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        self.metrics: dict[str, jax.Array] = {}
+        self.saved_step = start_step or None  # resumed: the workdir holds that step
+        self.records: list[dict[str, Any]] = []
+
+    def check_finite(self, fetched) -> None:
+        # A finite loss with a non-finite gradient norm still writes NaN into the parameters.
+        for name in ("loss", "grad_norm"):
+            value = float(fetched[name])
+            if not math.isfinite(value):
+                raise DivergedError(self.step, f"{name} is {value}", self.saved_step)
+
+    def train_step(self, batch: Batch) -> None:
+        self.metrics = self.trainer.train_step(batch)
+        self.step += 1
+        self.interval_steps += 1
+        self.tokens_seen += self.options.tokens_per_step
+
+    def log(self, learning_rate: Callable[[int], float]) -> None:
+        """Fetch the step's metrics (blocks: the interval's steps are done) and write them."""
+        o = self.options
+        fetched = jax.device_get(self.metrics)
+        elapsed = time.perf_counter() - self.interval_start
+        tokens_per_second = self.interval_steps * o.tokens_per_step / elapsed
+        record = {
+            "loss": float(fetched["loss"]),
+            "learning_rate": float(learning_rate(self.step - 1)),  # the rate this step used
+            "grad_norm": float(fetched["grad_norm"]),
+            "tokens_per_second": tokens_per_second,
+            # Against the compute dtype's peak (bf16: the published convention), and against
+            # the peak of the precision the projections run in (model.quantization).
+            "mfu": tokens_per_second * o.flops_per_token / o.peak_flops,
+            "mfu_at_precision": tokens_per_second
+            * o.flops_per_token
+            / (o.peak_flops * o.precision_peak_ratio),
+            "step_time": elapsed / self.interval_steps,
+            "loss_tokens": int(fetched["loss_tokens"]),
+            "tokens_seen": self.tokens_seen,
+        }
+        # MoE: the load-balancing loss, and each expert's share of the routed tokens.
+        if "aux_loss" in fetched:
+            record["aux_loss"] = float(fetched["aux_loss"])
+            record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
+        self.writer.write(self.step, record)
+        self.records.append({"step": self.step, **record})
+        self.check_finite(record)
+
+    def save(self, force: bool) -> None:
+        o, step = self.options, self.step
+        if self.checkpointer is None:
+            return
+        if not force and not (o.checkpoint_every and step % o.checkpoint_every == 0):
+            return  # the checkpointer would skip it; do not sync the objects for nothing
+        if self.metrics:  # a step between log steps may have diverged: never save its state
+            self.check_finite(jax.device_get(self.metrics))
+        model, optimizer = self.trainer.sync()
+        meta = {"step": step, "seed": o.seed, "tokens_seen": self.tokens_seen}
+        if self.checkpointer.save(
+            step,
+            model=model,
+            optimizer=optimizer,
+            data_iter=self.train_iter,
+            meta=meta,
+            force=force,
+        ):
+            self.saved_step = step
+
+    def validate(self, make_val_batches) -> None:
+        if make_val_batches is None:
+            return
+        val_loss, val_tokens = evaluate(self.trainer, make_val_batches())
+        self.writer.write_eval(self.step, val_loss, val_tokens=val_tokens)
+        self.records.append({"step": self.step, "val_loss": val_loss, "val_tokens": val_tokens})
+
+    def restart_interval(self, logged: bool, paused: float) -> None:
+        # Validation and saving sit outside the timed intervals.
+        if logged:
+            self.interval_start, self.interval_steps = time.perf_counter(), 0
+        else:
+            self.interval_start += time.perf_counter() - paused
+
+
 def run(
     trainer: Trainer,
     options: LoopOptions,
@@ -246,98 +326,32 @@ def run(
 
     `train_batches` yields global arrays; `train_iter` is the Grain iterator behind it, whose
     state the checkpointer saves. `writer` is a training.metrics.MetricsWriter. The
-    checkpointer and the preemption watcher follow the seam in checkpoint/manager.py and
-    runtime/preemption.py; either may be None.
+    checkpointer (checkpoint/manager.py) and the preemption watcher (runtime/preemption.py)
+    may each be None.
     """
-    records: list[dict[str, Any]] = []
-    step = start_step
-    tokens_seen = step * options.tokens_per_step
-    interval_start, interval_steps = time.perf_counter(), 0
-    metrics: dict[str, jax.Array] = {}
-    saved_step = start_step or None  # resumed: the workdir holds that step
-
-    def check_finite(fetched) -> None:
-        # A finite loss with a non-finite gradient norm still writes NaN into the parameters.
-        for name in ("loss", "grad_norm"):
-            value = float(fetched[name])
-            if not math.isfinite(value):
-                raise DivergedError(step, f"{name} is {value}", saved_step)
-
-    def save(force: bool) -> None:
-        nonlocal saved_step
-        if checkpointer is None:
-            return
-        if not force and not (options.checkpoint_every and step % options.checkpoint_every == 0):
-            return  # the checkpointer would skip it; do not sync the objects for nothing
-        if metrics:  # a step between log steps may have diverged: never save its state
-            check_finite(jax.device_get(metrics))
-        model, optimizer = trainer.sync()
-        meta = {"step": step, "seed": options.seed, "tokens_seen": tokens_seen}
-        if checkpointer.save(
-            step, model=model, optimizer=optimizer, data_iter=train_iter, meta=meta, force=force
-        ):
-            saved_step = step
-
-    def validate() -> None:
-        if make_val_batches is None:
-            return
-        val_loss, val_tokens = evaluate(trainer, make_val_batches())
-        writer.write_eval(step, val_loss, val_tokens=val_tokens)
-        records.append({"step": step, "val_loss": val_loss, "val_tokens": val_tokens})
-
+    loop = _Loop(trainer, options, writer, checkpointer, train_iter, start_step)
+    total = options.total_steps
     preempted = False
-    while step < options.total_steps:
-        batch = next(train_batches)
-        metrics = trainer.train_step(batch)
-        step += 1
-        interval_steps += 1
-        tokens_seen += options.tokens_per_step
-        last = step == options.total_steps
+    while loop.step < total:
+        loop.train_step(next(train_batches))
+        step, last = loop.step, loop.step == total
         # The first step of a run is logged too, so the curve starts at the untrained loss.
         log_now = step % options.log_every == 0 or last or step == start_step + 1
         if log_now:
-            fetched = jax.device_get(metrics)  # blocks: the interval's steps are done
-            elapsed = time.perf_counter() - interval_start
-            tokens_per_second = interval_steps * options.tokens_per_step / elapsed
-            record = {
-                "loss": float(fetched["loss"]),
-                "learning_rate": float(learning_rate(step - 1)),  # the rate this step used
-                "grad_norm": float(fetched["grad_norm"]),
-                "tokens_per_second": tokens_per_second,
-                # Against the compute dtype's peak (bf16: the published convention), and
-                # against the peak of the precision the projections run in.
-                "mfu": tokens_per_second * options.flops_per_token / options.peak_flops,
-                "mfu_at_precision": tokens_per_second
-                * options.flops_per_token
-                / (options.peak_flops * options.precision_peak_ratio),
-                "step_time": elapsed / interval_steps,
-                "loss_tokens": int(fetched["loss_tokens"]),
-                "tokens_seen": tokens_seen,
-            }
-            # MoE: the load-balancing loss, and each expert's share of the routed tokens.
-            if "aux_loss" in fetched:
-                record["aux_loss"] = float(fetched["aux_loss"])
-                record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
-            writer.write(step, record)
-            records.append({"step": step, **record})
-            check_finite(record)
-        # Validation and saving sit outside the timed intervals.
+            loop.log(learning_rate)
         paused = time.perf_counter()
         if options.eval_every and step % options.eval_every == 0 and not last:
-            validate()
-        save(force=False)
+            loop.validate(make_val_batches)
+        loop.save(force=False)
         if watcher is not None and not last and watcher.should_stop(step):
-            save(force=True)
+            loop.save(force=True)
             preempted = True
             break
-        if log_now:
-            interval_start, interval_steps = time.perf_counter(), 0
-        else:
-            interval_start += time.perf_counter() - paused
-    if not preempted and step > start_step:
-        validate()
-        save(force=True)
+        loop.restart_interval(log_now, paused)
+    if not preempted and loop.step > start_step:
+        loop.validate(make_val_batches)
+        loop.save(force=True)
     if checkpointer is not None:
         checkpointer.wait()
     trainer.sync()
-    return records
+    return loop.records

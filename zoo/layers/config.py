@@ -15,7 +15,7 @@ from zoo.layers import quant, remat
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
-# attention_impl values: the backends of zoo/layers/attention_ops.py, and the choice between them.
+# attention_impl values: the backends of zoo/layers/attention/, and the choice between them.
 ATTENTION_IMPLEMENTATIONS = ("xla", "splash", "cudnn", "auto")
 
 
@@ -96,7 +96,7 @@ class DecoderConfig:
     # 'full' | 'dots' | 'save_qkv_proj' | 'save_out_proj' | 'offload'.
     remat: str = "none"
     # 'xla' | 'splash' (TPU) | 'cudnn' (NVIDIA GPU) | 'auto' (splash on TPU, cudnn on GPU,
-    # xla elsewhere); see zoo/layers/attention_ops.py.
+    # xla elsewhere); see zoo/layers/attention/.
     attention_impl: str = "xla"
     # Run Pallas attention kernels (splash) in interpret mode, so they run on CPU: for tests
     # and debugging only (slow).

@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardings.mesh import compile_platform
 from shardings.specs import BlockSharding, LmSharding
 from zoo import loss
-from zoo.layers import context_parallel, remat, rope
-from zoo.layers.attention import Attention
-from zoo.layers.attention_mask import Segments
-from zoo.layers.attention_ops import compile_platform
+from zoo.layers import remat, rope
+from zoo.layers.attention import Attention, Segments, context_parallel
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.kv_cache import KVCache, LayerCache
@@ -181,7 +180,7 @@ class DecoderLM(nnx.Module):
         model up to its LM head."""
         cfg = self.cfg
         # Context parallelism: rows run in load-balanced chunk order inside the model
-        # (zoo/layers/context_parallel.py); the residual goes back before the LM head.
+        # (zoo/layers/attention/context_parallel.py); the residual goes back before the LM head.
         cp_axis = context_parallel.seq_axis(self.sharding.tokens)
         balanced = cp_axis is not None and self.sharding.seq_order == "balanced"
         if balanced:

@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zoo.layers import attention_ops
+from zoo.layers.attention import dispatch
+from zoo.layers.attention.layout import reshard_to
+from zoo.layers.attention.mask import Segments
 
 
 def seq_axis(spec: P) -> str | None:
@@ -67,12 +69,6 @@ def check_seq_len(seq_len: int, context: int) -> None:
 def _live_spec(x: jax.Array) -> P:
     spec = tuple(jax.typeof(x).sharding.spec)
     return P(*(spec + (None,) * (x.ndim - len(spec))))
-
-
-def _reshard_to(x: jax.Array, spec: P) -> jax.Array:
-    """reshard only when the layout differs, so the usual case adds nothing to the graph."""
-    want = P(*(tuple(spec) + (None,) * (x.ndim - len(spec))))
-    return x if _live_spec(x) == want else jax.sharding.reshard(x, want)
 
 
 def _reorder(x: jax.Array, axis: str, *, to_balanced: bool) -> jax.Array:
@@ -151,12 +147,12 @@ def attention(
     def local(q, k, v, seg, pos, *window):
         gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
         # Each device's T/c queries against all T keys: T != S, so index-masking kernels
-        # (splash, cuDNN) hand these calls to xla (attention_ops logs why once).
-        return attention_ops.attention(
+        # (splash, cuDNN) hand these calls to xla (the dispatcher logs why once).
+        return dispatch.attention(
             q,
             gather(k),
             gather(v),
-            attention_ops.Segments(seg, gather(seg), pos, gather(pos)),
+            Segments(seg, gather(seg), pos, gather(pos)),
             scale=scale,
             out_sharding=None,
             causal=True,
@@ -169,29 +165,8 @@ def attention(
     if not static_window:  # a per-layer window traced under the layer scan
         args.append(jnp.asarray(sliding_window, jnp.int32))
         specs.append(P())
-    args = [_reshard_to(x, s) for x, s in zip(args, specs, strict=True)]
+    args = [reshard_to(x, s) for x, s in zip(args, specs, strict=True)]
     out_BTND = jax.shard_map(local, in_specs=tuple(specs), out_specs=q_spec)(*args)
     if out_sharding is not None:
-        out_BTND = _reshard_to(out_BTND, out_sharding)
+        out_BTND = reshard_to(out_BTND, out_sharding)
     return out_BTND
-
-
-def visible_pairs_per_device(segment_ids_BT, positions_BT, context: int, *, window=None):
-    """Query-key pairs each context device's mask lets through, summed over the batch, in
-    the balanced layout: the mask each device builds is its own T/c queries against all T
-    keys (as `attention` gathers them). numpy in, list of c ints out."""
-    T = segment_ids_BT.shape[1]
-    order = balanced_order(T, context)
-    seg, pos = jnp.asarray(segment_ids_BT)[:, order], jnp.asarray(positions_BT)[:, order]
-    per = T // context
-    counts = []
-    for i in range(context):
-        mask = attention_ops.attention_mask(
-            attention_ops.Segments(
-                seg[:, i * per : (i + 1) * per], seg, pos[:, i * per : (i + 1) * per], pos
-            ),
-            causal=True,
-            sliding_window=window,
-        )
-        counts.append(int(jnp.sum(mask)))
-    return counts

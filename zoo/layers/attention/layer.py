@@ -1,6 +1,6 @@
 """The attention module: q/k/v/o projections, optional q/k norms, RoPE, KV cache.
 
-The attention arithmetic itself (XLA, cuDNN, layout restoring) is `attention_ops.attention`.
+The attention arithmetic itself (XLA, cuDNN, layout restoring) is `dispatch.attention`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import jax
 from flax import nnx
 
 from shardings.specs import AttentionSharding
-from zoo.layers import attention_ops, context_parallel, remat, rope
-from zoo.layers.attention_mask import Segments
+from zoo.layers import remat, rope
+from zoo.layers.attention import context_parallel, dispatch
+from zoo.layers.attention.mask import Segments
 from zoo.layers.basic import Einsum, Norm
 
 
@@ -80,7 +81,7 @@ class Attention(nnx.Module):
             )
             return self._out(out_BTND), kv
         # --- end of hook ---
-        out_BTND = attention_ops.attention(
+        out_BTND = dispatch.attention(
             q_BTND,
             k_BTKD,
             v_BTKD,

@@ -26,7 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zoo.layers.attention_mask import Segments, attention_mask, is_static, static_window
+from zoo.layers.attention.mask import Segments, attention_mask, is_static, static_window
+from zoo.layers.attention.registry import register_backend
 
 # jax reports NVIDIA GPUs as 'gpu' (and the plugin as 'cuda' in some builds).
 GPU_PLATFORMS = ("gpu", "cuda")
@@ -87,3 +88,12 @@ def cudnn_attention(
         key_value_seq_lengths=kv_len_B,
         **kwargs,
     )
+
+
+register_backend(
+    "cudnn",
+    cudnn_attention,
+    keeps_layout=False,
+    equal_lengths=True,
+    unavailable=unavailable,
+)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-from zoo.layers.attention_mask import Segments, static_window
+from zoo.layers.attention.mask import Segments, static_window
+from zoo.layers.attention.registry import register_backend
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Tile sizes tried in order: the largest that divides the sequence. 512 is what MaxText's
@@ -117,3 +118,13 @@ def splash_attention(
 
     out_BNTD = jax.vmap(one_row)(q_BNTD, k_BKSD, v_BKSD, segments.q_ids_BT, segments.kv_ids_BS)
     return jnp.swapaxes(out_BNTD, 1, 2)
+
+
+register_backend(
+    "splash",
+    splash_attention,
+    keeps_layout=False,
+    equal_lengths=True,
+    static_window=True,
+    unavailable=unavailable,
+)

@@ -1,0 +1,264 @@
+"""The command line every entry point shares, written once: the start-up preamble, the run
+config flags (`--config`, `--config.<section>.<field>=value`, `--sharding_strategy`,
+`--mesh_shape`, `--attention_impl`), flag parsing, and the one-line usage error (exit 2).
+
+train_main and plan_main define the same run flags here, so plan_main plans exactly the run
+train_main would start from the same command line. Import this module, and call `preamble()`,
+before anything imports jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+
+EXIT_USAGE = 2
+_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEFAULT_CONFIG = os.path.join(_CONFIGS_DIR, "tiny.py")
+
+
+def preamble(*, huge_pages: bool = True, cpu_flags: bool = True, cpu_only: bool = False) -> None:
+    """Before jax is imported: quiet native libraries (errors own stderr), this host's CPU
+    allocator and XLA flags, and (`cpu_only`) no accelerator, for plans that never run."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if cpu_only:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if huge_pages and sys.argv and os.path.basename(sys.argv[0]).endswith("_main.py"):
+        # glibc reads its tunables when a process starts: restart now (before anything
+        # heavy is loaded) with huge pages for the host allocator where that helps.
+        from runtime.cpu_memory import reexec_with_huge_pages
+
+        reexec_with_huge_pages()
+    if cpu_flags:
+        from runtime.xla_cpu import set_cpu_flags
+
+        set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
+    from runtime.host import import_jax_quietly
+
+    import_jax_quietly()
+
+
+def usage_error(message) -> None:
+    """One line on stderr, exit status 2: for every mistake in what the user gave us."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USAGE)
+
+
+def device_hint(error: Exception) -> str:
+    """The error's text, plus how to simulate devices when a mesh asked for more devices than
+    a CPU host has (the usual first stumble on a laptop)."""
+    import jax
+
+    text = str(error)
+    wanted = re.search(r"needs (\d+) devices but (\d+) are available", text)
+    if wanted and int(wanted.group(1)) > int(wanted.group(2)) and jax.default_backend() == "cpu":
+        n = wanted.group(1)
+        text += (
+            f"; on CPU, simulate {n} devices by starting with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+        )
+    return text
+
+
+def no_arguments(argv) -> None:
+    if len(argv) > 1:
+        usage_error(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+
+
+def quiet_logging() -> None:
+    """absl at WARNING unless --verbosity was given: Orbax logs every save, optax notes a
+    constant schedule, at INFO; stderr is for the progress bar and errors."""
+    from absl import flags, logging
+
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+
+
+def run_main(main) -> None:
+    from absl import app
+
+    app.run(main, flags_parser=parse_flags)
+
+
+def parse_flags(argv):
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        usage_error(e)
+    except (OSError, AttributeError, KeyError) as e:  # the --config file or an override
+        usage_error(_unknown_field_message(e) or config_file_message(e))
+
+
+# --- the run config flags --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+    config: object  # the config_flags holder of the ConfigDict
+    sharding_strategy: object
+    mesh_shape: object
+    attention_impl: object
+
+
+def define_run_flags(strategy_extra: str = "") -> RunFlags:
+    """The flags that describe a run, for train_main and plan_main alike."""
+    from absl import flags
+
+    from shardings import STRATEGIES
+    from zoo.layers.attention import IMPLEMENTATIONS
+
+    config = _define_config_flag()
+    strategy = flags.DEFINE_string(
+        "sharding_strategy",
+        None,
+        f"{' | '.join(STRATEGIES)}{strategy_extra}; default: config.training.sharding_strategy.",
+    )
+    mesh_shape = flags.DEFINE_string(
+        "mesh_shape", None, "e.g. data:4,model:2; default: config.training.mesh_shape or the rule."
+    )
+    attention = flags.DEFINE_enum(
+        "attention_impl",
+        None,
+        list(IMPLEMENTATIONS),
+        "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); "
+        "default: config.model.attention_impl.",
+    )
+    return RunFlags(config, strategy, mesh_shape, attention)
+
+
+def explicit_config_overrides() -> dict[str, object]:
+    """`--config.<path>=value` overrides given on the command line: dotted path -> the typed
+    value config_flags parsed (so `1e-3` is a float where the field is one)."""
+    from absl import flags
+
+    holder = flags.FLAGS["config"].value
+    out = {}
+    for arg in sys.argv[1:]:
+        if not arg.startswith("--config."):
+            continue
+        path = arg.split("=", 1)[0].removeprefix("--config.")
+        value = holder
+        for key in path.split("."):
+            value = value[key]
+        out[path] = value
+    return out
+
+
+def config_file_given() -> bool:
+    return any(a.startswith("--config=") for a in sys.argv[1:])
+
+
+def load_run_config(run_flags: RunFlags, raw: dict | None = None):
+    """The typed run config: the config file (or `raw`, a config dict the caller built, with
+    the command line's `--config.*` overrides applied), with the run flags folded in."""
+    from training.config import RunConfig
+
+    try:
+        if raw is None:
+            # config_flags defers a failed load of the file to the first use of the config.
+            raw = run_flags.config.value.to_dict()
+        else:
+            raw = _with_overrides(raw, explicit_config_overrides())
+    except OSError as e:
+        usage_error(config_file_message(e))
+    run = RunConfig.from_config_dict(raw)
+    replace = dataclasses.replace
+    if run_flags.sharding_strategy.value is not None:
+        run = replace(
+            run,
+            training=replace(run.training, sharding_strategy=run_flags.sharding_strategy.value),
+        )
+    if run_flags.mesh_shape.value is not None:
+        run = replace(run, training=replace(run.training, mesh_shape=run_flags.mesh_shape.value))
+    if run_flags.attention_impl.value is not None:
+        run = replace(run, model=replace(run.model, attention_impl=run_flags.attention_impl.value))
+    return run
+
+
+def _with_overrides(raw: dict, overrides: dict[str, object]) -> dict:
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for path, value in overrides.items():
+        *sections, field = path.split(".")
+        node = raw
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[field] = value
+    return raw
+
+
+def _resolve_config_path(value: str) -> str:
+    """`~` expanded (the shell does not, after `=`); a bare name (`tiny`, `llama3_8b`) is the
+    shipped config of that name, so installed entry points find their configs."""
+    value = os.path.expanduser(value)
+    shipped = os.path.join(_CONFIGS_DIR, f"{value}.py")
+    if os.sep not in value and not value.endswith(".py") and os.path.isfile(shipped):
+        return shipped
+    return value
+
+
+def _define_config_flag():
+    from absl import flags
+    from ml_collections import config_flags
+
+    # config_flags applies `--config.<path>=value` overrides while defining the flag (it reads
+    # sys.argv), so a misspelt field raises here, before absl parses anything.
+    sys.argv[1:] = [
+        f"--config={_resolve_config_path(a.split('=', 1)[1])}" if a.startswith("--config=") else a
+        for a in sys.argv[1:]
+    ]
+    if "config" in flags.FLAGS:
+        return flags.FLAGS["config"]
+    try:
+        return config_flags.DEFINE_config_file(
+            "config",
+            DEFAULT_CONFIG,
+            "Run config: a configs/*.py file (a get_config() module), or a shipped config's "
+            "name (tiny, small, llama3_1b, llama3_8b).",
+            lock_config=True,
+        )
+    except (AttributeError, KeyError) as e:
+        usage_error(_unknown_field_message(e) or f"--config override: {e}")
+
+
+def _unknown_field_message(error: Exception) -> str | None:
+    """One line for a `--config.<path>` override naming a field the config does not define
+    (ml_collections raises a KeyError, sometimes wrapped, whose text spans lines), naming the
+    valid fields; None when `error` is something else."""
+    from training.config import SECTIONS, section_fields
+
+    text = str(error).replace("\\'", "'").replace("\\n", "\n")
+    quoted = re.search(r"'([A-Za-z_]\w*)'", text)
+    if quoted is None:
+        return None
+    name = quoted.group(1)
+    overrides = [a.split("=", 1)[0] for a in sys.argv[1:] if a.startswith("--config.")]
+    paths = [o.removeprefix("--config.").split(".") for o in overrides]
+    path = next((p for p in paths if name in p), None)
+    if path is None:
+        return None
+    where = path[: path.index(name)]
+    if not where:
+        valid = ", ".join(("name", *SECTIONS))
+    elif where[0] in SECTIONS and len(where) == 1:
+        valid = ", ".join(section_fields(where[0]))
+    else:
+        valid = None
+    suggestion = re.search(r'Did you mean "([^"]+)"', text)
+    hint = f"; did you mean {suggestion.group(1)!r}?" if suggestion else ""
+    section = ".".join(where) or "the config"
+    listing = f" (valid in {section}: {valid})" if valid else ""
+    return f"--config.{'.'.join(path)}: no such config field {name!r}{hint}{listing}"
+
+
+def config_file_message(error: Exception) -> str:
+    """One line for a --config file that did not load (config_flags' message spans lines)."""
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
+    reason = next((line for line in lines if line.startswith("[Errno")), lines[-1])
+    name = given[-1] if given else DEFAULT_CONFIG
+    return f"--config={name}: cannot load the config file: {reason}"

@@ -1,0 +1,49 @@
+"""The run's data: the tokenizer, the train stream and the validation batches, as global
+arrays in the run's batch layout."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import data
+from data.tokenizers import make_tokenizer
+from runtime.distributed import to_global
+from training.config import RunConfig
+
+
+@dataclasses.dataclass
+class RunData:
+    tokenizer: object
+    train_iter: object  # the Grain iterator, whose state checkpoints save
+    train_batches: Iterator[dict]  # global arrays
+    make_val_batches: Callable[[], Iterator[dict]]  # a fresh pass over the validation batches
+
+    def close(self) -> None:
+        # Worker processes (data.num_workers > 0) hold shared memory until closed.
+        self.train_iter.close()
+
+
+def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
+    """Raises ValueError / FileNotFoundError (one line) for a source or tokenizer that cannot
+    serve the run; the validation split is built here so an empty one fails before training."""
+    d = run.data
+    tokenizer = make_tokenizer(d.tokenizer)
+    common = dict(
+        tokenizer=tokenizer,
+        seq_len=d.seq_len,
+        global_batch_size=d.global_batch_size,
+        seed=d.shuffle_seed,
+        text_field=d.text_field,
+        validation_fraction=d.validation_fraction,
+    )
+    train_iter = data.make_dataset(d.source, "train", num_workers=d.num_workers, **common)
+    val_dataset = data.build_dataset(
+        d.source, "validation", num_batches=run.training.eval_batches, **common
+    )
+    return RunData(
+        tokenizer=tokenizer,
+        train_iter=train_iter,
+        train_batches=(to_global(b, mesh, batch_spec) for b in train_iter),
+        make_val_batches=lambda: (to_global(b, mesh, batch_spec) for b in val_dataset),
+    )
