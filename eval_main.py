@@ -36,8 +36,8 @@ from shardings import STRATEGIES  # noqa: E402
 from zoo.layers.attention import IMPLEMENTATIONS  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints/ and eval.json).")
-_STRATEGY = flags.DEFINE_enum(
-    "sharding_strategy", None, list(STRATEGIES), "A strategy; default: the run's."
+_STRATEGY = flags.DEFINE_string(
+    "sharding_strategy", None, f"{' | '.join(STRATEGIES)}; default: the run's."
 )
 _MESH_SHAPE = flags.DEFINE_string("mesh_shape", None, "e.g. data:8; default: the strategy's rule.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest complete one.")
@@ -125,5 +125,10 @@ def main(argv):
         cli.usage_error(e)
 
 
-if __name__ == "__main__":
+def console_main():
+    """The `zoo-eval` console script (pyproject.toml): what `python eval_main.py` runs."""
     cli.run_main(main)
+
+
+if __name__ == "__main__":
+    console_main()

@@ -20,8 +20,10 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from launch import cli
 
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
 _CONFIG = config_flags.DEFINE_config_file(
@@ -41,13 +43,13 @@ _COLLECTIVES = flags.DEFINE_bool(
 
 
 def main(argv):
-    del argv
+    cli.no_arguments(argv)
     if "jax" not in sys.modules:  # simulated devices must be requested before jax starts
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={_DEVICES.value}"
         )
+        cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
     import jax
 
     from shardings import STRATEGIES, get_strategy
@@ -69,8 +71,7 @@ def main(argv):
             cfg = get_config(_MODEL.value)
         strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.usage_error(e)
     if _WRITE_GOLDEN.value:
         out = pathlib.Path(_WRITE_GOLDEN.value)
         out.mkdir(parents=True, exist_ok=True)
@@ -107,6 +108,7 @@ def _compiled_text(cfg, strategy):
     from flax import nnx
 
     from shardings.hybrid import partition_slices
+    from shardings.specs import split_size
     from zoo import create_model
     from zoo.loss import lm_loss
 
@@ -114,9 +116,7 @@ def _compiled_text(cfg, strategy):
     mesh = strategy.make_mesh(shape=shape, config=cfg)
     with jax.set_mesh(mesh):
         model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
-        batch_axes = strategy.batch_spec()[0] or ()
-        batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
-        B = int(np.prod([mesh.shape[a] for a in batch_axes])) * 2
+        B = split_size(strategy.batch_spec(), 0, mesh.shape) * 2
         tokens = jax.device_put(np.zeros((B, 64), np.int32), strategy.batch_spec())
 
         def loss(model, tokens):
@@ -128,5 +128,10 @@ def _compiled_text(cfg, strategy):
         return fn.lower(state, tokens).compile().as_text(), partition_slices(mesh)
 
 
+def console_main():
+    """The `zoo-explain` console script (pyproject.toml): what `python explain_main.py` runs."""
+    cli.run_main(main)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    console_main()

@@ -41,6 +41,8 @@ cli.preamble(huge_pages=False, cpu_only=True)
 
 from absl import flags  # noqa: E402
 
+from zoo.layers.remat import POLICIES  # noqa: E402
+
 RUN = cli.define_run_flags(" | a comma list | all | auto (pick the best)")
 _MODEL = flags.DEFINE_string("model", None, "A model preset (zoo.get_config), instead of --config.")
 _TOPOLOGY = flags.DEFINE_string(
@@ -51,8 +53,8 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Alias of --config.data.seq_len
 _REMAT = flags.DEFINE_list(
     "remat",
     None,
-    "one or several of none,dots,full,save_qkv_proj,save_out_proj,offload (offload: TPU/GPU "
-    "targets); default: config.model.remat, none,dots,full for auto.",
+    f"one or several of {','.join(POLICIES)} (offload: TPU/GPU targets); default: "
+    "config.model.remat, none,dots,full for auto.",
 )
 _MICRO = flags.DEFINE_list(
     "micro_batches", None, "Micro-batch counts; default: the config's, 1,2,4,8 for auto."
@@ -98,5 +100,10 @@ def main(argv):
     print(output, flush=True)
 
 
-if __name__ == "__main__":
+def console_main():
+    """The `zoo-plan` console script (pyproject.toml): what `python plan_main.py` runs."""
     cli.run_main(main)
+
+
+if __name__ == "__main__":
+    console_main()

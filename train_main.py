@@ -78,5 +78,10 @@ def main(argv):
         sys.exit(1)
 
 
-if __name__ == "__main__":
+def console_main():
+    """The `zoo-train` console script (pyproject.toml): what `python train_main.py` runs."""
     cli.run_main(main)
+
+
+if __name__ == "__main__":
+    console_main()

@@ -3,7 +3,8 @@ and never read a damaged one.
 
 Layout: `<workdir>/checkpoints/<step>/` with four Orbax items and our manifest,
 
-  params          nnx.state(model, nnx.Param) as a pure dict of arrays (OCDBT, sharded writes)
+  params          nnx.state(model, nnx.Param) as a pure dict of arrays (OCDBT, sharded writes);
+                  for a LoRA run only its adapters (LoraParam), the base being run_info's init_from
   opt_state       nnx.state(optimizer, nnx.optimizer.OptState): the step count, optax's state
   data            the Grain iterator's state, one JSON file per process (grain.checkpoint)
   meta            JSON: {'step', 'run_info' (config, strategy, mesh), and what the loop adds
@@ -57,7 +58,11 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
 from checkpoint import integrity
-from zoo.layers.decoder import VOCAB_DIMS
+from zoo import VOCAB_DIMS
+
+# What `params` holds: every nnx.Param, or for a LoRA run only its adapters (the frozen base
+# is the run's --init_from directory, which run_info.json names).
+from zoo.layers.lora import trainable
 
 CHECKPOINT_SUBDIR = "checkpoints"
 INVALID_SUBDIR = "invalid"
@@ -232,11 +237,22 @@ def check_fits(
 
 
 def _params(model) -> dict:
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return nnx.to_pure_dict(nnx.state(model, trainable(model)))
 
 
 def _opt_state(optimizer) -> dict:
     return nnx.to_pure_dict(nnx.state(optimizer, nnx.optimizer.OptState))
+
+
+def _params_args(model) -> dict[str, Any]:
+    """Orbax restore arguments for the parameters, in the live model's layout."""
+    return {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
+
+
+def _unreadable(step_dir: str, error: BaseException, what: str = "") -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"checkpoint {step_dir} {what}cannot be read ({_one_line(error)})"
+    )
 
 
 def _put_back(module, var_filter, restored: dict) -> None:
@@ -258,9 +274,7 @@ def _restore(step_dir: str, what: str, args: dict[str, Any], model_cfg=None) -> 
         try:
             metadata = checkpointer.metadata(step_dir).item_metadata
         except Exception as e:  # noqa: BLE001 -- any failure to read it means a damaged dir
-            raise CorruptCheckpointError(
-                f"checkpoint {step_dir} cannot be read ({_one_line(e)})"
-            ) from e
+            raise _unreadable(step_dir, e) from e
         args = dict(args)
         for item in _TREE_ITEMS:
             if item in args:
@@ -275,9 +289,7 @@ def _restore(step_dir: str, what: str, args: dict[str, Any], model_cfg=None) -> 
         try:
             return checkpointer.restore(step_dir, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 -- tensorstore/OCDBT errors past the checksums
-            raise CorruptCheckpointError(
-                f"checkpoint {step_dir} cannot be read ({_one_line(e)})"
-            ) from e
+            raise _unreadable(step_dir, e) from e
     finally:
         checkpointer.close()
 
@@ -409,7 +421,7 @@ class Checkpointer:
         step_dir = os.path.join(self.directory, str(step))
         if step not in self._verified:
             check_integrity(step_dir, ITEMS)
-        args = {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
+        args = _params_args(model)
         if optimizer is not None:
             args["opt_state"] = ocp.args.StandardRestore(_abstract(_opt_state(optimizer)))
         if data_iter is not None:
@@ -417,7 +429,7 @@ class Checkpointer:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         args["meta"] = ocp.args.JsonRestore()
         restored = _restore(step_dir, "model", args, getattr(model, "cfg", None))
-        _put_back(model, nnx.Param, restored["params"])
+        _put_back(model, trainable(model), restored["params"])
         if optimizer is not None:
             _put_back(optimizer, nnx.optimizer.OptState, restored["opt_state"])
         logging.info("restored checkpoint %s", step_dir)
@@ -511,9 +523,7 @@ def _read_meta(step_dir: str) -> dict:
             step_dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
         )
     except Exception as e:  # noqa: BLE001 -- any failure to read it means a damaged dir
-        raise CorruptCheckpointError(
-            f"checkpoint {step_dir} meta cannot be read ({_one_line(e)})"
-        ) from e
+        raise _unreadable(step_dir, e, "meta ") from e
     finally:
         checkpointer.close()
     return dict(restored["meta"])
@@ -541,7 +551,6 @@ def restore_params(workdir: str, model, step: int | None = None) -> int:
         if not others:
             raise
         raise CorruptCheckpointError(f"{e}; choose another with --step (steps: {others})") from None
-    args = {"params": ocp.args.StandardRestore(_abstract(_params(model)))}
-    restored = _restore(step_dir, "model", args, getattr(model, "cfg", None))
-    _put_back(model, nnx.Param, restored["params"])
+    restored = _restore(step_dir, "model", _params_args(model), getattr(model, "cfg", None))
+    _put_back(model, trainable(model), restored["params"])
     return step

@@ -17,8 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from checkpoint.manager import (
+    CorruptCheckpointError,
+    checkpoint_dir,
+    complete_steps,
+    read_meta,
+)
+from training.config import RunConfig
+
 # DataSection fields that define the document stream a saved iterator position refers to.
 STREAM_FIELDS = (
+    "format",
     "source",
     "tokenizer",
     "text_field",
@@ -32,13 +41,6 @@ STREAM_FIELDS = (
 def saved_run(workdir: str, step: int | None = None):
     """(step, RunConfig) recorded in the latest complete checkpoint (or `step`), or None when
     there is none or it records no config."""
-    from checkpoint.manager import (
-        CorruptCheckpointError,
-        checkpoint_dir,
-        complete_steps,
-        read_meta,
-    )
-    from training.config import RunConfig
 
     steps = [step] if step is not None else complete_steps(checkpoint_dir(workdir), warn=False)
     for candidate in reversed(steps):

@@ -58,23 +58,33 @@ class _Tokenize:
 
 
 class _SplitIntoChunks(grain.experimental.FlatMapTransform):
-    """ids -> [{'tokens': chunk}] with chunks of at most seq_len: each packs as a document."""
+    """ids (or {'tokens', 'loss_mask'}) -> [{'tokens': chunk, ...}] with chunks of at most
+    seq_len: each packs as a document, its loss mask cut alongside."""
 
     max_fan_out = 1 << 20  # only MapDataset flat maps check it; documents may be long
 
     def __init__(self, seq_len: int):
         self.seq_len = seq_len
 
-    def flat_map(self, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
-        return [{"tokens": ids[i : i + self.seq_len]} for i in range(0, len(ids), self.seq_len)]
+    def flat_map(self, doc) -> list[dict[str, np.ndarray]]:
+        doc = doc if isinstance(doc, dict) else {"tokens": doc}
+        n, T = len(doc["tokens"]), self.seq_len
+        return [{k: v[i : i + T] for k, v in doc.items()} for i in range(0, n, T)]
+
+
+def _copy(doc):
+    return {k: np.array(v) for k, v in doc.items()} if isinstance(doc, dict) else np.array(doc)
 
 
 def _rename_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {
+    out = {
         "tokens": row["tokens"].astype(np.int32),
         "segment_ids": row["tokens_segment_ids"].astype(np.int32),
         "positions": row["tokens_positions"].astype(np.int32),
     }
+    if "loss_mask" in row:  # chat / instruction data: which tokens are trained targets
+        out["loss_mask"] = row["loss_mask"].astype(np.int32)
+    return out
 
 
 class _FixedBatchesIterator(grain.DatasetIterator):
@@ -82,14 +92,14 @@ class _FixedBatchesIterator(grain.DatasetIterator):
     exactly that many batches (all-padding ones after the data runs out), so every process
     runs the same number of evaluation steps."""
 
-    def __init__(self, parent, batch_size: int, seq_len: int, num_batches: int | None):
+    def __init__(self, parent, batch_size: int, seq_len: int, num_batches: int | None, keys):
         super().__init__(parent)
         self._batch_size, self._seq_len, self._num_batches = batch_size, seq_len, num_batches
+        self._keys = keys
         self._emitted = 0
 
     def _padding(self, rows: int) -> dict[str, np.ndarray]:
-        zeros = np.zeros((rows, self._seq_len), dtype=np.int32)
-        return {"tokens": zeros, "segment_ids": zeros.copy(), "positions": zeros.copy()}
+        return {k: np.zeros((rows, self._seq_len), dtype=np.int32) for k in self._keys}
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self._num_batches is not None and self._emitted >= self._num_batches:
@@ -116,9 +126,9 @@ class _FixedBatchesIterator(grain.DatasetIterator):
 
 
 class _FixedBatches(grain.IterDataset):
-    def __init__(self, parent, batch_size: int, seq_len: int, num_batches: int | None):
+    def __init__(self, parent, batch_size: int, seq_len: int, num_batches: int | None, keys):
         super().__init__(parent)
-        self._args = (batch_size, seq_len, num_batches)
+        self._args = (batch_size, seq_len, num_batches, keys)
 
     def __iter__(self) -> _FixedBatchesIterator:
         return _FixedBatchesIterator(self._parent.__iter__(), *self._args)
@@ -142,6 +152,8 @@ def build_dataset(
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
     num_packing_bins: int | None = None,
     shuffle_window: int = 1024,
+    data_format: str = "text",
+    chat_template=None,
 ) -> grain.IterDataset:
     """The batches of `source`/`split` for this process, as a Grain IterDataset.
 
@@ -167,6 +179,10 @@ def build_dataset(
         tighter.
       shuffle_window: chunks shuffled together after chunking (when shuffling). Memory is
         about shuffle_window * seq_len * 4 bytes; a restore replays at most one window.
+      data_format: 'text' (documents), 'chat' or 'prompt_completion' (records, data/chat.py):
+        then batches also carry `loss_mask` [B, T], 1 where the token is a trained target
+        (assistant turns, completions), packed and chunked with its tokens.
+      chat_template: a data.chat.ChatTemplate, for chat records.
 
     `iter(dataset)` gives a grain DatasetIterator of dicts of int32 arrays [B, T] (`tokens`,
     `segment_ids`, `positions`) with JSON-able `get_state()` / `set_state()`; `make_dataset`
@@ -183,9 +199,18 @@ def build_dataset(
     shuffle = split == "train" if shuffle is None else shuffle
     repeat = split == "train" if repeat is None else repeat
 
-    docs = load_documents(
-        source, split, text_field=text_field, validation_fraction=validation_fraction
-    )
+    if data_format == "text":
+        docs = load_documents(
+            source, split, text_field=text_field, validation_fraction=validation_fraction
+        )
+        encode, keys = _Tokenize(tokenizer), ("tokens", "segment_ids", "positions")
+    else:
+        from data import chat
+
+        docs = chat.load_records(source, split, data_format, validation_fraction)
+        chat.check_first_record(docs, tokenizer, chat_template)
+        encode = chat.EncodeRecord(tokenizer, chat_template)
+        keys = ("tokens", "segment_ids", "positions", "loss_mask")
     docs = docs[process_index::process_count]
     if not len(docs):
         raise ValueError(
@@ -196,26 +221,26 @@ def build_dataset(
         docs = docs.shuffle(seed=seed)
     if repeat:
         docs = docs.repeat(None)  # reseeds the shuffle every epoch
-    ds = docs.map(_Tokenize(tokenizer)).to_iter_dataset()
+    ds = docs.map(encode).to_iter_dataset()
     if num_workers > 0:
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
         # Worker outputs arrive in shared memory, freed when the array is dropped; the shuffle
         # window and the packer keep chunks (views) for many steps, and at exit they would
         # still hold it. A copy lets each segment go at once.
-        ds = ds.map(np.array)
+        ds = ds.map(_copy)
     ds = grain.experimental.FlatMapIterDataset(ds, _SplitIntoChunks(seq_len))
     if shuffle and shuffle_window > 1:
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
     ds = grain.experimental.FirstFitPackIterDataset(
         ds,
-        length_struct={"tokens": seq_len},
+        length_struct={k: seq_len for k in ("tokens", "loss_mask")[: len(keys) - 2]},
         num_packing_bins=num_packing_bins or max(batch_size, 16),
         seed=seed,
         shuffle_bins=shuffle,
     )
     ds = ds.map(_rename_packed).batch(batch_size, drop_remainder=repeat)
     if not repeat:
-        ds = _FixedBatches(ds, batch_size, seq_len, num_batches)
+        ds = _FixedBatches(ds, batch_size, seq_len, num_batches, keys)
     elif num_batches is not None:
         ds = grain.experimental.LimitIterDataset(ds, num_batches)
     return ds

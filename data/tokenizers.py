@@ -40,6 +40,13 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; EOS and ids outside the vocabulary are dropped."""
 
+    def encode_with_starts(self, text: str) -> tuple[list[int], np.ndarray]:
+        """(ids of `text` as `encode` gives them, the index in `text` of each id's first
+        character): what a per-token loss mask over character spans needs."""
+        raise ValueError(
+            f"{self!r} gives no character offsets; chat data needs a tokenizer.json or 'byte'"
+        )
+
     def num_bytes(self, ids) -> int:
         """UTF-8 bytes that `ids` stand for (the denominator of bits per byte)."""
         return int(self.token_num_bytes[np.asarray(ids, dtype=np.int64)].sum())
@@ -60,6 +67,10 @@ class ByteTokenizer(Tokenizer):
     def encode_np(self, text: str) -> np.ndarray:
         """Fast path for the data pipeline: the bytes as an int32 array."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_with_starts(self, text: str) -> tuple[list[int], np.ndarray]:
+        starts = [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
+        return self.encode(text), np.asarray(starts, np.int64)
 
     def decode(self, ids: Sequence[int]) -> str:
         # errors='replace' because generation can stop in the middle of a multi-byte character.
@@ -146,6 +157,10 @@ class HfTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_starts(self, text: str) -> tuple[list[int], np.ndarray]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, np.asarray([start for start, _ in encoding.offsets], np.int64)
 
     def decode(self, ids: Sequence[int]) -> str:
         base = self._tok.get_vocab_size(with_added_tokens=True)

@@ -4,21 +4,24 @@ that is the same on every mesh; and the record eval.json holds."""
 from __future__ import annotations
 
 import math
+import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+import data
 from evaluation.settings import EvalSettings
+from runtime.distributed import to_global
+from shardings.mesh import check_batch
+from shardings.specs import split_size
+from zoo.loss import answer_mask, target_mask
 
 
 def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     """Loss, perplexity, bits per byte and counts over the settings' batches."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    import data
-    from runtime.distributed import to_global
-    from shardings.mesh import check_batch
-    from zoo.loss import target_mask
 
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(
@@ -27,10 +30,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
         )
     batch_spec = model.sharding.tokens
     rows = settings.batch_size
-    multiple = 1
-    if batch_spec[0] is not None:
-        axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
-        multiple = math.prod(mesh.shape[a] for a in axes)
+    multiple = split_size(batch_spec, 0, mesh.shape)
     padded_rows = -(-rows // multiple) * multiple  # same data on every mesh, padding rows added
     check_batch(padded_rows, batch_spec, mesh, settings.strategy, seq_len=settings.seq_len)
     dataset = data.build_dataset(
@@ -44,18 +44,23 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
         num_batches=settings.eval_batches,
         text_field=settings.text_field,
         validation_fraction=settings.validation_fraction,
+        data_format=settings.data_format,
+        chat_template=_chat_template(settings),
     )
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def nll_sum(state, batch):
         m = nnx.merge(graphdef, state)
-        nll_BT, mask_BT = m.token_nll(
+        nll_BT, mask_BT, _ = m.token_nll(
             batch["tokens"],
             segment_ids=batch["segment_ids"],
             positions=batch["positions"],
             chunk_size=settings.loss_chunk_size,
         )
+        if "loss_mask" in batch:  # chat / instruction data: the answers' tokens only
+            mask_BT = answer_mask(mask_BT, batch["loss_mask"])
+            nll_BT = jnp.where(mask_BT, nll_BT, 0.0)
         return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
     total_nll, total_tokens, total_bytes = 0.0, 0, 0
@@ -75,10 +80,10 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
             targets_BT, mask_BT = (
                 np.asarray(a) for a in target_mask(local["tokens"], local["segment_ids"])
             )
+            if "loss_mask" in local:
+                mask_BT = mask_BT & (np.roll(local["loss_mask"], -1, axis=1) != 0)
             total_bytes += int(tokenizer.token_num_bytes[targets_BT[mask_BT]].sum())
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         total_bytes = int(np.sum(multihost_utils.process_allgather(np.int64(total_bytes))))
     if total_tokens == 0:
         raise ValueError(f"no tokens to evaluate in {settings.source!r} ({settings.split})")
@@ -90,6 +95,14 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
         "tokens": total_tokens,
         "bytes": total_bytes,
     }
+
+
+def _chat_template(settings):
+    if settings.data_format == "text" or settings.tokenizer == "byte":
+        return None
+    from data.chat import ChatTemplate
+
+    return ChatTemplate.from_dir(os.path.expanduser(settings.tokenizer))
 
 
 def json_safe(metrics: dict) -> dict:

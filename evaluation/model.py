@@ -6,7 +6,18 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+from flax import nnx
+
+from checkpoint.manager import restore_params
 from evaluation.settings import EvalSettings, run_config
+from launch.build import abstract_model, check_attention
+from shardings import get_strategy
+from training import finetune
+from zoo import create_model, from_pretrained
+from zoo.build import check_model_fits, fit_vocab
+from zoo.hf_io import read_config
+from zoo.registry import config_types
 
 
 def model_config_from_run_info(run_info: dict):
@@ -14,8 +25,6 @@ def model_config_from_run_info(run_info: dict):
     and fields), else the run config's model section (`RunConfig.model.decoder_config()`)."""
     recorded = run_info.get("model_config")
     if recorded:
-        from zoo.registry import config_types
-
         types = config_types()
         fields = dict(recorded)
         name = fields.pop("type", None)
@@ -31,12 +40,6 @@ def model_config_from_run_info(run_info: dict):
 
 def load_from_hf(hf_dir: str, settings: EvalSettings):
     """(model, mesh) read from a Hugging Face checkpoint directory."""
-    import jax
-
-    from launch.build import check_attention
-    from shardings import get_strategy
-    from zoo import from_pretrained
-    from zoo.hf_io import read_config
 
     strategy = get_strategy(settings.strategy)
     if not os.path.isdir(hf_dir):
@@ -53,16 +56,10 @@ def load_from_hf(hf_dir: str, settings: EvalSettings):
 def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, step: int | None):
     """(model, mesh, step): the run's model built under the requested strategy/mesh, with the
     parameters of checkpoint `step` (default: the latest), checked against its checksums."""
-    import jax
-    from flax import nnx
-
-    from checkpoint.manager import restore_params
-    from launch.build import abstract_model, check_attention
-    from shardings import get_strategy
-    from zoo import create_model
-    from zoo.build import check_model_fits, fit_vocab
 
     strategy = get_strategy(settings.strategy)
+    if run_config(run_info).lora.enabled:
+        return load_adapted(workdir, run_info, settings, step)
     # Evaluation takes no gradients: what the backward pass would keep does not matter, and
     # a policy the evaluating backend lacks (offload, on CPU) must not stop it.
     cfg = model_config_from_run_info(run_info).replace(remat="none")
@@ -85,4 +82,29 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
             # State besides the parameters (none in today's families) needs real values.
             model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
             step = restore_params(workdir, model, step)
+    return model, mesh, step
+
+
+def load_adapted(workdir: str, run_info: dict, settings: EvalSettings, step: int | None):
+    """(model, mesh, step) of a LoRA run: the base read from the run's `init_from` directory,
+    its adapters from checkpoint `step` (a LoRA checkpoint holds nothing else)."""
+    run = run_config(run_info)
+    base = run_info.get("init_from")
+    if not base or not os.path.isdir(base):
+        raise FileNotFoundError(
+            f"the LoRA run's base model {base!r} (run_info.json init_from) is not a directory"
+        )
+    strategy = get_strategy(settings.strategy)
+    overrides = dict(dtype=run.model.dtype, scan_layers=run.model.scan_layers)
+    if settings.attention_impl:
+        overrides["attention_impl"] = settings.attention_impl
+    cfg = read_config(base, **overrides)
+    mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
+    check_attention(cfg, mesh, settings.seq_len)
+    with jax.set_mesh(mesh):
+        model = from_pretrained(base, strategy, **overrides)
+        # Dropout only trains; the adapters' values come from the checkpoint.
+        finetune.adapt(model, dataclasses.replace(run.lora, dropout=0.0))
+        finetune.freeze_base(model, run.model.dtype)
+        step = restore_params(workdir, model, step)
     return model, mesh, step

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from training.config import RunConfig, TrainingSection
+
 # Defaults for a Hugging Face checkpoint, which has no run record.
 HF_DEFAULTS = dict(source="default", seq_len=512, global_batch_size=8, eval_batches=4)
 
@@ -26,17 +28,17 @@ class EvalSettings:
     loss_chunk_size: int
     # The attention backend to evaluate with (xla|cudnn|splash|auto); None: the run's own.
     attention_impl: str | None = None
+    # text | chat | prompt_completion (data/chat.py): the run's; chat data counts answers only.
+    data_format: str = "text"
 
 
 def _default_loss_chunk_size() -> int:
-    from training.config import TrainingSection
 
     return TrainingSection().loss_chunk_size
 
 
 def run_config(run_info: dict):
     """The typed RunConfig recorded in a checkpoint's run_info."""
-    from training.config import RunConfig
 
     if "config" not in run_info:
         raise ValueError("the checkpoint's run_info records no 'config'; cannot rebuild the run")
@@ -70,7 +72,9 @@ def from_run_info(
             eval_batches=run.training.eval_batches,
             loss_chunk_size=run.training.loss_chunk_size,
         )
+        data_format = d.format
     else:
+        data_format = "text"
         base = dict(
             strategy="fsdp_tp",
             source=HF_DEFAULTS["source"],
@@ -100,5 +104,6 @@ def from_run_info(
         attention_impl=attention_impl,
         source=data or source,
         split="all" if data else "validation",
+        data_format=data_format,
         **base,
     )

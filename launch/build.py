@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardings import check_batch, get_strategy
 from shardings.hybrid import crossing_axes
-from training import optim
+from training import finetune, optim
 from training.config import ModelSection, RunConfig
 from training.loop import Trainer
 from training.step_memory import abstract_batch
@@ -217,7 +217,9 @@ def build(
         def shapes():
             cls = model_class(model_cfg)
             model = cls(model_cfg, strategy.lm_sharding(), rngs=nnx.Rngs(run.training.seed))
-            return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+            finetune.adapt(model, run.lora, run.training.seed)
+            finetune.freeze_base(model, run.model.dtype)
+            return model, nnx.Optimizer(model, tx, wrt=finetune.trainable(model))
 
         with jax.set_mesh(mesh):
             model, optimizer = nnx.eval_shape(shapes)
@@ -227,13 +229,17 @@ def build(
                 model = from_pretrained(init_from, strategy, **runtime_overrides(run.model))
             else:
                 model = create_model(model_cfg, strategy, rngs=nnx.Rngs(run.training.seed))
-            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+            # LoRA (lora.rank set): adapters that alone train; the base stays frozen.
+            finetune.adapt(model, run.lora, run.training.seed)
+            finetune.freeze_base(model, run.model.dtype)
+            optimizer = nnx.Optimizer(model, tx, wrt=finetune.trainable(model))
     trainer = Trainer(
         model,
         optimizer,
         micro_batches=run.optimizer.micro_batches,
         batch_spec=strategy.batch_spec(),
         loss_chunk_size=run.training.loss_chunk_size,
+        wrt=finetune.trainable(model),
     )
     if abstract:
         trainer.state = on_mesh(trainer.state, mesh)

@@ -26,7 +26,9 @@ def preamble(*, huge_pages: bool = True, cpu_flags: bool = True, cpu_only: bool 
     if cpu_only:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if huge_pages and sys.argv and os.path.basename(sys.argv[0]).endswith("_main.py"):
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    # The *_main.py files run as scripts or `python -m`, or their `zoo-*` console scripts.
+    if huge_pages and (script.endswith("_main.py") or script.startswith("zoo-")):
         # glibc reads its tunables when a process starts: restart now (before anything
         # heavy is loaded) with huge pages for the host allocator where that helps.
         from runtime.cpu_memory import reexec_with_huge_pages
@@ -192,13 +194,12 @@ def _with_overrides(raw: dict, overrides: dict[str, object]) -> dict:
 
 
 def _resolve_config_path(value: str) -> str:
-    """`~` expanded (the shell does not, after `=`); a bare name (`tiny`, `llama3_8b`) is the
-    shipped config of that name, so installed entry points find their configs."""
-    value = os.path.expanduser(value)
-    shipped = os.path.join(_CONFIGS_DIR, f"{value}.py")
-    if os.sep not in value and not value.endswith(".py") and os.path.isfile(shipped):
-        return shipped
-    return value
+    """`~` expanded (the shell does not, after `=`); a shipped config found by name (`tiny`,
+    `llama3_8b`) or by the checkout path the docs use (`configs/tiny.py`) from any directory,
+    so installed entry points find their configs; an existing file wins (configs/locate.py)."""
+    from configs.locate import config_path
+
+    return config_path(value)
 
 
 def _define_config_flag():

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import data
 from data.tokenizers import make_tokenizer
 from runtime.distributed import to_global
+from training import finetune
 from training.config import RunConfig
 
 
@@ -30,6 +31,8 @@ def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
     d = run.data
     tokenizer = make_tokenizer(d.tokenizer)
     common = dict(
+        data_format=d.format,
+        chat_template=finetune.chat_template(run, d.tokenizer),
         tokenizer=tokenizer,
         seq_len=d.seq_len,
         global_batch_size=d.global_batch_size,

@@ -21,11 +21,12 @@ from launch.build import Run, build, make_mesh, model_config
 from launch.data import RunData, build_data
 from planning.chips import precision_peak_ratio
 from runtime.preemption import PreemptionWatcher
-from training import flops
+from training import finetune, flops
 from training.config import RunConfig
 from training.loop import LoopOptions
 from training.loop import run as run_loop
 from training.metrics import MetricsWriter
+from training.profile import StepProfiler, parse_steps
 from training.step_memory import step_memory
 
 RUN_INFO_FILE = "run_info.json"
@@ -60,6 +61,8 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
         if found is not None:
             run, note = resume_rules.keep_schedule(run, found[1])
             notes += [note] if note else []
+    finetune.check_lora_run(run, init_from)
+    run = finetune.with_data_tokenizer(run, init_from)
     model_cfg = model_config(run, init_from)
     strategy, mesh = make_mesh(run, model_cfg=model_cfg)
     # The data before the model: a bad source or tokenizer fails before any initialisation.
@@ -182,6 +185,8 @@ def _loop_options(session: TrainSession) -> LoopOptions:
         eval_every=run.training.eval_every,
         checkpoint_every=run.checkpoint.every if session.checkpointer is not None else 0,
         seed=run.training.seed,
+        # Every process traces its own devices (one file per host under <workdir>/profile).
+        profiler=StepProfiler(parse_steps(run.logging.profile_steps), session.workdir),
     )
 
 

@@ -1,4 +1,4 @@
-"""Chips the planner targets: memory, peak FLOP/s per precision and link bandwidths, each sourced.
+"""Chips the planner targets: memory, peak bf16 FLOP/s and link bandwidths, each sourced.
 
 Bandwidths are bytes/s in ONE direction over ONE link (TPU ICI) or per GPU (NVLink through the
 NVSwitch, InfiniBand NIC); `planning.estimate` turns them into the bandwidth of a mesh axis.
@@ -34,21 +34,21 @@ class Chip:
     # quantized dot then runs at the bf16 rate, e.g. fp8 on TPU v5/v6).
     peak_fp8_flops: float | None = None
     peak_int8_flops: float | None = None
+    # HBM bandwidth per device, bytes/s (the vendor's figure); None: no step forecast.
+    hbm_bytes_per_s: float | None = None
 
 
 # Sources:
-# [tpu-v5p] cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM, DCN 50 Gbps per chip.
-# [tpu-v5e] cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM.
-# [tpu-v6e] cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM.
+# [tpu-v5p] cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, DCN
+#   50 Gbps per chip.
+# [tpu-v5e] cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM at 819 GB/s.
+# [tpu-v6e] cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM at 1640 GB/s.
 # [scaling-book] jax-ml.github.io/scaling-book/tpus ("How to Scale Your Model", part 2): ICI
 #   one-way bandwidth per link 9e10 B/s (v5p, v6e), 4.5e10 B/s (v5e); wraparound links only
 #   on full 4-chip-multiple v5p dims and on 16-wide v5e/v6e dims.
-# [tpu-int8] the same pages: int8 peak 918 TOPS (v5p), 394 (v5e), 1836 (v6e); no fp8 MXU.
-# [h100] nvidia.com/en-us/data-center/h100 (SXM): 989 TFLOP/s bf16 dense, 80 GB HBM3,
-#   FP8 1979 TFLOP/s and INT8 1979 TOPS dense (the sheet's 3958 are with sparsity),
+# [h100] nvidia.com/en-us/data-center/h100 (SXM): 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s,
 #   NVLink 900 GB/s bidirectional per GPU; DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU.
-# [h200] nvidia.com/en-us/data-center/h200 (SXM): 989 TFLOP/s bf16 dense, 141 GB HBM3e,
-#   FP8 1979 TFLOP/s and INT8 1979 TOPS dense,
+# [h200] nvidia.com/en-us/data-center/h200 (SXM): 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s,
 #   NVLink 900 GB/s bidirectional per GPU.
 CHIPS: dict[str, Chip] = {
     "v5p": Chip(
@@ -61,6 +61,7 @@ CHIPS: dict[str, Chip] = {
         cross_host_bytes_per_s=50e9 / 8,  # [tpu-v5p] 50 Gbps DCN per chip
         wraparound_dim=4,  # [scaling-book]
         devices_per_host=4,
+        hbm_bytes_per_s=2765e9,  # [tpu-v5p]
     ),
     "v5e": Chip(
         "TPU v5e",
@@ -72,6 +73,7 @@ CHIPS: dict[str, Chip] = {
         cross_host_bytes_per_s=None,
         wraparound_dim=16,  # [scaling-book]
         devices_per_host=8,
+        hbm_bytes_per_s=819e9,  # [tpu-v5e]
     ),
     "v6e": Chip(
         "TPU v6e",
@@ -83,6 +85,7 @@ CHIPS: dict[str, Chip] = {
         cross_host_bytes_per_s=None,
         wraparound_dim=16,  # [scaling-book]
         devices_per_host=8,
+        hbm_bytes_per_s=1640e9,  # [tpu-v6e]
     ),
     "h100": Chip(
         "NVIDIA H100 SXM",
@@ -93,6 +96,7 @@ CHIPS: dict[str, Chip] = {
         peak_int8_flops=1979e12,  # [h100]
         link_bytes_per_s=450e9,  # [h100] half of 900 GB/s bidirectional
         cross_host_bytes_per_s=400e9 / 8,  # [h100] 400 Gb/s NIC per GPU
+        hbm_bytes_per_s=3.35e12,  # [h100]
     ),
     "h200": Chip(
         "NVIDIA H200 SXM",
@@ -103,6 +107,7 @@ CHIPS: dict[str, Chip] = {
         peak_int8_flops=1979e12,  # [h200]
         link_bytes_per_s=450e9,  # [h200]
         cross_host_bytes_per_s=400e9 / 8,  # [h100] same NIC per GPU as DGX H100
+        hbm_bytes_per_s=4.8e12,  # [h200]
     ),
     # The simulated CPU devices of this host, for tests and laptops: not a real chip. Its
     # figures are placeholders of the right order for one CPU core; give --memory_gib to make
@@ -116,6 +121,10 @@ CHIPS: dict[str, Chip] = {
         cross_host_bytes_per_s=None,
     ),
 }
+
+
+# [tpu-int8] the v5p / v5e / v6e pages above: int8 918 / 394 / 1836 TOPS; no fp8 MXU rate.
+# [h100] / [h200] data sheets: FP8 1979 TFLOP/s and INT8 1979 TOPS dense (3958 with sparsity).
 
 
 def peak_flops(chip: Chip, quantization: str = "none") -> float:

@@ -8,7 +8,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
+
+from planning.chips import chip_for, chip_name_for
 from planning.compile import Target, make_target, run_for
+from planning.forecast import add_forecast
 from planning.report import table
 from planning.search import (
     REMAT_ORDER,
@@ -17,6 +21,10 @@ from planning.search import (
     distinct_strategies,
     search,
 )
+from shardings import STRATEGIES, get_strategy
+from shardings.hybrid import num_granules
+from training.config import RunConfig
+from zoo.layers import remat as remat_policies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +84,6 @@ def _set(raw: dict, path: str, value) -> None:
 def load_run(request: Request, num_devices: int):
     """(typed run config, its raw dict): the request's config with its overrides and short
     aliases folded in. The candidates set micro-batches, so the config's cannot veto one."""
-    from training.config import RunConfig
 
     if request.model:
         if request.config is not None:
@@ -106,7 +113,6 @@ def load_run(request: Request, num_devices: int):
 
 
 def _strategies(text: str, auto_ok: bool = True) -> tuple[list[str], bool]:
-    from shardings import STRATEGIES, get_strategy
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if names == ["auto"] and auto_ok:
@@ -132,9 +138,6 @@ def _ints(values, what: str) -> tuple[int, ...]:
 
 def build(request: Request):
     """(run config, target, candidates, auto?) for a request."""
-    from shardings import get_strategy
-    from shardings.hybrid import num_granules
-    from zoo.layers import remat as remat_policies
 
     target = make_target(request.topology, request.memory_gib)
     n = len(target.devices)
@@ -198,6 +201,9 @@ def plan(request: Request, as_json: bool = False) -> str:
         exhaustive=not auto,
         log=log,
     )
+    for p in result.plans:
+        # The forecast beside the bound (two small compiles each): for what is reported only.
+        add_forecast(run, p)
     if as_json:
         rows = [p.to_json() | {"auto": auto and p is result.best} for p in result.plans]
         text = "\n".join(json.dumps(r) for r in rows)
@@ -217,9 +223,6 @@ def resolve_auto(run, log=print):
     """`train_main --sharding_strategy=auto`: the run config with the pick's strategy, mesh,
     remat and micro-batches, for this process's view of the run's devices (all of them).
     Logs the one-line why; raises NoFitError (a ValueError) when nothing fits."""
-    import jax
-
-    from planning.chips import chip_for, chip_name_for
 
     devices = jax.devices()
     chip = chip_for(chip_name_for(devices[0]))

@@ -13,16 +13,20 @@ import math
 
 import jax
 import numpy as np
+from flax import nnx
 
 from launch.build import build
-from planning.chips import Chip
+from planning.chips import Chip, chip_for
 from planning.estimate import (
+    Forecast,
     StepEstimate,
     axis_bandwidth,
     comm_seconds,
     estimate_step,
 )
-from shardings import hlo
+from planning.hlo_traffic import Traffic, traffic
+from planning.targets import TargetError, target_devices
+from shardings import get_strategy, hlo
 from training.step_memory import StepMemory, step_memory
 
 
@@ -36,7 +40,6 @@ class Candidate:
     micro_batches: int
 
     def describe(self) -> str:
-        from shardings import get_strategy
 
         axes = get_strategy(self.strategy).axes
         mesh = ",".join(f"{a}:{n}" for a, n in zip(axes, self.mesh_shape, strict=True))
@@ -80,10 +83,14 @@ class Plan:
     seq_len: int
     state: StateBytes
     memory: StepMemory  # the compiled step's, as run_info.json records it
+    host_arrays: list[str]  # what lives in host memory, `dtype[dims]` (shardings.hlo)
     compile_seconds: float
     collectives: list[hlo.Collective]
     kernels: dict[str, int]
-    estimate: StepEstimate
+    estimate: StepEstimate  # the bound
+    traffic: Traffic | None = None  # this program's kernels and memory-bound bytes
+    # What a real step should take (planning.estimate), set by planning.forecast.add_forecast.
+    forecast: Forecast | None = None
     dot_dtypes: dict[str, int] = dataclasses.field(default_factory=dict)  # hlo.dot_dtypes
 
     def __getattr__(self, name: str):
@@ -127,7 +134,10 @@ class Plan:
             "predicted_step_seconds": self.estimate.step_seconds,
             "predicted_mfu": self.estimate.mfu,
             "predicted_mfu_at_precision": self.estimate.mfu_at_precision,
-        }
+            # The same bound under a name that says so, and the forecast beside it.
+            "bound_step_seconds": self.estimate.step_seconds,
+            "bound_mfu": self.estimate.mfu,
+        } | (self.forecast.to_json() if self.forecast else {"forecast_step_seconds": None})
 
 
 def collective_counts(ops) -> dict[str, int]:
@@ -163,8 +173,6 @@ def collectives_by_axis(ops) -> list[dict]:
 def make_target(name: str, memory_gib: float | None = None) -> Target:
     """A target by name: a TPU slice or GPU hosts (`planning.targets`), or `cpu:N`, this
     host's first N (simulated) CPU devices. Raises ValueError (TargetError) with one line."""
-    from planning.chips import chip_for
-    from planning.targets import TargetError, target_devices
 
     kind, _, count = name.partition(":")
     if kind.lower() == "cpu":
@@ -189,7 +197,6 @@ def _shard_bytes(leaf) -> int:
 def state_bytes(model_state, optimizer_state) -> StateBytes:
     """Per-device bytes of parameters, optimizer state and gradients (which take the
     parameters' layouts and dtypes), from abstract or real arrays' shardings."""
-    from flax import nnx
 
     params = [
         ("/".join(str(p) for p in path), _shard_bytes(v.get_value()))
@@ -202,7 +209,6 @@ def state_bytes(model_state, optimizer_state) -> StateBytes:
 
 
 def make_mesh(target: Target, candidate: Candidate):
-    from shardings import get_strategy
 
     return get_strategy(candidate.strategy).make_mesh(
         shape=candidate.mesh_shape, devices=list(target.devices)
@@ -223,7 +229,6 @@ def run_for(run, candidate: Candidate):
 
 def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
     """State bytes per device without compiling (for pruning candidates that cannot fit)."""
-    from flax import nnx
 
     built = build(run_for(run, candidate), make_mesh(target, candidate), abstract=True)
     return state_bytes(nnx.state(built.model, nnx.Param), nnx.state(built.optimizer.opt_state))
@@ -231,9 +236,8 @@ def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
 
 def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
-    the layouts or the batch cannot take (a split that does not divide)."""
-    from flax import nnx
-
+    the layouts or the batch cannot take (a split that does not divide). The step forecast is
+    added by `planning.forecast.add_forecast` (two more compiles, so only where asked)."""
     run = run_for(run, candidate)
     mesh = make_mesh(target, candidate)
     built = build(run, mesh, abstract=True)
@@ -259,6 +263,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         exposed_comm=exposed,
         overlapped_comm=overlapped,
     )
+    own = traffic(text)
     return Plan(
         candidate=candidate,
         target=target,
@@ -267,9 +272,11 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         seq_len=run.data.seq_len,
         state=state,
         memory=step_memory(compiled),
+        host_arrays=hlo.host_arrays(text),
         compile_seconds=seconds,
         collectives=ops,
         kernels=dict(sorted(hlo.kernels(text).items())),
         estimate=estimate,
+        traffic=own,
         dot_dtypes=dict(sorted(hlo.dot_dtypes(text).items())),
     )

@@ -36,6 +36,33 @@ Axis bandwidth. TPU: a ring along a mesh axis uses the ICI links of every physic
 the axis spans, both directions on a dim that wraps around, one otherwise. GPU: NVLink within
 a host, InfiniBand when the group spans hosts (one NIC per GPU). Collectives over several axes
 take the bandwidth of the group's devices together.
+
+The forecast (`forecast_step`): what a real step spends, beside the bound above. Every number
+in it is an assumption, stated here and in the tables below:
+
+    matmul    = executed matmul FLOPs / (peak * MATMUL_EFFICIENCY[chip](narrowest dim))
+    attention = executed attention FLOPs / (peak * FLASH_EFFICIENCY[chip](head dim)) where a
+                flash kernel runs (its backward recomputes the scores: 2.5x the forward where
+                the bound counts 2x); without one, the score/value einsums are matmuls at the
+                efficiency of their narrowest dim (the head dim) and their softmax is memory
+                traffic below
+    memory    = bytes of the memory-bound kernels / (HBM bandwidth * HBM_EFFICIENCY): norms,
+                rotary, softmax outside flash, the SwiGLU product, the loss, the optimizer
+                update, copies. The bytes come from the compiled HLO of the same step with one
+                and with two unrolled layers (`planning.hlo_traffic`): one layer's share times
+                L plus the rest (embedding, head, loss, optimizer), so a scan's stacking does
+                not count
+    host      = kernels per step * KERNEL_GAP_SECONDS[platform]: the launch gap between
+                kernels that the device idles through (GPU). Per-step host work (dispatch,
+                the next batch) overlaps the device under asynchronous dispatch and is not
+                counted; metrics.jsonl's `data_wait_seconds` shows where it does not
+    step      = matmul + attention + memory + host + exposed comm
+                + max(0, overlapped comm - (matmul + attention + memory))
+
+Matmuls, flash kernels and memory-bound kernels run one after another (a GPU runs one kernel
+at a time; TPU fuses elementwise work into matmul outputs, whose bytes then hide, so that work
+is not in the memory term). The bound is the forecast with every efficiency at 1 and no
+memory or host term; the forecast is never below it.
 """
 
 from __future__ import annotations
@@ -65,6 +92,67 @@ class StepEstimate:
     mfu: float  # model FLOPs / (bf16 peak * step)
     mfu_at_precision: float  # model FLOPs / (peak at model.quantization's precision * step)
     quantized_flops: float = 0.0  # per device per step: executed in fp8 / int8
+
+
+# Matmul efficiency: achieved / peak bf16 FLOP/s for the step's large matmuls, by the narrowest
+# of their dims on a device (rows = tokens per device, hidden dim, FFN and head dims after
+# tensor parallelism): (at least this wide, efficiency), widest first. Assumptions, with the
+# evidence behind them:
+# - GPU (H100/H200 SXM, XLA's cuBLAS / Triton GEMMs): cuBLAS bf16 on H100 SXM reaches about
+#   700-750 TFLOP/s (0.71-0.76 of 989) on 8192-wide square GEMMs and falls off below 4096
+#   (NVIDIA's cuBLAS 12 release notes and the FlashAttention-3 paper's GEMM baseline, arXiv
+#   2407.08608); sustained clocks under the 700 W limit take a few % more.
+# - TPU v5p / v5e (128x128 MXUs): MaxText's published 65.4% end-to-end MFU for Llama 2 70B on
+#   v5p (M=8192) needs matmuls at >= 0.8 of peak; narrower dims fill the MXU less well.
+# - TPU v6e (256x256 MXUs): the same falloff one width step earlier (a 256-wide systolic
+#   array needs twice the width to fill).
+MATMUL_EFFICIENCY: dict[str, tuple[tuple[int, float], ...]] = {
+    "gpu": ((8192, 0.72), (4096, 0.68), (2048, 0.62), (1024, 0.50), (0, 0.35)),
+    "v5p": ((8192, 0.85), (4096, 0.80), (2048, 0.70), (1024, 0.60), (0, 0.40)),
+    "v5e": ((8192, 0.85), (4096, 0.80), (2048, 0.70), (1024, 0.60), (0, 0.40)),
+    "v6e": ((8192, 0.80), (4096, 0.72), (2048, 0.60), (1024, 0.45), (0, 0.30)),
+}
+# Flash attention: executed FLOPs (forward + the backward with its recompute) / peak, by head
+# dim (at least, efficiency). GPU: cuDNN's fused attention on H100 runs its forward at about
+# 0.55-0.75 of peak for head dim 128 on long rows and its backward at about 0.4-0.5
+# (FlashAttention-3 paper, arXiv 2407.08608, which compares cuDNN 9); at 2048-token causal rows
+# and head dim 64 it is well below that. TPU: the Pallas splash kernel, assumed the same as
+# cuDNN (no published per-kernel figure found).
+FLASH_EFFICIENCY: dict[str, tuple[tuple[int, float], ...]] = {
+    "gpu": ((128, 0.45), (0, 0.30)),
+    "tpu": ((128, 0.45), (0, 0.30)),
+}
+# Share of the vendor's HBM bandwidth a streaming kernel achieves (STREAM-like copies reach
+# 0.85-0.92 on H100 and TPU v5p; fused elementwise kernels with reductions a little less).
+HBM_EFFICIENCY = 0.85
+# Idle device time per kernel launched: GPU kernels launch back to back with a gap of a few
+# microseconds (less inside CUDA graphs, which XLA uses for runs of fusions); a TPU runs the
+# whole program on the chip's own sequencer, its per-op overhead is in the efficiencies.
+KERNEL_GAP_SECONDS = {"gpu": 2e-6, "tpu": 0.0}
+
+
+def _lookup(table, width: float) -> float:
+    for at_least, value in table:
+        if width >= at_least:
+            return value
+    return table[-1][1]
+
+
+def matmul_efficiency(chip: Chip, narrowest_dim: float) -> float:
+    """The assumed share of peak for matmuls whose narrowest per-device dim is this."""
+    key = chip.platform if chip.platform == "gpu" else _chip_key(chip)
+    return _lookup(MATMUL_EFFICIENCY[key], narrowest_dim)
+
+
+def flash_efficiency(chip: Chip, head_dim: int) -> float:
+    return _lookup(FLASH_EFFICIENCY[chip.platform], head_dim)
+
+
+def _chip_key(chip: Chip) -> str:
+    for key in ("v5p", "v5e", "v6e"):
+        if key in chip.name.lower().replace("tpu ", ""):
+            return key
+    raise ValueError(f"no matmul efficiency for {chip.name}")
 
 
 def recompute_flops_per_token(cfg, seq_len: int, remat: str) -> float:
@@ -216,3 +304,102 @@ def compute_lower_bound(cfg, *, seq_len, global_batch, num_devices, remat, chip)
         exposed_comm=0.0,
         overlapped_comm=0.0,
     ).step_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Forecast:
+    """What a real step should take (see the module doc), per device, term by term."""
+
+    matmul_flops: float  # executed, outside attention
+    attention_flops: float  # executed by attention (flash kernels' recompute included)
+    matmul_efficiency: float
+    attention_efficiency: float
+    matmul_seconds: float
+    attention_seconds: float
+    memory_bytes: float  # memory-bound kernels' HBM traffic
+    memory_seconds: float
+    kernels: float  # kernels launched per step
+    host_seconds: float
+    exposed_comm_seconds: float
+    overlapped_comm_seconds: float
+    step_seconds: float
+    mfu: float
+
+    def to_json(self) -> dict:
+        return {f"forecast_{k}": v for k, v in dataclasses.asdict(self).items()}
+
+
+def attention_forward_flops_per_token(cfg, seq_len: int) -> float:
+    """Forward score + value products per token over all layers: 4 * N * D per key seen."""
+    total = 0.0
+    for window in cfg.layer_windows():
+        total += 4.0 * cfg.num_heads * cfg.head_dim * causal_keys_per_query(seq_len, window or None)
+    return total
+
+
+def narrowest_matmul_dim(cfg, tokens_per_device: int, tensor_parallel: int) -> float:
+    """The narrowest dim of the layer matmuls on one device: rows (tokens), the hidden dim
+    (the contraction of every input projection), and the FFN and query-head widths split
+    over the tensor-parallel axis."""
+    ffn = (cfg.moe_ffn_dim if cfg.is_moe else cfg.ffn_dim) / tensor_parallel
+    heads = cfg.num_heads * cfg.head_dim / tensor_parallel
+    return min(tokens_per_device, cfg.hidden_dim, ffn, heads)
+
+
+def forecast_step(
+    cfg,
+    *,
+    seq_len: int,
+    global_batch: int,
+    num_devices: int,
+    micro_batches: int,
+    tensor_parallel: int,
+    remat: str,
+    chip: Chip,
+    flash: bool,
+    memory_bytes: float,
+    kernels: float,
+    exposed_comm: float,
+    overlapped_comm: float,
+) -> Forecast | None:
+    """The forecast for one step; None for a chip without the figures (the simulated CPU)."""
+    if chip.hbm_bytes_per_s is None or chip.platform not in KERNEL_GAP_SECONDS:
+        return None
+    tokens = global_batch * seq_len
+    per_device = tokens / num_devices
+    attention_fwd = attention_forward_flops_per_token(cfg, seq_len)
+    recompute = recompute_flops_per_token(cfg, seq_len, remat)
+    # What remat recomputes of attention: its forward, under every policy but `none`.
+    attention_recompute = attention_fwd if remat != "none" else 0.0
+    # Forward, backward (2x; a flash kernel's backward recomputes the scores: 2.5x), remat.
+    attention = attention_fwd * (3.5 if flash else 3.0) + attention_recompute
+    model_per_token = cfg.flops_per_token(seq_len)
+    matmul = model_per_token - 3.0 * attention_fwd + recompute - attention_recompute
+    matmul_flops, attention_flops = matmul * per_device, attention * per_device
+    # Rows a device's matmuls see: its data shard of one micro-batch (tensor parallelism
+    # splits the weights, not the rows).
+    rows = per_device * tensor_parallel / micro_batches
+    m_eff = matmul_efficiency(chip, narrowest_matmul_dim(cfg, rows, tensor_parallel))
+    a_eff = flash_efficiency(chip, cfg.head_dim) if flash else matmul_efficiency(chip, cfg.head_dim)
+    matmul_s = matmul_flops / (chip.peak_bf16_flops * m_eff)
+    attention_s = attention_flops / (chip.peak_bf16_flops * a_eff)
+    memory_s = memory_bytes / (chip.hbm_bytes_per_s * HBM_EFFICIENCY)
+    host_s = kernels * KERNEL_GAP_SECONDS[chip.platform]
+    busy = matmul_s + attention_s + memory_s
+    step = busy + host_s + exposed_comm + max(0.0, overlapped_comm - busy)
+    return Forecast(
+        matmul_flops=matmul_flops,
+        attention_flops=attention_flops,
+        matmul_efficiency=m_eff,
+        attention_efficiency=a_eff,
+        matmul_seconds=matmul_s,
+        attention_seconds=attention_s,
+        memory_bytes=memory_bytes,
+        memory_seconds=memory_s,
+        kernels=kernels,
+        host_seconds=host_s,
+        exposed_comm_seconds=exposed_comm,
+        overlapped_comm_seconds=overlapped_comm,
+        step_seconds=step,
+        mfu=model_per_token * per_device / (chip.peak_bf16_flops * step),
+    )

@@ -34,6 +34,8 @@ def table(plans: list[Plan]) -> str:
         "fits",
         "step_s",
         "MFU",
+        "forecast_s",
+        "f_MFU",
         "compile_s",
     ]
     rows = [header]
@@ -55,6 +57,8 @@ def table(plans: list[Plan]) -> str:
                 "yes" if p.fits else "NO",
                 f"{p.estimate.step_seconds:.4g}",
                 f"{p.estimate.mfu:.1%}",
+                f"{p.forecast.step_seconds:.4g}" if p.forecast else "-",
+                f"{p.forecast.mfu:.1%}" if p.forecast else "-",
                 f"{p.compile_seconds:.0f}",
             ]
         )
@@ -81,5 +85,14 @@ def table(plans: list[Plan]) -> str:
         lines.append(
             f"  step: compute {e.compute_seconds:.4g} s + exposed comm "
             f"{e.exposed_comm_seconds:.4g} s, overlapped comm {e.overlapped_comm_seconds:.4g} s"
+            " (step_s: the bound, compute at peak)"
         )
+        f = p.forecast
+        if f is not None:
+            lines.append(
+                f"  forecast: matmul {f.matmul_seconds:.4g} s (at {f.matmul_efficiency:.0%} of "
+                f"peak) + attention {f.attention_seconds:.4g} s ({f.attention_efficiency:.0%}) "
+                f"+ memory-bound {f.memory_seconds:.4g} s ({f.memory_bytes / GiB:.1f} GiB) + "
+                f"kernel gaps {f.host_seconds:.4g} s + comm = {f.step_seconds:.4g} s"
+            )
     return "\n".join(lines)

@@ -19,8 +19,12 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from planning.compile import Candidate, Plan, Target, compile_plan, layout_state_bytes
+from planning.compile import Candidate, Plan, Target, compile_plan, layout_state_bytes, run_for
 from planning.estimate import compute_lower_bound
+from shardings import get_strategy
+from shardings.hybrid import num_granules
+from shardings.specs import entry_size
+from shardings.strategies import CONTEXT, DATA, MAX_MODEL_AXIS, MODEL
 
 REMAT_ORDER = ("none", "dots", "full")
 GiB = 1024**3
@@ -51,8 +55,6 @@ def candidate_space(
     Two-axis strategies get every `model` size that divides the device count and the kv-head
     count, up to the strategies' tensor-parallel cap; `mesh_shapes` fixes a strategy's shape.
     """
-    from shardings import get_strategy
-    from shardings.hybrid import num_granules
 
     n = len(target.devices)
     cfg = run.model.decoder_config()
@@ -65,11 +67,9 @@ def candidate_space(
             shapes = [tuple(mesh_shapes[name])]
         else:
             shapes = _mesh_shapes(strategy, n, cfg, slices)
-        batch_axes = strategy.batch_spec()[0] or ()
-        batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
+        batch_axes = strategy.batch_spec()[0]
         for shape in shapes:
-            sizes = dict(zip(strategy.axes, shape, strict=True))
-            data = math.prod(sizes[a] for a in batch_axes)
+            data = entry_size(batch_axes, dict(zip(strategy.axes, shape, strict=True)))
             for remat in remats:
                 for k in micro_batches:
                     if batch % k == 0 and (batch // k) % data == 0:
@@ -80,7 +80,6 @@ def candidate_space(
 def _mesh_shapes(strategy, n: int, cfg, slices: int) -> list[tuple[int, ...]]:
     """The strategy's default shape for this model, and for tensor-parallel ones every other
     `model` size that divides the devices and the kv heads, up to the strategies' cap."""
-    from shardings.strategies import CONTEXT, DATA, MAX_MODEL_AXIS, MODEL
 
     default = tuple(strategy.default_mesh_shape(n, cfg, num_slices=slices))
     shapes = [default]
@@ -99,9 +98,6 @@ def distinct_strategies(names, cfg, target: Target) -> list[str]:
     """The strategies worth searching on `target`: those whose default mesh gives every axis
     but `data` more than one device (else it is a simpler strategy again: hsdp on one slice
     is fsdp, an expert axis of 1 on a dense model is fsdp)."""
-    from shardings import get_strategy
-    from shardings.hybrid import num_granules
-    from shardings.strategies import DATA
 
     n, slices = len(target.devices), num_granules(list(target.devices))
     out = []
@@ -120,7 +116,6 @@ _CACHE: dict[tuple, Plan] = {}
 def cached_compile(run, candidate: Candidate, target: Target) -> Plan:
     """`compile_plan`, once per (run, candidate, target devices) in this process: the compile
     does not depend on the chip's memory, so a smaller synthetic chip reuses it."""
-    from planning.compile import run_for
 
     # The run as the candidate sets it: requests that differ only in what it overrides
     # (`auto` vs a strategy name, the config's remat) share a compile.

@@ -14,19 +14,19 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from shardings.hlo import COLLECTIVES, collectives
+from shardings.specs import axes_of, normalize
 
 
 def dims_text(shape: tuple[int, ...], spec: P, letters: str | None = None) -> str:
     """`(2, 64, 8, 16)` + `P(None, 'data', 'model')` -> `2 64/data 8/model 16`."""
-    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    entries = tuple(normalize(spec, len(shape)))
     parts = []
     for i, (size, axes) in enumerate(zip(shape, entries, strict=True)):
         name = letters[i] if letters and i < len(letters) else str(size)
         if axes is None:
             parts.append(name)
         else:
-            axes = axes if isinstance(axes, tuple) else (axes,)
-            parts.append(f"{name}/{'+'.join(axes)}")
+            parts.append(f"{name}/{'+'.join(axes_of(axes))}")
     return " ".join(parts)
 
 

@@ -307,6 +307,16 @@ def kernels(hlo_text: str) -> Counter:
     return Counter(re.findall(r'custom_call_target="([^"]+)"', hlo_text))
 
 
+# An array whose layout names memory space 5, XLA's host memory space (pinned host, where
+# remat='offload' sends activations): `bf16[2,128,64]{1,2,0:T(8,128)(2,1)S(5)}`.
+_HOST_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]\{[^}]*\bS\(5\)\}")
+
+
+def host_arrays(hlo_text: str) -> list[str]:
+    """The distinct arrays (`dtype[dims]`, sorted) that live in host memory in the module."""
+    return sorted({f"{dtype}[{dims}]" for dtype, dims in _HOST_ARRAY.findall(hlo_text)})
+
+
 # Custom calls that are matrix multiplies: cuBLAS / cuBLASLt GEMMs on GPU (`__cublas$gemm`,
 # `__cublas$lt$matmul`, `__cublas$lt$matmul$f8`), which XLA GPU rewrites most dots into.
 _GEMM_TARGET = re.compile(r'custom_call_target="([^"]*(?:gemm|matmul)[^"]*)"', re.IGNORECASE)

@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardings.hybrid import REPLICA, hybrid_device_array, num_granules
+from shardings.specs import axes_of, entry_size
 
 
 def parse_mesh_shape(text: str, axes: Sequence[str]) -> tuple[int, ...]:
@@ -106,8 +107,7 @@ def check_divisible(
         for dim, axes in enumerate(spec):
             if axes is None:
                 continue
-            axes = axes if isinstance(axes, tuple) else (axes,)
-            size = math.prod(mesh.shape[a] for a in axes)
+            axes, size = axes_of(axes), entry_size(axes, mesh.shape)
             if shape[dim] % size:
                 axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
                 raise ValueError(
@@ -123,8 +123,8 @@ def check_batch(
     """The batch dim of [B, T] inputs divides by the mesh axes it is split over, and so
     does T (into 2 load-balanced chunks per device) when it is split."""
     if seq_len is not None and len(batch_spec) > 1 and batch_spec[1] is not None:
-        seq_axes = batch_spec[1] if isinstance(batch_spec[1], tuple) else (batch_spec[1],)
-        chunks = 2 * math.prod(mesh.shape[a] for a in seq_axes)
+        seq_axes = axes_of(batch_spec[1])
+        chunks = 2 * entry_size(seq_axes, mesh.shape)
         if seq_len % chunks:
             axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in seq_axes)
             raise ValueError(
@@ -135,8 +135,7 @@ def check_batch(
     axes = batch_spec[0] if len(batch_spec) else None
     if axes is None:
         return
-    axes = axes if isinstance(axes, tuple) else (axes,)
-    size = math.prod(mesh.shape[a] for a in axes)
+    axes, size = axes_of(axes), entry_size(axes, mesh.shape)
     if batch_size % size:
         axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
         raise ValueError(

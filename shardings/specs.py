@@ -15,6 +15,7 @@ positions, O generated (output) tokens, E experts, X token-to-expert assignments
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jax.sharding import PartitionSpec as P
 
@@ -115,12 +116,24 @@ class LmSharding:
     seq_order: str = "natural"
 
 
-def stacked(spec: P) -> P:
-    """The layout of a weight stacked over layers: the L dim is never sharded."""
-    return P(None, *spec)
-
-
-def normalize(spec: P, rank: int) -> P:
+def normalize(spec: P | None, rank: int) -> P:
     """`spec` padded with None to `rank` dims, so equal layouts compare equal."""
-    entries = tuple(spec) + (None,) * (rank - len(spec))
+    entries = tuple(spec or ()) + (None,) * (rank - len(spec or ()))
     return P(*entries)
+
+
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one spec entry: None -> (), 'data' -> ('data',), a tuple as is."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def entry_size(entry, mesh_shape) -> int:
+    """How many ways one spec entry splits its dim: the product of its axes' sizes."""
+    return math.prod(mesh_shape[a] for a in axes_of(entry))
+
+
+def split_size(spec: P | None, dim: int, mesh_shape) -> int:
+    """How many ways `spec` splits dim `dim` (1 when it does not)."""
+    return entry_size(normalize(spec, dim + 1)[dim], mesh_shape)

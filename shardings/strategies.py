@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 
 from jax.sharding import PartitionSpec as P
 
+from shardings.hybrid import REPLICA
 from shardings.specs import (
     AttentionSharding,
     BlockSharding,
@@ -27,12 +28,13 @@ from shardings.specs import (
     MlpSharding,
     MoeSharding,
     NormSharding,
+    axes_of,
 )
 
 DATA = "data"  # batch, and the FSDP weight shards
 MODEL = "model"  # tensor parallel: heads, FFN width, vocab
-# Data parallel across slices / hosts (DCN): only the gradient all-reduce crosses it.
-REPLICA = "replica"
+# REPLICA (shardings.hybrid): data parallel across slices / hosts (DCN); only the gradient
+# all-reduce crosses it.
 # Sequence split for long context: T of every activation, K/V gathered inside attention.
 CONTEXT = "context"
 # Expert parallel: MoE experts split, tokens sent to their experts by all-to-all over it.
@@ -143,9 +145,7 @@ class Strategy:
 
 
 def _as_tuple(axes: Axes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    return axes if isinstance(axes, tuple) else (axes,)
+    return axes_of(axes)
 
 
 def _largest_divisor(num_devices: int, dims: list[int], cap: int) -> int:

@@ -139,7 +139,7 @@ def test_model_chunked_loss_and_param_grads_equal_full_logits(case):
 
         def loss(state, chunk_size):
             m = nnx.merge(graphdef, state)
-            nll, mask = m.token_nll(
+            nll, mask, _ = m.token_nll(
                 b["tokens"],
                 segment_ids=b["segment_ids"],
                 positions=b["positions"],

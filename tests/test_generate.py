@@ -1,18 +1,54 @@
 """zoo/generate.py: KV-cache generation equals greedy full recomputation, token for token."""
 
+import functools
+
 import jax
+import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from shardings import get_strategy
 from zoo import create_model, get_config
-from zoo.generate import generate, greedy_reference
+from zoo.generate import batch_multiple, generate, model_mesh
 
 CFG = get_config("tiny")  # float32 compute
 # Different lengths, so left padding and per-row positions are exercised; 3 prompts also
 # need padding rows to fill a data axis of 4 or 8.
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [100, 200, 300, 400, 500, 60, 7, 9, 11]]
 NEW_TOKENS = 8
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _full_logits(graphdef, state, tokens_BT, segment_ids_BT, positions_BT):
+    model = nnx.merge(graphdef, state)
+    # One document per row from index 0, then padding: length-only attention paths apply.
+    return model(tokens_BT, segment_ids=segment_ids_BT, positions=positions_BT, packed=False)
+
+
+def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens by recomputing the whole sequence without a cache at every step.
+
+    Each step runs the full forward pass over the prompt and every token chosen so far. The
+    row has a fixed length (prompt + n, right-padded with segment id 0, which no real token
+    attends), so all steps share one compiled function.
+    """
+    mesh = model_mesh(model)
+    rows = batch_multiple(model, mesh)
+    sharding = NamedSharding(mesh, model.sharding.tokens)
+    graphdef, state = nnx.split(model)
+    T = len(prompt) + n
+    ids = list(prompt)
+    with jax.set_mesh(mesh):
+        for _ in range(n):
+            tokens, segment_ids, positions = (np.zeros((rows, T), np.int32) for _ in range(3))
+            tokens[:, : len(ids)] = ids
+            segment_ids[:, : len(ids)] = 1
+            positions[:, : len(ids)] = np.arange(len(ids))
+            arrays = [jax.device_put(a, sharding) for a in (tokens, segment_ids, positions)]
+            logits_BTV = np.asarray(_full_logits(graphdef, state, *arrays))
+            ids.append(int(logits_BTV[0, len(ids) - 1].argmax()))
+    return ids[len(prompt) :]
 
 
 def build(strategy_name, shape):

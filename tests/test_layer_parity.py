@@ -24,7 +24,16 @@ from zoo.layers.attention import Attention
 from zoo.layers.decoder import Block
 
 REF = pathlib.Path(__file__).parent / "hf_reference"
-FAMILIES = ("llama", "qwen3", "mistral", "gemma3")
+# The registered families whose reference recorded per-layer outputs (make_reference.py
+# records them for the dense families that share Llama's block layout).
+FAMILIES = tuple(
+    sorted(
+        name
+        for name in zoo.registry.FAMILIES
+        if (REF / name / "inputs_and_logits.npz").exists()
+        and "attn0_out" in np.load(REF / name / "inputs_and_logits.npz").files
+    )
+)
 # float32 on both sides, one layer deep: they differ by summation order only (PyTorch eager
 # vs XLA on CPU). Seen: at most 2.9e-6 on outputs up to |9|; a wrong norm offset, RoPE
 # convention, attention scale or window moves these by 1e-1 or more.

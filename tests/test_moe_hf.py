@@ -24,7 +24,14 @@ from shardings import get_strategy
 from zoo import hf_io
 
 REF = pathlib.Path(__file__).parent / "hf_reference"
-FAMILIES = ("qwen3_moe", "mixtral")
+# The registered mixture-of-experts families with a reference.
+FAMILIES = tuple(
+    sorted(
+        name
+        for name, family in zoo.registry.FAMILIES.items()
+        if (REF / name).is_dir() and zoo.get_config(next(iter(family.presets))).num_experts
+    )
+)
 # Both sides compute in float32 and differ by summation order (and, sharded, by partial sums
 # reduced across devices) -- the same bound as the dense families' parity test. A routing
 # convention gotten wrong (top-k renormalisation, one expert fewer) moves these logits by 1.5
@@ -56,7 +63,7 @@ def _forward(strategy, mesh, model, tokens_BT):
     put = lambda x: jax.device_put(np.asarray(x, np.int32), batch)  # noqa: E731
     positions_BT = np.broadcast_to(np.arange(T), (B, T))
     with jax.set_mesh(mesh):
-        forward = nnx.jit(lambda m, t, s, p: m(t, segment_ids=s, positions=p, router_stats=True))
+        forward = nnx.jit(lambda m, t, s, p: m.forward(t, segment_ids=s, positions=p)[::2])
         logits, stats = forward(model, put(tokens_BT), put(np.ones((B, T))), put(positions_BT))
         return np.asarray(logits), float(stats.aux_loss)
 

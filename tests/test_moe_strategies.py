@@ -27,14 +27,21 @@ from model_utils import (
 
 from shardings import get_strategy
 from shardings.specs import normalize
-from training.loop import objective_sum
+from training.loop import objective_from_nll
 from zoo import check_model_fits, create_model, get_config, param_layouts
+from zoo.loss import token_nll
 
 # 8 experts of 64, top 2; aux weight raised so its gradient is not lost in the NLL's.
 CFG = get_config("qwen3-moe-tiny", router_aux_loss_coef=0.1)
 # One case per way the experts are laid out: replicated, FSDP+TP-split, expert-split (the
 # dropless test runs the all-to-all on other expert axes; the HF test on 2 and 4).
 CASES = [("dp", (8,)), ("fsdp_tp", (4, 2)), ("fsdp_ep", (1, 8))]
+
+
+def objective_sum(logits_BTV, moe, batch, aux_coef: float):
+    """The trainer's objective (training.loop.train_loss_sum) from the model's full logits."""
+    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
+    return objective_from_nll(nll_BT, mask_BT, moe, aux_coef)
 
 
 def _run(strategy_name, mesh, init_params=None):
@@ -50,11 +57,10 @@ def _run(strategy_name, mesh, init_params=None):
         @nnx.jit
         def step(model, optimizer, batch):
             def loss_fn(model):
-                logits, moe = model(
+                logits, _, moe = model.forward(
                     batch["tokens"],
                     segment_ids=batch["segment_ids"],
                     positions=batch["positions"],
-                    router_stats=True,
                 )
                 total, (count, sums) = objective_sum(logits, moe, batch, CFG.router_aux_loss_coef)
                 return total / count, (sums["aux_loss"] / count, logits)

@@ -174,7 +174,7 @@ def test_accumulated_gradients_equal_big_batch(num_micro_batches):
     ref_loss, ref_grads = _reference(model, batch)
 
     step = jax.jit(accumulate_gradients, static_argnums=(0, 3))
-    loss, num_tokens, grads = step(_loss_and_grad, model, batch, num_micro_batches)
+    loss, num_tokens, grads, _ = step(_loss_and_grad, model, batch, num_micro_batches)
     assert int(num_tokens) == int(_loss_sum(model, batch)[1])
     np.testing.assert_allclose(loss, ref_loss, rtol=0, atol=ATOL)
     _assert_trees_close(grads, ref_grads, ATOL)
@@ -205,7 +205,7 @@ def test_accumulation_with_functional_params():
 
     batch = _batch(8, seed=3)
     ref_loss, ref_grads = _reference(model, batch)
-    loss, _, grads = jax.jit(lambda p, b: accumulate_gradients(loss_and_grad, p, b, 2))(
+    loss, _, grads, _ = jax.jit(lambda p, b: accumulate_gradients(loss_and_grad, p, b, 2))(
         params, batch
     )
     np.testing.assert_allclose(loss, ref_loss, rtol=0, atol=ATOL)
@@ -229,7 +229,7 @@ def test_accumulation_under_explicit_data_sharding():
         spec = P("data", None)
         batch = {k: jax.device_put(v, spec) for k, v in batch_np.items()}
         step = jax.jit(lambda m, b: accumulate_gradients(loss_and_grad, m, b, 4, batch_spec=spec))
-        loss, _, grads = step(model, batch)
+        loss, _, grads, _ = step(model, batch)
     # Each micro-batch kept its rows on their devices: no gather of the batch.
     assert micro_batch_specs and all(s == P("data", None) for s in micro_batch_specs)
     np.testing.assert_allclose(loss, ref_loss, rtol=0, atol=ATOL)

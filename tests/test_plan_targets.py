@@ -116,15 +116,31 @@ def test_step_time_comes_from_the_config_flops_not_xla(gpu_plans):
 
 def _offload_check(plans, cfg, topology):
     """remat='offload' compiled for the target: the residual stream entering each sub-block
-    (two per layer) lives in pinned host memory, exactly its bytes and nothing more, and the
-    step recomputes what `full` does."""
+    (two per layer) lives in pinned host memory, all of it and nothing else, and the step
+    recomputes what `full` does.
+
+    Nothing else: every array in host memory is a residual stack [L, rows, T, M] or one
+    layer's slice of it, in bf16. All of it: at least both stacks' bytes. The compiler may
+    keep more copies of the same data there (a stack written in one layout and read in
+    another), so the bytes are bounded, not exact: measured for tiny on v5p, libtpu 0.0.42.1
+    keeps 2 stacks at L=2 and 3 at L=4 and 8, libtpu 0.0.50.1 keeps 4 at L=2 (it also copies
+    the last layer's slices out and back) and 3 at L=4 and 8. Either way the chip holds none
+    of it, which is what offload is for."""
     run, target = _run(), make_target(topology)
     full = plans["fsdp"]
     offload = compile_plan(run, Candidate("fsdp", full.candidate.mesh_shape, "offload", 1), target)
     rows_per_device = run.data.global_batch_size // full.mesh["data"]
+    layer_dims = (rows_per_device, run.data.seq_len, cfg.hidden_dim)
+    stack_dims = (cfg.num_layers, *layer_dims)
     stack_bytes = cfg.num_layers * rows_per_device * run.data.seq_len * cfg.hidden_dim * 2  # bf16
-    assert full.host_temp_bytes == 0
-    assert offload.host_temp_bytes == 2 * stack_bytes, (offload.host_temp_bytes, stack_bytes)
+    residual = {f"bf16[{','.join(map(str, dims))}]" for dims in (stack_dims, layer_dims)}
+    assert full.host_temp_bytes == 0 and full.host_arrays == []
+    assert f"bf16[{','.join(map(str, stack_dims))}]" in offload.host_arrays, offload.host_arrays
+    assert set(offload.host_arrays) <= residual, (offload.host_arrays, residual)
+    assert 2 * stack_bytes <= offload.host_temp_bytes <= 4 * stack_bytes, (
+        offload.host_temp_bytes,
+        stack_bytes,
+    )
     assert offload.estimate.executed_flops == full.estimate.executed_flops
     assert offload.fits and offload.to_json()["host_temp_bytes"] == offload.host_temp_bytes
 

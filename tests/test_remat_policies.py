@@ -49,7 +49,7 @@ def results():
 
             def loss(state, gd=gd):
                 m = nnx.merge(gd, state)
-                nll, mask = m.token_nll(
+                nll, mask, _ = m.token_nll(
                     batch["tokens"],
                     segment_ids=batch["segment_ids"],
                     positions=batch["positions"],

@@ -75,7 +75,7 @@ def _reference(name):
 
 
 def _mean_nll(model, batch, chunk_size):
-    nll, mask = model.token_nll(
+    nll, mask, _ = model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],

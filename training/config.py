@@ -13,10 +13,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-# zoo/layers/remat.py's names; repeated here so reading a config imports no JAX.
-REMAT_POLICIES = ("none", "full", "dots", "save_qkv_proj", "save_out_proj", "offload")
-QUANTIZATIONS = ("none", "fp8", "int8")  # zoo/layers/quant.py's
-SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging")
+from zoo.layers.config import ATTENTION_IMPLEMENTATIONS
+from zoo.layers.lora import LoraConfig
+from zoo.layers.quant import QUANTIZATIONS
+from zoo.layers.remat import POLICIES as REMAT_POLICIES
+
+SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora")
+DATA_FORMATS = ("text", "chat", "prompt_completion")  # data/chat.py's FORMATS
 
 
 def _fail(section: str, field: str, value: Any, why: str) -> None:
@@ -32,22 +35,31 @@ def _positive(section: str, obj, *names: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    preset: str = "tiny"
-    # None keeps the preset's value.
-    vocab_size: int | None = None
-    hidden_dim: int | None = None
-    num_layers: int | None = None
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    ffn_dim: int | None = None
-    max_seq_len: int | None = None
-    dtype: str = "float32"
-    scan_layers: bool = True
+    preset: str = "tiny"  # a zoo preset (zoo.get_config): tiny, llama3.2-1b, qwen3-0.6b, gpt2, ...
+    # Shape overrides of the preset; None keeps the preset's value.
+    vocab_size: int | None = None  # V; must be >= the tokenizer's vocabulary
+    hidden_dim: int | None = None  # M, residual width
+    num_layers: int | None = None  # L
+    num_heads: int | None = None  # N, query heads
+    num_kv_heads: int | None = None  # K, key/value heads (divides N, and the model axis)
+    head_dim: int | None = None  # D
+    ffn_dim: int | None = None  # F, MLP hidden width
+    max_seq_len: int | None = None  # KV-cache length for generation
+    dtype: str = "float32"  # compute dtype, float32 | bfloat16 (parameters stay float32)
+    scan_layers: bool = True  # stack layers and run them with nnx.scan: one compiled block
+    # Layers per scan iteration: 0 = auto (all of them on CPU with remat=none, 10-20% faster
+    # there; else 1), 1 = rolled (fastest compile, least memory), n = n per iteration.
     scan_unroll: int = 0
+    # What the backward pass recomputes: none | full | dots | save_qkv_proj | save_out_proj |
+    # offload (the residual stream to host memory; TPU/GPU only). See zoo/layers/remat.py.
     remat: str = "none"
+    # xla (einsums, everywhere) | splash (Pallas flash kernel, TPU) | cudnn (fused attention,
+    # NVIDIA GPU, bf16) | auto (splash on TPU, cudnn on GPU, xla on CPU); packed rows on all.
+    # --attention_impl overrides; an explicit backend that cannot run here is an error.
     attention_impl: str = "xla"
-    attention_interpret: bool = False
+    attention_interpret: bool = False  # run splash in Pallas interpret mode (CPU tests; slow)
+    # Projections (q/k/v/o, MLP) in low precision, forward and backward: none | fp8 (e4m3,
+    # e5m2 gradients; fp8 GEMMs on H100/H200) | int8 (TPU's int8 MXU path). zoo/layers/quant.py
     quantization: str = "none"
 
     SHAPE_FIELDS = (
@@ -68,7 +80,7 @@ class ModelSection:
         for name, valid in (
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
-            ("attention_impl", ("xla", "splash", "cudnn", "auto")),
+            ("attention_impl", ATTENTION_IMPLEMENTATIONS),
             ("quantization", QUANTIZATIONS),
         ):
             if getattr(self, name) not in valid:
@@ -96,17 +108,23 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-    source: str = "default"
-    tokenizer: str = "byte"
-    text_field: str = "text"
-    seq_len: int = 128
-    global_batch_size: int = 16
-    num_workers: int = 0
-    shuffle_seed: int = 0
-    validation_fraction: float = 0.02
+    source: str = "default"  # 'default' (stdlib source text, no download) or a path/dir/glob
+    tokenizer: str = "byte"  # 'byte', a tokenizer.json (or its dir), or a SentencePiece .model
+    text_field: str = "text"  # JSONL field / Parquet column holding the text
+    seq_len: int = 128  # T, tokens per packed row
+    global_batch_size: int = 16  # rows per optimizer step, over all processes and micro-batches
+    num_workers: int = 0  # Grain worker processes for reading/tokenizing (0: in-process)
+    shuffle_seed: int = 0  # seeds document shuffling and packing order
+    validation_fraction: float = 0.02  # share of documents held out for validation loss
+    # text: documents, loss on every token | chat: JSONL/Parquet records with `messages`
+    # (role/content), rendered with the tokenizer dir's chat template, loss on the assistant
+    # turns | prompt_completion: records with `prompt` and `completion`, loss on completions.
+    format: str = "text"
 
     def __post_init__(self):
         _positive("data", self, "seq_len", "global_batch_size")
+        if self.format not in DATA_FORMATS:
+            _fail("data", "format", self.format, f"valid: {', '.join(DATA_FORMATS)}")
         if self.num_workers < 0:
             _fail("data", "num_workers", self.num_workers, "must be >= 0")
         if not 0 < self.validation_fraction < 1:
@@ -117,17 +135,17 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
-    learning_rate: float = 3e-4
-    warmup_steps: int = 0
-    decay_steps: int | None = None  # None: training.steps
-    end_learning_rate_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip_grad_norm: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    micro_batches: int = 1
-    decay_norms_and_embeddings: bool = False
+    learning_rate: float = 3e-4  # peak rate, reached after warmup
+    warmup_steps: int = 0  # linear warmup from 0
+    decay_steps: int | None = None  # cosine schedule length incl. warmup; None: training.steps
+    end_learning_rate_ratio: float = 0.1  # final rate as a fraction of the peak
+    weight_decay: float = 0.1  # decoupled AdamW decay (off for norms and embeddings)
+    clip_grad_norm: float = 1.0  # clip the global gradient norm; <= 0 turns clipping off
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.95  # Adam second-moment decay
+    eps: float = 1e-8  # Adam epsilon
+    micro_batches: int = 1  # gradient accumulation: k micro-batches of global_batch_size / k
+    decay_norms_and_embeddings: bool = False  # True: decay every parameter
 
     def __post_init__(self):
         _positive("optimizer", self, "learning_rate", "micro_batches", "eps", "decay_steps")
@@ -149,13 +167,17 @@ class OptimizerSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingSection:
-    steps: int = 100
-    seed: int = 0
+    steps: int = 100  # optimizer steps in the run
+    seed: int = 0  # parameter initialisation seed
+    # A name in shardings.STRATEGIES, or auto (--sharding_strategy overrides).
     sharding_strategy: str = "fsdp_tp"
-    mesh_shape: str = ""  # '' = the strategy's default for the devices
-    eval_every: int = 0  # 0 = only at the end
-    eval_batches: int = 4
-    loss_chunk_size: int = 1024  # tokens per device per chunk of the fused LM head + loss; 0: off
+    mesh_shape: str = ""  # e.g. 'data:4,model:2'; '' = the strategy's default (--mesh_shape)
+    eval_every: int = 0  # validation loss every N steps (and at the end); 0: only at the end
+    eval_batches: int = 4  # global batches of validation data per evaluation
+    # Tokens per device per chunk of the LM head fused with the loss (train and eval): a
+    # device holds the logits of this many tokens at a time, never its [B, T, V] share.
+    # 0: build the full logits.
+    loss_chunk_size: int = 1024
 
     def __post_init__(self):
         _positive("training", self, "steps", "eval_batches")
@@ -172,10 +194,10 @@ class TrainingSection:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
-    enabled: bool = True
-    every: int = 100
-    keep: int = 3
-    async_save: bool = True
+    enabled: bool = True  # save under <workdir>/checkpoints and resume from there
+    every: int = 100  # save every N steps (and at the end)
+    keep: int = 3  # keep the last N checkpoints
+    async_save: bool = True  # write in the background; training blocks for the host copy only
 
     def __post_init__(self):
         _positive("checkpoint", self, "every", "keep")
@@ -183,12 +205,51 @@ class CheckpointSection:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingSection:
-    log_every: int = 10
-    peak_tflops: float | None = None  # None: table lookup, or measured on CPU
-    progress_bar: bool = True
+    log_every: int = 10  # metrics.jsonl / TensorBoard / progress-bar line every N steps
+    peak_tflops: float | None = None  # per-device peak for MFU; None: table, or measured on CPU
+    progress_bar: bool = True  # tqdm bar on stderr (process 0)
+    # 'START:END': a jax.profiler trace of steps START..END-1 (metrics.jsonl's step numbers)
+    # into <workdir>/profile, for TensorBoard's profile plugin / XProf; '' traces nothing.
+    profile_steps: str = ""
 
     def __post_init__(self):
         _positive("logging", self, "log_every", "peak_tflops")
+        from training.profile import parse_steps
+
+        parse_steps(self.profile_steps)  # one line naming the valid form
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    rank: int | None = None  # LoRA rank r; None: no adapters, every parameter trains
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input while training
+    # Projections that get adapters, comma-separated: q_proj,k_proj,v_proj,o_proj,gate,up,down
+    targets: str = "q_proj,k_proj,v_proj,o_proj"
+
+    def __post_init__(self):
+        if self.rank is not None:
+            self.lora_config()  # one-line ValueError for a bad rank, alpha, dropout or target
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    def lora_config(self):
+        """The zoo's LoraConfig (zoo/layers/lora.py), or None without adapters."""
+        if self.rank is None:
+            return None
+        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        return LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=targets)
+
+
+def defaults() -> dict[str, dict[str, tuple[Any, str]]]:
+    """section -> field -> (default, its type as annotated): what configs.base_config() lays
+    out, so every default is written once, here."""
+    return {
+        section: {f.name: (f.default, f.type.replace(" ", "")) for f in dataclasses.fields(kind)}
+        for section, kind in _SECTION_TYPES.items()
+    }
 
 
 def section_fields(section: str) -> list[str]:
@@ -203,6 +264,7 @@ _SECTION_TYPES = {
     "training": TrainingSection,
     "checkpoint": CheckpointSection,
     "logging": LoggingSection,
+    "lora": LoraSection,
 }
 
 
@@ -215,6 +277,7 @@ class RunConfig:
     training: TrainingSection
     checkpoint: CheckpointSection
     logging: LoggingSection
+    lora: LoraSection = LoraSection()
 
     def __post_init__(self):
         k = self.optimizer.micro_batches

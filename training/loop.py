@@ -6,8 +6,8 @@ in place). The `model` / `optimizer` objects are brought up to date from it (`Tr
 only where something needs them: a checkpoint save, and the end of training.
 
 Nothing here knows a model family: a model is anything with
-`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., router_stats=...,
-packed=...) -> (nll_BT, mask_BT[, MoE routing statistics or None for a dense model])`: the LM
+`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., packed=...) ->
+(nll_BT, mask_BT, MoE routing statistics or None for a dense model)`: the LM
 head fused with the loss over chunks of `chunk_size` tokens per device (0: full logits).
 """
 
@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from training.optim import accumulate_gradients
-from zoo.loss import token_nll
+from zoo.loss import answer_mask
 
 Batch = Mapping[str, jax.Array]
 
@@ -42,19 +42,30 @@ class DivergedError(FloatingPointError):
         super().__init__(f"training diverged: {what} at step {step}; {kept}")
 
 
-def loss_sum(
-    model, batch: Batch, packed: bool = True, chunk_size: int = 0
-) -> tuple[jax.Array, jax.Array]:
-    """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
-    needs (sums add across micro-batches; means would not). `packed=False` states that each
-    row is one document from index 0, then padding (attention then needs no document mask)."""
-    nll_BT, mask_BT = model.token_nll(
+def _token_nll(model, batch: Batch, packed: bool, chunk_size: int):
+    nll_BT, mask_BT, moe = model.token_nll(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
         chunk_size=chunk_size,
         packed=packed,
     )
+    if "loss_mask" in batch:
+        # Chat / instruction data: only the trained targets (answers, completions) count.
+        # The loss is then the mean over those tokens of the whole global batch: sums and
+        # counts add over micro-batches and devices before the one division.
+        mask_BT = answer_mask(mask_BT, batch["loss_mask"])
+        nll_BT = jnp.where(mask_BT, nll_BT, 0.0)
+    return nll_BT, mask_BT, moe
+
+
+def loss_sum(
+    model, batch: Batch, packed: bool = True, chunk_size: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
+    needs (sums add across micro-batches; means would not). `packed=False` states that each
+    row is one document from index 0, then padding (attention then needs no document mask)."""
+    nll_BT, mask_BT, _ = _token_nll(model, batch, packed, chunk_size)
     return jnp.sum(nll_BT), jnp.sum(mask_BT)
 
 
@@ -62,24 +73,11 @@ def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0
     """(the objective summed over counted tokens, (their count, metric sums)).
 
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
-    the config's `router_aux_loss_coef`; see `objective_sum`.
+    the config's `router_aux_loss_coef`; see `objective_from_nll`.
     """
-    nll_BT, mask_BT, moe = model.token_nll(
-        batch["tokens"],
-        segment_ids=batch["segment_ids"],
-        positions=batch["positions"],
-        chunk_size=chunk_size,
-        router_stats=True,
-        packed=packed,
-    )
+    nll_BT, mask_BT, moe = _token_nll(model, batch, packed, chunk_size)
     coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
     return objective_from_nll(nll_BT, mask_BT, moe, coef)
-
-
-def objective_sum(logits_BTV, moe, batch: Batch, aux_coef: float):
-    """`train_loss_sum` from the model's full logits."""
-    nll_BT, mask_BT = token_nll(logits_BTV, batch["tokens"], batch["segment_ids"])
-    return objective_from_nll(nll_BT, mask_BT, moe, aux_coef)
 
 
 def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
@@ -96,8 +94,10 @@ def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
     return total, (count, sums)
 
 
-def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
-    return nnx.value_and_grad(train_loss_sum, has_aux=True)(model, batch, packed, chunk_size)
+def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0, wrt=nnx.Param):
+    """Gradients of the variables of kind `wrt` (nnx.Param; LoRA adapters: LoraParam)."""
+    grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
+    return grad_fn(model, batch, packed, chunk_size)
 
 
 class Trainer:
@@ -111,6 +111,7 @@ class Trainer:
         False states one document per row from index 0, then padding.
       loss_chunk_size: tokens per device per chunk of the fused LM head + loss (train and
         eval steps); 0 builds the full logits.
+      wrt: the variable kind that trains, as the optimizer's `wrt` (LoRA: LoraParam).
     """
 
     def __init__(
@@ -122,8 +123,10 @@ class Trainer:
         batch_spec: P | None = None,
         packed: bool = True,
         loss_chunk_size: int = 0,
+        wrt=nnx.Param,
     ):
         self.model, self.optimizer = model, optimizer
+        self.wrt = wrt
         self.packed = packed
         self.loss_chunk_size = loss_chunk_size
         self.micro_batches = micro_batches
@@ -139,12 +142,13 @@ class Trainer:
     def _train_step(self, state, batch: Batch):
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads, means = accumulate_gradients(
-            functools.partial(_loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size),
+            functools.partial(
+                _loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size, wrt=self.wrt
+            ),
             model,
             batch,
             self.micro_batches,
             batch_spec=self.batch_spec,
-            with_sums=True,
         )
         grad_norm = optax.tree.norm(grads)  # before clipping: what the data asked for
         optimizer.update(model, grads)
@@ -217,6 +221,7 @@ class LoopOptions:
     eval_every: int = 0  # 0: only at the end
     checkpoint_every: int = 0  # 0: only at the end (and on preemption)
     seed: int = 0
+    profiler: Any = None  # training.profile.StepProfiler, or None
 
 
 class _Loop:
@@ -231,6 +236,9 @@ class _Loop:
         self.metrics: dict[str, jax.Array] = {}
         self.saved_step = start_step or None  # resumed: the workdir holds that step
         self.records: list[dict[str, Any]] = []
+        # The step-time breakdown of each logged interval: seconds waiting for the next batch,
+        # and seconds blocked saving a checkpoint (outside the timed interval, as validation).
+        self.data_wait = self.checkpoint_wait = 0.0
 
     def check_finite(self, fetched) -> None:
         # A finite loss with a non-finite gradient norm still writes NaN into the parameters.
@@ -239,9 +247,20 @@ class _Loop:
             if not math.isfinite(value):
                 raise DivergedError(self.step, f"{name} is {value}", self.saved_step)
 
+    def next_batch(self, batches: Iterator[Batch]) -> Batch:
+        waited = time.perf_counter()
+        batch = next(batches)
+        self.data_wait += time.perf_counter() - waited
+        return batch
+
     def train_step(self, batch: Batch) -> None:
+        profiler = self.options.profiler
+        if profiler is not None:
+            profiler.before(self.step + 1)
         self.metrics = self.trainer.train_step(batch)
         self.step += 1
+        if profiler is not None:
+            profiler.after(self.step, self.metrics)
         self.interval_steps += 1
         self.tokens_seen += self.options.tokens_per_step
 
@@ -263,6 +282,11 @@ class _Loop:
             * o.flops_per_token
             / (o.peak_flops * o.precision_peak_ratio),
             "step_time": elapsed / self.interval_steps,
+            # step_time = data_wait_time + compute_time (dispatch and device, per step);
+            # checkpoint_time: seconds the loop blocked saving since the last record.
+            "data_wait_time": self.data_wait / self.interval_steps,
+            "compute_time": (elapsed - self.data_wait) / self.interval_steps,
+            "checkpoint_time": self.checkpoint_wait,
             "loss_tokens": int(fetched["loss_tokens"]),
             "tokens_seen": self.tokens_seen,
         }
@@ -271,6 +295,7 @@ class _Loop:
             record["aux_loss"] = float(fetched["aux_loss"])
             record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
         self.writer.write(self.step, record)
+        self.data_wait = self.checkpoint_wait = 0.0
         self.records.append({"step": self.step, **record})
         self.check_finite(record)
 
@@ -280,6 +305,7 @@ class _Loop:
             return
         if not force and not (o.checkpoint_every and step % o.checkpoint_every == 0):
             return  # the checkpointer would skip it; do not sync the objects for nothing
+        started = time.perf_counter()
         if self.metrics:  # a step between log steps may have diverged: never save its state
             self.check_finite(jax.device_get(self.metrics))
         model, optimizer = self.trainer.sync()
@@ -293,6 +319,7 @@ class _Loop:
             force=force,
         ):
             self.saved_step = step
+        self.checkpoint_wait += time.perf_counter() - started
 
     def validate(self, make_val_batches) -> None:
         if make_val_batches is None:
@@ -333,7 +360,7 @@ def run(
     total = options.total_steps
     preempted = False
     while loop.step < total:
-        loop.train_step(next(train_batches))
+        loop.train_step(loop.next_batch(train_batches))
         step, last = loop.step, loop.step == total
         # The first step of a run is logged too, so the curve starts at the untrained loss.
         log_now = step % options.log_every == 0 or last or step == start_step + 1
@@ -348,6 +375,8 @@ def run(
             preempted = True
             break
         loop.restart_interval(log_now, paused)
+    if options.profiler is not None:
+        options.profiler.stop(loop.metrics)  # a range past the last step ends with the run
     if not preempted and loop.step > start_step:
         loop.validate(make_val_batches)
         loop.save(force=True)

@@ -191,6 +191,8 @@ class MetricsWriter:
         metrics.jsonl, so the steps logged before a resume are on it too. Returns its path."""
         if not self.is_main_process:
             return None
+        # Imported here, at the end of a run: matplotlib costs a second of start-up to every
+        # process that only logs.
         import matplotlib
 
         matplotlib.use("Agg")  # no display on a training machine

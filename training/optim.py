@@ -11,12 +11,14 @@ Nothing here knows a model family; the weight-decay mask works on parameter *pat
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
+
+from shardings.specs import normalize
 
 # Weight decay is off for any parameter whose path has a component containing one of these
 # (case-insensitive): norm scales/biases ('attn_norm', 'mlp_norm', 'final_norm', 'q_norm', ...),
@@ -149,9 +151,18 @@ def _split_micro_batches(x: jax.Array, num_micro_batches: int, batch_spec: P | N
     if batch_spec is None:
         x = jnp.reshape(x, new_shape)
     else:
-        rest = tuple(batch_spec[1:]) + (None,) * (x.ndim - len(batch_spec))
-        x = jnp.reshape(x, new_shape, out_sharding=P(batch_spec[0], None, *rest))
+        spec = normalize(batch_spec, x.ndim)
+        x = jnp.reshape(x, new_shape, out_sharding=P(spec[0], None, *spec[1:]))
     return jnp.swapaxes(x, 0, 1)  # -> [k, B/k, ...], the batch sharding now on axis 1
+
+
+class Accumulated(NamedTuple):
+    """What `accumulate_gradients` returns."""
+
+    loss: jax.Array  # token-mean loss over the batch
+    num_tokens: jax.Array  # counted tokens
+    grads: Any  # gradient of the mean loss
+    means: dict  # the function's `sums` divided by the token count ({} when it gives none)
 
 
 def accumulate_gradients(
@@ -161,8 +172,7 @@ def accumulate_gradients(
     num_micro_batches: int,
     *,
     batch_spec: P | None = None,
-    with_sums: bool = False,
-) -> tuple:
+) -> Accumulated:
     """Token-weighted mean loss and gradients over `num_micro_batches` slices of `batch`.
 
     `loss_and_grad_fn(params, micro_batch) -> ((loss_sum, num_tokens), grads_of_loss_sum)`
@@ -183,21 +193,21 @@ def accumulate_gradients(
       batch_spec: the batch arrays' PartitionSpec (e.g. `P('data', None)`) under an explicit
         mesh; each micro-batch then keeps the batch sharding on its leading dim.
 
-      with_sums: the function returns `((loss_sum, (num_tokens, sums)), grads)` instead, `sums`
-        a dict of arrays summed over micro-batches (token-weighted metrics such as an MoE
-        load-balancing loss times the token count); they come back divided by the count.
+
+      The function may also return `((loss_sum, (num_tokens, sums)), grads)`, `sums` a dict of
+      arrays summed over micro-batches (token-weighted metrics such as an MoE
+      load-balancing loss times the token count); they come back divided by the count.
 
     Returns:
-      (mean_loss, num_tokens, grads): loss_sum / tokens, the total token count, and the
-      gradient of the mean loss (a pytree like `loss_and_grad_fn`'s gradients); with
-      `with_sums`, a fourth element: the sums divided by the token count.
+      Accumulated(loss_sum / tokens, the total token count, the gradient of the mean loss (a
+      pytree like `loss_and_grad_fn`'s gradients), the sums divided by the token count).
     """
-    if not with_sums:
-        inner = loss_and_grad_fn
+    inner = loss_and_grad_fn
 
-        def loss_and_grad_fn(p, b):
-            (loss, tokens), grads = inner(p, b)
-            return (loss, (tokens, {})), grads
+    def loss_and_grad_fn(p, b):
+        (loss, aux), grads = inner(p, b)
+        tokens, sums = aux if isinstance(aux, tuple) else (aux, {})
+        return (loss, (tokens, sums)), grads
 
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
@@ -239,6 +249,4 @@ def accumulate_gradients(
     denom = jnp.maximum(num_tokens, 1).astype(jnp.float32)
     mean_loss = loss_sum / denom
     grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads_sum)
-    if with_sums:
-        return mean_loss, num_tokens, grads, jax.tree.map(lambda x: x / denom, sums)
-    return mean_loss, num_tokens, grads
+    return Accumulated(mean_loss, num_tokens, grads, jax.tree.map(lambda x: x / denom, sums))

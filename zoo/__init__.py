@@ -5,8 +5,10 @@ from zoo import gemma3, gpt2, llama, mistral, mixtral, qwen3, qwen3_moe  # noqa:
 from zoo.build import check_model_fits, create_model, get_config, param_layouts
 from zoo.hf_io import from_pretrained, save_pretrained
 from zoo.layers.config import DecoderConfig
+from zoo.layers.decoder import VOCAB_DIMS
 
 __all__ = [
+    "VOCAB_DIMS",
     "DecoderConfig",
     "check_model_fits",
     "create_model",

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardings.mesh import check_divisible
+from shardings.specs import split_size
 from zoo.layers.config import DecoderConfig
 from zoo.registry import family_for_config, get_config
 
@@ -53,21 +54,14 @@ def _abstract(cfg: DecoderConfig, strategy):
         return nnx.eval_shape(lambda: cls(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0)))
 
 
-def _split_size(spec, dim: int, mesh) -> int:
-    """How many ways `spec` splits dim `dim` on `mesh` (1 when it does not)."""
-    entry = (*tuple(spec or ()), *(None,) * (dim + 1))[dim]
-    axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-    return math.prod(mesh.shape[a] for a in axes)
-
-
 def vocab_shards(strategy, mesh) -> int:
     """How many ways the strategy splits the vocab dim on `mesh`: of the logits, the LM head
     and the embedding table (their least common multiple; 1 when none is split)."""
     lm = strategy.lm_sharding()
     return math.lcm(
-        _split_size(lm.lm_head.out, 2, mesh),
-        _split_size(lm.lm_head.weight, 1, mesh),
-        _split_size(lm.embed.table, 0, mesh),
+        split_size(lm.lm_head.out, 2, mesh.shape),
+        split_size(lm.lm_head.weight, 1, mesh.shape),
+        split_size(lm.embed.table, 0, mesh.shape),
     )
 
 

@@ -26,15 +26,14 @@ optionally restricted to the `top_k` largest logits. Logits are gathered over th
 first (`V/model` under tensor parallelism) -- one [B, V] array per step -- so argmax/top-k
 run on whole rows, and the random draws are the same on every mesh.
 
-`greedy_reference` recomputes the whole sequence without the cache at every step; it is the
-oracle the KV-cache path is tested against.
+tests/test_generate.py's `greedy_reference` recomputes the whole sequence without the cache
+at every step; it is the oracle the KV-cache path is tested against.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -44,19 +43,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardings.specs import split_size
 
-def _model_mesh(model):
+
+def model_mesh(model):
     """The mesh the model's parameters live on (the one it was built under)."""
     return jax.tree.leaves(nnx.state(model, nnx.Param))[0].sharding.mesh
 
 
 def batch_multiple(model, mesh) -> int:
     """How many rows the batch must divide by: the mesh size of the tokens' batch dim."""
-    axes = model.sharding.tokens[0]
-    if axes is None:
-        return 1
-    axes = axes if isinstance(axes, tuple) else (axes,)
-    return math.prod(mesh.shape[a] for a in axes)
+    return split_size(model.sharding.tokens, 0, mesh.shape)
 
 
 def _pad_rows(rows: list, multiple: int) -> list:
@@ -139,7 +136,7 @@ def _generate(
     spec = model.sharding.tokens
     B, prompt_len = tokens_BP.shape
     cache = model.init_cache(B, prompt_len + max_new_tokens)
-    logits_BPV, cache = model(
+    logits_BPV, cache, _ = model.forward(
         tokens_BP, segment_ids=segment_ids_BP, positions=positions_BP, cache=cache
     )
     key, sub = jax.random.split(key)
@@ -169,7 +166,7 @@ def _generate(
         done_B, out_BO = emit(i, token_B, done_B, out_BO)
         model = nnx.merge(graphdef, state)
         step = lambda x: jax.sharding.reshard(x[:, None], spec)  # noqa: E731
-        logits_B1V, cache = model(
+        logits_B1V, cache, _ = model.forward(
             step(token_B),
             segment_ids=step(jnp.ones_like(token_B)),
             positions=step(position_B),
@@ -219,7 +216,7 @@ def generate(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"model's max_seq_len={cfg.max_seq_len}"
         )
-    mesh = _model_mesh(model)
+    mesh = model_mesh(model)
     rows = _pad_rows([list(p) for p in prompts], batch_multiple(model, mesh))
     sharding = NamedSharding(mesh, model.sharding.tokens)
     arrays = [jax.device_put(a, sharding) for a in left_pad(rows, prompt_len)]
@@ -245,35 +242,3 @@ def generate(
             ids = ids[: ids.index(eos_id)]
         results.append(ids)
     return results
-
-
-@functools.partial(jax.jit, static_argnames="graphdef")
-def _full_logits(graphdef, state, tokens_BT, segment_ids_BT, positions_BT):
-    model = nnx.merge(graphdef, state)
-    # One document per row from index 0, then padding: length-only attention paths apply.
-    return model(tokens_BT, segment_ids=segment_ids_BT, positions=positions_BT, packed=False)
-
-
-def greedy_reference(model, prompt: Sequence[int], n: int) -> list[int]:
-    """`n` greedy tokens by recomputing the whole sequence without a cache at every step.
-
-    Each step runs the full forward pass over the prompt and every token chosen so far. The
-    row has a fixed length (prompt + n, right-padded with segment id 0, which no real token
-    attends), so all steps share one compiled function; for tests only.
-    """
-    mesh = _model_mesh(model)
-    rows = batch_multiple(model, mesh)
-    sharding = NamedSharding(mesh, model.sharding.tokens)
-    graphdef, state = nnx.split(model)
-    T = len(prompt) + n
-    ids = list(prompt)
-    with jax.set_mesh(mesh):
-        for _ in range(n):
-            tokens, segment_ids, positions = (np.zeros((rows, T), np.int32) for _ in range(3))
-            tokens[:, : len(ids)] = ids
-            segment_ids[:, : len(ids)] = 1
-            positions[:, : len(ids)] = np.arange(len(ids))
-            arrays = [jax.device_put(a, sharding) for a in (tokens, segment_ids, positions)]
-            logits_BTV = np.asarray(_full_logits(graphdef, state, *arrays))
-            ids.append(int(logits_BTV[0, len(ids) - 1].argmax()))
-    return ids[len(prompt) :]

@@ -16,11 +16,11 @@ is built besides the chunk's logits (the comparison with the vocab ids fuses int
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from shardings.specs import axes_of, entry_size, normalize
 
 
 def head_logits(
@@ -107,9 +107,8 @@ def rows_per_device(x_BTM) -> int:
 def seq_shards(x_BTM) -> tuple[tuple[str, ...], int]:
     """(mesh axes T is split on, their total size S; 1 when T is whole)."""
     sharding = jax.typeof(x_BTM).sharding
-    entry = (*tuple(sharding.spec), None, None)[1]
-    axes = () if entry is None else (tuple(entry) if isinstance(entry, tuple) else (entry,))
-    return axes, math.prod(sharding.mesh.shape[a] for a in axes)
+    entry = normalize(sharding.spec, 2)[1]
+    return axes_of(entry), entry_size(entry, sharding.mesh.shape)
 
 
 def chunk_positions(x_BTM, chunk_size: int) -> int:

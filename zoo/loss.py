@@ -20,6 +20,13 @@ def target_mask(tokens_BT, segment_ids_BT):
     return targets_BT, mask_BT
 
 
+def answer_mask(mask_BT, loss_mask_BT):
+    """`mask_BT` (from `target_mask`) narrowed to the positions whose target token (t+1)
+    is marked trained in `loss_mask_BT` (assistant turns, completions): the per-token loss
+    mask of chat / instruction data."""
+    return mask_BT & (_next_along_t(loss_mask_BT) != 0)
+
+
 def _next_along_t(x_BT):
     """x[:, t + 1] at t (wrapping round), also when T is split over a mesh axis (context
     parallelism): then a device's last position needs the next device's first token, which

@@ -64,6 +64,8 @@ class Einsum(nnx.Module):
             if use_bias
             else None
         )
+        # A LoRA adapter (zoo/layers/lora.py) that `add_lora` may attach; None: plain.
+        self.lora = nnx.data(None)
 
     def __call__(self, x):
         w = self.weight[...].astype(self.dtype)
@@ -73,6 +75,8 @@ class Einsum(nnx.Module):
             y = quant.qeinsum(self.eq, self.quantization, self.sharding.out, x.astype(w.dtype), w)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora is not None:
+            y = y + self.lora(x)
         return y
 
 

@@ -6,6 +6,8 @@ with `nnx.scan`, so the block compiles once) or, for debugging, kept as a list.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,18 @@ from zoo.lm_head_loss import chunked_token_nll, drop_vocab_padding, head_logits
 # Params with a vocab dim, by path, and which dim it is: the rows a padded vocab
 # (cfg.padded_vocab_size) adds, which checkpoints and Hugging Face files convert.
 VOCAB_DIMS = {"embed/table": 0, "lm_head/weight": 1}
+
+
+class LmOutput(NamedTuple):
+    logits_BTV: jax.Array
+    cache: object  # KVCache, or None when called without one
+    router_stats: object  # MoeStats, or None for a dense model
+
+
+class TokenNll(NamedTuple):
+    nll_BT: jax.Array  # next-token NLL, float32
+    mask_BT: jax.Array  # which positions count (not padding, not a document's last token)
+    router_stats: object  # MoeStats, or None for a dense model
 
 
 class Block(nnx.Module):
@@ -126,12 +140,16 @@ class DecoderLM(nnx.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def __call__(
-        self, tokens_BT, *, segment_ids, positions, cache=None, router_stats=False, packed=True
-    ):
-        """Logits [B, T, V] in float32; with `cache` (see `init_cache`), (logits, cache').
+    def __call__(self, tokens_BT, *, segment_ids, positions, packed=True):
+        """Logits [B, T, V] in float32 (`forward` also gives the cache and routing stats)."""
+        return self.forward(
+            tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed
+        ).logits_BTV
 
-        `router_stats=True` (no cache) returns (logits, MoeStats or None for a dense model).
+    def forward(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True) -> LmOutput:
+        """Logits [B, T, V] in float32, the updated `cache` (see `init_cache`; None without
+        one) and the MoE routing statistics (None for a dense model).
+
         V is the true vocabulary: with a padded one (`cfg.padded_vocab_size`) the padding
         columns are dropped, which gathers the logits over the vocab split first.
         """
@@ -139,9 +157,7 @@ class DecoderLM(nnx.Module):
             tokens_BT, segment_ids=segment_ids, positions=positions, cache=cache, packed=packed
         )
         logits_BTV = drop_vocab_padding(self._logits(x_BTM), self.cfg.vocab_size)
-        if router_stats:
-            return logits_BTV, stats
-        return logits_BTV if cache is None else (logits_BTV, new_cache)
+        return LmOutput(logits_BTV, new_cache, stats)
 
     def token_nll(
         self,
@@ -150,11 +166,10 @@ class DecoderLM(nnx.Module):
         segment_ids,
         positions,
         chunk_size: int = 0,
-        router_stats=False,
         packed=True,
-    ):
-        """(nll_BT, mask_BT): next-token NLL in float32 per position, and which count; with
-        `router_stats=True`, (nll_BT, mask_BT, MoeStats or None for a dense model).
+    ) -> TokenNll:
+        """Next-token NLL in float32 per position, which positions count, and the MoE routing
+        statistics (None for a dense model).
 
         `chunk_size` > 0 fuses the LM head with the loss over chunks of about that many
         tokens per device (zoo/lm_head_loss.py), so full `[B, T, V]` logits never exist, in
@@ -173,7 +188,7 @@ class DecoderLM(nnx.Module):
                 nll_BT = chunked_token_nll(
                     x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size
                 )
-        return (nll_BT, mask_BT, stats) if router_stats else (nll_BT, mask_BT)
+        return TokenNll(nll_BT, mask_BT, stats)
 
     def hidden(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True):
         """(final-normed hidden states x_BTM, updated cache or None, MoeStats or None): the
@@ -262,7 +277,28 @@ class DecoderLM(nnx.Module):
             return x, ((None if kv is None else (kv.k, kv.v)), layer_stats)
 
         # Per layer: (kv cache, router stats), stacked on L by the scan.
-        return run(x_BTM, self.blocks, windows_L, freqs_LR, caches)
+        return run(x_BTM, self._compute_dtype_blocks(), windows_L, freqs_LR, caches)
+
+    def _compute_dtype_blocks(self):
+        """The stacked blocks with their matmul weights cast to the compute dtype once, before
+        the layer loop (as MaxText does), rather than per layer inside it: a cast inside the
+        scan is a value the backward pass needs, so XLA wrote every layer's bf16 copy out as
+        a stacked scan output beside the float32 stack. The values are the ones each Einsum
+        would cast to itself (an astype of an astype is the same); norm scales and biases
+        (1-D per layer) stay float32, as the norms compute in float32. The gradient flows back
+        through the cast unchanged, so the float32 parameters and Adam see the same values."""
+        dtype = self.cfg.compute_dtype
+        if jnp.dtype(dtype) == jnp.float32:
+            return self.blocks
+        graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+
+        def cast(x):
+            # Stacked [L, ...] weights with 2+ dims per layer: the matmul weights.
+            if x.ndim >= 3 and x.dtype == jnp.float32:
+                return x.astype(dtype)
+            return x
+
+        return nnx.merge(graphdef, jax.tree.map(cast, params), rest)
 
     def _scan_unroll(self) -> int:
         """Layers per scan iteration: the config's, or for 0 (auto) all of them when this

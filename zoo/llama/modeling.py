@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from flax import nnx
-
-from shardings.specs import LmSharding
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import DecoderLM
 
@@ -83,10 +80,41 @@ class LlamaConfig(DecoderConfig):
             rope_scaling=LLAMA31_SCALING,
         )
 
+    @classmethod
+    def _llama2(cls, overrides, **base) -> LlamaConfig:
+        # Llama 2: the 32K SentencePiece vocabulary, RoPE base 10000 unscaled, 4K context.
+        common = dict(vocab_size=32_000, rope_theta=10_000.0, max_seq_len=4096)
+        return cls(**{**common, **base, **overrides})
+
+    @classmethod
+    def llama2_7b(cls, **overrides) -> LlamaConfig:
+        # MHA (32 kv heads); meta-llama/Llama-2-7b-hf config.json.
+        return cls._llama2(
+            overrides,
+            hidden_dim=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=32,
+            head_dim=128,
+            ffn_dim=11_008,
+        )
+
+    @classmethod
+    def llama2_70b(cls, **overrides) -> LlamaConfig:
+        # GQA with 8 kv heads; meta-llama/Llama-2-70b-hf config.json.
+        return cls._llama2(
+            overrides,
+            hidden_dim=8192,
+            num_layers=80,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_dim=28_672,
+        )
+
 
 class Llama(DecoderLM):
-    def __init__(self, cfg: LlamaConfig, sharding: LmSharding, *, rngs: nnx.Rngs):
-        super().__init__(cfg, sharding, rngs=rngs)
+    pass
 
 
 PRESETS = {
@@ -94,4 +122,6 @@ PRESETS = {
     "llama3.2-1b": LlamaConfig.llama3_2_1b,
     "llama3.2-3b": LlamaConfig.llama3_2_3b,
     "llama3.1-8b": LlamaConfig.llama3_1_8b,
+    "llama2-7b": LlamaConfig.llama2_7b,
+    "llama2-70b": LlamaConfig.llama2_70b,
 }

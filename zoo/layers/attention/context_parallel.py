@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from shardings.specs import normalize
 from zoo.layers.attention import dispatch
 from zoo.layers.attention.layout import reshard_to
 from zoo.layers.attention.mask import Segments
@@ -67,8 +68,7 @@ def check_seq_len(seq_len: int, context: int) -> None:
 
 
 def _live_spec(x: jax.Array) -> P:
-    spec = tuple(jax.typeof(x).sharding.spec)
-    return P(*(spec + (None,) * (x.ndim - len(spec))))
+    return normalize(jax.typeof(x).sharding.spec, x.ndim)
 
 
 def _reorder(x: jax.Array, axis: str, *, to_balanced: bool) -> jax.Array:

@@ -8,12 +8,12 @@ declared layouts. `plan_layout` derives every intermediate's spec from q's layou
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardings.specs import axes_of, entry_size, normalize
 from zoo.layers.attention.mask import Segments, is_static
 
 
@@ -108,10 +108,7 @@ def explicit_axes() -> frozenset[str]:
 
 
 def keep_explicit(entry, explicit: frozenset[str]):
-    if entry is None:
-        return None
-    names = entry if isinstance(entry, tuple) else (entry,)
-    kept = tuple(n for n in names if n in explicit)
+    kept = tuple(n for n in axes_of(entry) if n in explicit)
     if not kept:
         return None
     return kept[0] if len(kept) == 1 else kept
@@ -120,9 +117,7 @@ def keep_explicit(entry, explicit: frozenset[str]):
 def axis_size(entry) -> int:
     if entry is None:
         return 1
-    names = entry if isinstance(entry, tuple) else (entry,)
-    shape = jax.sharding.get_abstract_mesh().shape
-    return math.prod(shape[n] for n in names)
+    return entry_size(entry, jax.sharding.get_abstract_mesh().shape)
 
 
 def plan_layout(
@@ -131,8 +126,8 @@ def plan_layout(
     explicit = explicit_axes()
     if not explicit:
         return None
-    q_spec = tuple(jax.typeof(q_BTND).sharding.spec) + (None,) * 4
-    k_spec = tuple(jax.typeof(k_BSKD).sharding.spec) + (None,) * 4
+    q_spec = tuple(normalize(jax.typeof(q_BTND).sharding.spec, 4))
+    k_spec = tuple(normalize(jax.typeof(k_BSKD).sharding.spec, 4))
     qb, qt, heads = (keep_explicit(e, explicit) for e in q_spec[:3])
     if not split_queries:
         qt = None
@@ -165,7 +160,5 @@ def plan_layout(
 
 def reshard_to(x: jax.Array, spec: P) -> jax.Array:
     """reshard only when the layout differs, so the common case adds nothing to the graph."""
-    rank = x.ndim
-    now = tuple(jax.typeof(x).sharding.spec) + (None,) * (rank - len(jax.typeof(x).sharding.spec))
-    want = tuple(spec) + (None,) * (rank - len(spec))
-    return x if now == want else jax.sharding.reshard(x, P(*want))
+    now, want = normalize(jax.typeof(x).sharding.spec, x.ndim), normalize(spec, x.ndim)
+    return x if now == want else jax.sharding.reshard(x, want)

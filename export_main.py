@@ -1,0 +1,47 @@
+"""Export a run's checkpoint to Hugging Face formats.
+
+    python export_main.py --workdir=DIR [--step=N] --format=hf|peft --out=OUT
+
+hf: a merged Hugging Face checkpoint (config.json + safetensors, and the run's tokenizer
+files), for any run; a LoRA run's adapters are folded into the base weights. transformers'
+`AutoModelForCausalLM.from_pretrained(OUT)` loads it.
+peft: a LoRA run's adapters as `adapter_model.safetensors` + `adapter_config.json`, which
+`peft.PeftModel.from_pretrained(base_model, OUT)` loads onto the base (the run's --init_from).
+
+A bad flag, workdir or format ends with exit status 2 and one line on stderr; the library
+code is in export/.
+"""
+
+from __future__ import annotations
+
+from launch import cli
+
+cli.preamble()
+
+from absl import flags  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (its checkpoints/).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest complete one.")
+_FORMAT = flags.DEFINE_string("format", None, "hf (merged checkpoint) | peft (LoRA adapter).")
+_OUT = flags.DEFINE_string("out", None, "Directory to write.")
+
+
+def main(argv):
+    cli.no_arguments(argv)
+    cli.quiet_logging()
+    for flag in (_WORKDIR, _FORMAT, _OUT):
+        if not flag.value:
+            cli.usage_error(f"--{flag.name} is required (--workdir=DIR --format=hf|peft --out=OUT)")
+    from checkpoint.workdir import expand
+    from export import export_run
+
+    out = expand(_OUT.value)
+    try:
+        step = export_run(expand(_WORKDIR.value), out, _FORMAT.value, _STEP.value)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        cli.usage_error(cli.device_hint(e))
+    print(f"wrote step {step} as {_FORMAT.value} to {out}", flush=True)
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

@@ -1,0 +1,58 @@
+"""The step forecast of a compiled plan (`planning.estimate.forecast_step`), with the inputs
+that need a compile: the memory-bound bytes and the kernel count of the step, from the same
+step compiled with one and with two unrolled layers (`planning.estimate`'s module doc says
+why, and how they combine)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from planning.compile import Plan, compile_plan
+from planning.estimate import Forecast, forecast_step
+from planning.hlo_traffic import Traffic
+
+_CACHE: dict = {}
+
+
+def with_layers(run, layers: int):
+    """The run with `layers` layers kept as a Python list (no scan: nothing stacked)."""
+    model = dataclasses.replace(run.model, num_layers=layers, scan_layers=False)
+    return dataclasses.replace(run, model=model)
+
+
+def step_traffic(run, candidate, target) -> Traffic:
+    """The L-layer step's kernels and memory-bound bytes from its one- and two-layer
+    versions, compiled for the same candidate and target."""
+    layers = run.model.decoder_config().num_layers
+    key = (repr(run), candidate, target.name, len(target.devices))
+    if key not in _CACHE:
+        one = compile_plan(with_layers(run, 1), candidate, target).traffic
+        two = compile_plan(with_layers(run, 2), candidate, target).traffic if layers > 1 else one
+        _CACHE[key] = one.extrapolate(two, layers)
+    return _CACHE[key]
+
+
+def add_forecast(run, plan: Plan) -> Forecast | None:
+    """Set `plan.forecast` (None on a chip without the figures, e.g. the simulated CPU)."""
+    chip = plan.target.chip
+    if chip.hbm_bytes_per_s is None:
+        plan.forecast = None
+        return None
+    total = step_traffic(run, plan.candidate, plan.target)
+    e = plan.estimate
+    plan.forecast = forecast_step(
+        run.model.decoder_config(),
+        seq_len=plan.seq_len,
+        global_batch=plan.global_batch,
+        num_devices=len(plan.target.devices),
+        micro_batches=plan.candidate.micro_batches,
+        tensor_parallel=plan.mesh.get("model", 1),
+        remat=plan.candidate.remat,
+        chip=chip,
+        flash=plan.traffic is not None and plan.traffic.flash_kernels > 0,
+        memory_bytes=total.memory_bytes,
+        kernels=total.kernels,
+        exposed_comm=e.exposed_comm_seconds,
+        overlapped_comm=e.overlapped_comm_seconds,
+    )
+    return plan.forecast

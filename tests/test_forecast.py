@@ -1,0 +1,158 @@
+"""The step forecast (planning/estimate.py) on hand-computed cases, and the HLO traffic it
+reads (planning/hlo_traffic.py) on programs whose bytes can be counted by hand."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from planning.chips import Chip
+from planning.estimate import HBM_EFFICIENCY, forecast_step
+from planning.hlo_traffic import traffic
+from zoo import get_config
+
+# A GPU-like chip with round numbers: 1 PFLOP/s, 1 TB/s of HBM.
+CHIP = Chip(
+    "test gpu",
+    "gpu",
+    memory_bytes=80 * 2**30,
+    peak_bf16_flops=1e15,
+    link_bytes_per_s=1e11,
+    cross_host_bytes_per_s=None,
+    hbm_bytes_per_s=1e12,
+)
+# One layer, M = N*D = 4096 and F = 16384, so the narrowest matmul dim is 4096 (GPU: 0.68).
+CFG = get_config(
+    "tiny",
+    vocab_size=1024,
+    hidden_dim=4096,
+    num_layers=1,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_dim=16384,
+)
+B, T = 8, 1024
+
+
+def _forecast(memory_bytes: float, remat: str = "none"):
+    return forecast_step(
+        CFG,
+        seq_len=T,
+        global_batch=B,
+        num_devices=1,
+        micro_batches=1,
+        tensor_parallel=1,
+        remat=remat,
+        chip=CHIP,
+        flash=True,
+        memory_bytes=memory_bytes,
+        kernels=1000,
+        exposed_comm=0.0,
+        overlapped_comm=0.0,
+    )
+
+
+# By hand. Matmul weights per token: q and out 2*M*N*D, k and v 2*M*K*D, SwiGLU 3*M*F, the
+# head M*V; training runs 6 FLOPs per weight per token.
+WEIGHTS = 2 * 4096 * 32 * 128 + 2 * 4096 * 8 * 128 + 3 * 4096 * 16384 + 4096 * 1024
+MATMUL_FLOPS = 6 * WEIGHTS * B * T
+# Attention forward: 4*N*D per key, (T+1)/2 keys per causal query; a flash kernel executes the
+# forward, then a backward of 2.5 forwards (its score recompute included).
+ATTENTION_FLOPS = 4 * 32 * 128 * (T + 1) / 2 * 3.5 * B * T
+MATMUL_S = MATMUL_FLOPS / (1e15 * 0.68)
+ATTENTION_S = ATTENTION_FLOPS / (1e15 * 0.45)  # head dim 128: flash at 0.45 of peak
+HOST_S = 1000 * 2e-6  # kernels x the GPU launch gap
+
+
+def test_matmul_bound_layer():
+    memory_bytes = 1e9  # 1 GB of elementwise traffic: about 1.2 ms
+    f = _forecast(memory_bytes)
+    assert f.matmul_flops == pytest.approx(MATMUL_FLOPS, rel=1e-12)
+    assert f.attention_flops == pytest.approx(ATTENTION_FLOPS, rel=1e-12)
+    assert f.matmul_efficiency == 0.68 and f.attention_efficiency == 0.45
+    assert f.matmul_seconds == pytest.approx(MATMUL_S, rel=1e-12)
+    assert f.attention_seconds == pytest.approx(ATTENTION_S, rel=1e-12)
+    memory_s = memory_bytes / (1e12 * HBM_EFFICIENCY)
+    assert f.memory_seconds == pytest.approx(memory_s, rel=1e-12)
+    assert f.host_seconds == pytest.approx(HOST_S, rel=1e-12)
+    step = MATMUL_S + ATTENTION_S + memory_s + HOST_S
+    assert f.step_seconds == pytest.approx(step, rel=1e-12)
+    assert f.matmul_seconds > 10 * f.memory_seconds  # matmul-bound
+    # MFU counts the model's FLOPs (attention at 3 forwards), not what the kernels execute.
+    model_flops = MATMUL_FLOPS + 4 * 32 * 128 * (T + 1) / 2 * 3 * B * T
+    assert f.mfu == pytest.approx(model_flops / (1e15 * step), rel=1e-12)
+
+
+def test_memory_bound_layer():
+    memory_bytes = 2e12  # e.g. a huge elementwise stack: 2 TB at 0.85 TB/s = 2.35 s
+    f = _forecast(memory_bytes)
+    memory_s = 2e12 / (1e12 * HBM_EFFICIENCY)
+    assert f.memory_seconds == pytest.approx(memory_s, rel=1e-12)
+    assert f.step_seconds == pytest.approx(MATMUL_S + ATTENTION_S + memory_s + HOST_S, rel=1e-12)
+    assert f.memory_seconds > 10 * f.matmul_seconds  # memory-bound
+
+
+def test_remat_adds_the_recomputed_forward_and_comm_hides_behind_work():
+    full = _forecast(1e9, remat="full")
+    none = _forecast(1e9)
+    # Full remat runs every block matmul's forward again: 2 FLOPs per block weight per token.
+    block_weights = WEIGHTS - 4096 * 1024
+    assert full.matmul_flops - none.matmul_flops == pytest.approx(
+        2 * block_weights * B * T, rel=1e-12
+    )
+    attention_fwd = 4 * 32 * 128 * (T + 1) / 2 * B * T
+    assert full.attention_flops - none.attention_flops == pytest.approx(attention_fwd, rel=1e-12)
+    busy = none.matmul_seconds + none.attention_seconds + none.memory_seconds
+    hidden = forecast_step(
+        CFG, seq_len=T, global_batch=B, num_devices=1, micro_batches=1, tensor_parallel=1,
+        remat="none", chip=CHIP, flash=True, memory_bytes=1e9, kernels=1000,
+        exposed_comm=0.01, overlapped_comm=busy + 0.5,
+    )  # fmt: skip
+    # Exposed comm adds; overlapped comm costs only what exceeds the work it hides behind.
+    assert hidden.step_seconds == pytest.approx(none.step_seconds + 0.01 + 0.5, rel=1e-9)
+
+
+def test_no_forecast_without_the_chip_figures():
+    from planning.chips import CHIPS
+
+    assert forecast_step(
+        CFG, seq_len=T, global_batch=B, num_devices=1, micro_batches=1, tensor_parallel=1,
+        remat="none", chip=CHIPS["cpu"], flash=False, memory_bytes=0, kernels=0,
+        exposed_comm=0, overlapped_comm=0,
+    ) is None  # fmt: skip
+
+
+def _compiled_text(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def test_traffic_of_an_elementwise_layer_is_its_reads_and_writes():
+    x = jnp.ones((1024, 1024), jnp.float32)
+    # One fused elementwise kernel: reads x (4 MiB) and writes the result (4 MiB).
+    t = traffic(_compiled_text(lambda x: jnp.tanh(x) * 2.0 + 1.0, x))
+    assert t.memory_bytes == 2 * 4 * 1024 * 1024
+    assert t.matmul_kernels == 0
+
+
+def test_traffic_of_a_matmul_layer_leaves_the_matmul_to_the_flops_term():
+    a = jnp.ones((512, 256), jnp.float32)
+    b = jnp.ones((256, 128), jnp.float32)
+    t = traffic(_compiled_text(lambda a, b: a @ b, a, b))
+    assert t.matmul_kernels == 1
+    assert t.memory_bytes == 0
+
+
+def test_traffic_counts_a_scanned_layer_once_per_iteration_and_a_stack_slice_by_its_slice():
+    x = jnp.ones((1024,), jnp.float32)
+    w = jnp.ones((10, 1024), jnp.float32)
+
+    def scanned(x, w):
+        return jax.lax.scan(lambda x, w_i: (jnp.tanh(x * w_i), None), x, w)[0]
+
+    t = traffic(_compiled_text(scanned, x, w))
+    # Per iteration: read x and one row of w, write x (4 KiB each), plus scalar counter work;
+    # a copy of x into the loop (8 KiB: read and write) before it.
+    per_iteration = 3 * 4096
+    assert 10 * per_iteration + 8192 <= t.memory_bytes <= 10 * per_iteration + 8192 + 10 * 64

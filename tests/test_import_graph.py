@@ -1,0 +1,113 @@
+"""The arrows of docs/ARCHITECTURE.md, read from the source: every import in the product
+(function-local ones included, since a lazy import that closes a circle is still a circle)."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = (
+    "shardings",
+    "zoo",
+    "data",
+    "checkpoint",
+    "runtime",
+    "training",
+    "launch",
+    "evaluation",
+    "planning",
+    "export",
+    "configs",
+)
+FAMILIES = {
+    d
+    for d in os.listdir(os.path.join(ROOT, "zoo"))
+    if d not in ("layers", "__pycache__") and os.path.isdir(os.path.join(ROOT, "zoo", d))
+}
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                    out[module.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(path: str, known: set[str]) -> set[str]:
+    """The product modules `path` imports (a `from pkg import name` that names a submodule
+    counts as that submodule)."""
+    found = set()
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            names = [s for s in subs if s in known] or [node.module]
+        else:
+            continue
+        found |= {n for n in names if n in known}
+    return found
+
+
+GRAPH = {m: _imports(p, set(_modules())) for m, p in _modules().items()}
+
+
+def _package(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_no_module_imports_itself_through_a_circle():
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(module, path):
+        state[module] = 1
+        for dep in sorted(GRAPH[module]):
+            # A package's __init__ importing its own submodules is how packages export.
+            if module == _package(dep) or dep == module:
+                continue
+            assert state.get(dep) != 1, "import circle: " + " -> ".join([*path, module, dep])
+            if dep not in state:
+                visit(dep, [*path, module])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [])
+
+
+def test_the_model_zoo_imports_no_run_machinery():
+    banned = {
+        "training",
+        "data",
+        "checkpoint",
+        "runtime",
+        "launch",
+        "evaluation",
+        "planning",
+        "export",
+    }
+    for module, deps in GRAPH.items():
+        if _package(module) in ("zoo", "shardings"):
+            bad = {d for d in deps if _package(d) in banned}
+            assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_training_never_imports_a_concrete_family():
+    for module, deps in GRAPH.items():
+        if _package(module) == "training":
+            bad = {d for d in deps if d.split(".")[:2][-1] in FAMILIES and d.startswith("zoo.")}
+            assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_only_the_assembly_and_its_callers_import_launch():
+    for module, deps in GRAPH.items():
+        if any(_package(d) == "launch" for d in deps):
+            assert _package(module) in ("launch", "evaluation", "planning", "export"), module

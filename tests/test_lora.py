@@ -1,0 +1,143 @@
+"""LoRA numerics and layouts (issue 30, check 3): a zero B gives exactly the base logits; after
+training the adapted model equals the merged one; every strategy trains as one device does;
+only the adapters train (the base and its optimizer state stay out)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from model_utils import one_device_mesh, packed_batch
+
+from shardings import get_strategy
+from training.loop import Trainer
+from zoo import create_model, get_config
+from zoo.layers.lora import TARGETS, LoraConfig, LoraParam, add_lora, merge_lora
+
+CFG = get_config("tiny")
+LORA = LoraConfig(rank=4, alpha=8.0, targets=tuple(TARGETS))
+BATCH = packed_batch(batch=8, seq=32)
+STEPS = 2
+
+
+def _build(mesh, strategy):
+    with jax.set_mesh(mesh):
+        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
+        add_lora(model, LORA, nnx.Rngs(1))
+    return model
+
+
+def _put(mesh, strategy):
+    return {
+        k: jax.device_put(jnp.asarray(v), jax.NamedSharding(mesh, strategy.batch_spec()))
+        for k, v in BATCH.items()
+    }
+
+
+def _logits(model, batch):
+    return nnx.jit(
+        lambda m, b: m(b["tokens"], segment_ids=b["segment_ids"], positions=b["positions"])
+    )(model, batch)
+
+
+def _train(mesh, strategy):
+    """(model after STEPS SGD steps on the adapters (linear in the gradients, so the
+    strategies' rounding differences stay that small), losses, base params before/after)."""
+    model = _build(mesh, strategy)
+    batch = _put(mesh, strategy)
+    with jax.set_mesh(mesh):
+        base_before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=LoraParam)
+        trainer = Trainer(model, optimizer, batch_spec=strategy.batch_spec(), wrt=LoraParam)
+        losses = [float(trainer.train_step(batch)["loss"]) for _ in range(STEPS)]
+        model, optimizer = trainer.sync()
+    return model, optimizer, losses, base_before, batch
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    mesh = one_device_mesh()
+    return mesh, _train(mesh, get_strategy("dp"))
+
+
+def test_zero_b_gives_exactly_the_base_logits():
+    mesh, strategy = one_device_mesh(), get_strategy("dp")
+    batch = _put(mesh, strategy)
+    with jax.set_mesh(mesh):
+        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
+        base = np.asarray(_logits(model, batch))
+        add_lora(model, LORA, nnx.Rngs(1))
+        adapted = np.asarray(_logits(model, batch))
+    assert np.array_equal(base, adapted)
+
+
+def test_only_adapters_train_and_adapted_equals_merged(one_device):
+    mesh, (model, optimizer, losses, base_before, batch) = one_device
+    assert losses[-1] < losses[0]
+    with jax.set_mesh(mesh):
+        base_after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        jax.tree.map(np.testing.assert_array_equal, base_before, base_after)
+        # Adam's moments cover the adapters only: nothing the size of the base.
+        adam = nnx.Optimizer(model, optax.adam(1e-3), wrt=LoraParam)
+        moments = jax.tree.leaves(nnx.state(adam, nnx.optimizer.OptState))
+        adapter_size = sum(x.size for x in jax.tree.leaves(nnx.state(model, LoraParam)))
+        assert sum(x.size for x in moments) == 2 * adapter_size + 2  # + step counts
+        b = model.blocks.attention.q.lora.b[...]
+        assert float(jnp.abs(b).max()) > 0  # trained away from zero
+        adapted = np.asarray(_logits(model, batch))
+        merged_model = nnx.clone(model)
+        merge_lora(merged_model)
+        assert not nnx.state(merged_model, LoraParam)
+        merged = np.asarray(_logits(merged_model, batch))
+    # float32: W x + s (x A) B vs (W + s A B) x differ by rounding of the reassociation.
+    np.testing.assert_allclose(adapted, merged, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fsdp_tp"])
+def test_every_strategy_equals_one_device(name, one_device):
+    _, (ref_model, _, ref_losses, _, _) = one_device
+    strategy = get_strategy(name)
+    mesh = strategy.make_mesh()
+    model, _, losses, _, _ = _train(mesh, strategy)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    ref = nnx.to_flat_state(nnx.state(ref_model, LoraParam))
+    got = dict(nnx.to_flat_state(nnx.state(model, LoraParam)))
+    for path, var in ref:
+        # float32 SGD steps from identical starts; reductions split over devices differ
+        # in rounding only.
+        np.testing.assert_allclose(
+            np.asarray(got[path][...]), np.asarray(var[...]), atol=1e-5, rtol=1e-4
+        )
+    # A follows its base matrix's input dim, B the output dims (fsdp_tp: M/data, N/model).
+    q = model.blocks.attention.q
+    w_spec = tuple(jax.typeof(q.weight[...]).sharding.spec) + (None,) * 4
+    a_spec = tuple(jax.typeof(q.lora.a[...]).sharding.spec) + (None,) * 3
+    b_spec = tuple(jax.typeof(q.lora.b[...]).sharding.spec) + (None,) * 4
+    assert a_spec[:3] == (w_spec[0], w_spec[1], None)  # [L, M, R]
+    assert b_spec[:4] == (w_spec[0], None, w_spec[2], w_spec[3])  # [L, R, N, D]
+
+
+def test_a_target_that_names_no_module_is_one_line():
+    # Qwen3-MoE's blocks have experts where a dense MLP's gate would be.
+    mesh, strategy = one_device_mesh(), get_strategy("dp")
+    with jax.set_mesh(mesh):
+        model = nnx.eval_shape(
+            lambda: create_model(get_config("qwen3-moe-tiny"), strategy, rngs=nnx.Rngs(0))
+        )
+        with pytest.raises(ValueError, match="'gate' names no module of this model") as e:
+            add_lora(model, LoraConfig(rank=2, alpha=2.0, targets=("q_proj", "gate")), nnx.Rngs(0))
+    assert "\n" not in str(e.value) and "valid here: q_proj, k_proj, v_proj, o_proj" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(rank=0, alpha=8.0), "lora.rank=0: must be an integer > 0"),
+        (dict(rank=4, alpha=8.0, targets=("q_proj", "mlp")), "unknown mlp; valid: q_proj"),
+        (dict(rank=4, alpha=8.0, dropout=1.0), "lora.dropout=1.0"),
+    ],
+)
+def test_bad_lora_config_is_one_line(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        LoraConfig(**kwargs)

@@ -1,0 +1,55 @@
+"""`--config.logging.profile_steps=START:END`: a `jax.profiler` trace of train steps START to
+END-1 (the step numbers of metrics.jsonl), written under `<workdir>/profile` in the layout
+TensorBoard's profile plugin / XProf read (`plugins/profile/<run>/*.xplane.pb`); Perfetto opens
+the `.trace.json.gz` beside it where the profiler writes one. The same on CPU, GPU and TPU: it
+is JAX's own profiler, no platform tool.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+
+def parse_steps(text: str) -> tuple[int, int] | None:
+    """'START:END' -> (START, END) with 1 <= START < END; '' -> None. ValueError: one line."""
+    if not text:
+        return None
+    start, sep, end = text.partition(":")
+    try:
+        steps = (int(start), int(end)) if sep else None
+    except ValueError:
+        steps = None
+    if steps is None or not 1 <= steps[0] < steps[1]:
+        raise ValueError(
+            f"config logging.profile_steps={text!r}: expected START:END with 1 <= START < END "
+            "(e.g. 5:8 traces steps 5, 6 and 7)"
+        )
+    return steps
+
+
+class StepProfiler:
+    """Starts the trace before step START runs and stops it once step END-1 has finished."""
+
+    def __init__(self, steps: tuple[int, int] | None, workdir: str):
+        self.steps = steps
+        self.log_dir = os.path.join(workdir, "profile")
+        self.active = False
+
+    def before(self, step: int) -> None:
+        """Call with the number of the step about to run (1-based)."""
+        if self.steps and step == self.steps[0] and not self.active:
+            jax.profiler.start_trace(self.log_dir)
+            self.active = True
+
+    def after(self, step: int, outputs) -> None:
+        """Call with the number of the step that just ran and its outputs."""
+        if self.active and step >= self.steps[1] - 1:
+            self.stop(outputs)
+
+    def stop(self, outputs=None) -> None:
+        if self.active:
+            jax.block_until_ready(outputs)  # the traced steps' device work is in the trace
+            jax.profiler.stop_trace()
+            self.active = False
