@@ -381,7 +381,12 @@ def forecast_step(
     rows = per_device * tensor_parallel / micro_batches
     m_eff = matmul_efficiency(chip, narrowest_matmul_dim(cfg, rows, tensor_parallel))
     a_eff = flash_efficiency(chip, cfg.head_dim) if flash else matmul_efficiency(chip, cfg.head_dim)
-    matmul_s = matmul_flops / (chip.peak_bf16_flops * m_eff)
+    # The projections model.quantization runs in fp8 / int8 go at that precision's peak.
+    quantized = quantized_flops_per_token(cfg, remat) * per_device
+    peak_low = peak_flops(chip, getattr(cfg, "quantization", "none"))
+    matmul_s = (matmul_flops - quantized) / (chip.peak_bf16_flops * m_eff) + quantized / (
+        peak_low * m_eff
+    )
     attention_s = attention_flops / (chip.peak_bf16_flops * a_eff)
     memory_s = memory_bytes / (chip.hbm_bytes_per_s * HBM_EFFICIENCY)
     host_s = kernels * KERNEL_GAP_SECONDS[chip.platform]
