@@ -114,8 +114,8 @@ def main(argv):
     cli.quiet_logging()
     from evaluation import run as evaluation
 
-    request = _request()
     try:
+        request = _request()
         result = evaluation.evaluate(request)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         cli.usage_error(cli.device_hint(e))

@@ -20,10 +20,24 @@ import os
 import pathlib
 import sys
 
-from absl import flags
-from ml_collections import config_flags
-
 from launch import cli
+
+
+def _simulate_devices() -> None:
+    # Simulated devices must be requested before jax starts, and a --config file imports jax
+    # while the flags are parsed: read --devices from the command line first.
+    count = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--devices=")), "8")
+    if count.isdigit():
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+        )
+
+
+_simulate_devices()
+cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
 _CONFIG = config_flags.DEFINE_config_file(
@@ -44,12 +58,6 @@ _COLLECTIVES = flags.DEFINE_bool(
 
 def main(argv):
     cli.no_arguments(argv)
-    if "jax" not in sys.modules:  # simulated devices must be requested before jax starts
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={_DEVICES.value}"
-        )
-        cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
     import jax
 
     from shardings import STRATEGIES, get_strategy
@@ -62,11 +70,18 @@ def main(argv):
     from shardings.hlo import dot_dtypes
     from zoo import get_config, param_layouts
 
+    config = None
+    if _CONFIG.value is not None:
+        try:
+            config = _CONFIG.value
+            hasattr(config, "to_dict")  # a file that failed to load raises at the first use
+        except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
+            cli.usage_error(cli.config_file_message(e))
     try:
-        if _CONFIG.value is not None:
+        if config is not None:
             from training.config import RunConfig
 
-            cfg = RunConfig.from_config_dict(_CONFIG.value).model.decoder_config()
+            cfg = RunConfig.from_config_dict(config).model.decoder_config()
         else:
             cfg = get_config(_MODEL.value)
         strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]

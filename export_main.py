@@ -35,8 +35,8 @@ def main(argv):
     from checkpoint.workdir import expand
     from export import export_run
 
-    out = expand(_OUT.value)
     try:
+        out = expand(_OUT.value)
         step = export_run(expand(_WORKDIR.value), out, _FORMAT.value, _STEP.value)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         cli.usage_error(cli.device_hint(e))

@@ -40,6 +40,7 @@ def main(argv):
     cli.quiet_logging()
     import dataclasses
 
+    from checkpoint import write_errors
     from checkpoint.workdir import expand, hold
     from launch import session
     from runtime import distributed
@@ -58,7 +59,8 @@ def main(argv):
 
             run = resolve_auto(run)  # compiles candidates on these devices; picks, says why
         workdir = expand(_WORKDIR.value or os.path.join("runs", run.name))
-        lock = hold(workdir)  # noqa: F841 -- checked writable, and held until the process exits
+        # Checked writable (checkpoints/ too), no history to overwrite, held until exit.
+        lock = hold(workdir, checkpoints=run.checkpoint.enabled)
         init_from = expand(_INIT_FROM.value) if _INIT_FROM.value else None
         prepared = session.prepare(run, workdir, init_from=init_from)
         session.resume(prepared)
@@ -76,6 +78,17 @@ def main(argv):
             flush=True,
         )
         sys.exit(1)
+    except Exception as e:  # noqa: BLE001 -- a save that could not be written: one line
+        failure = write_errors.find(e)
+        if failure is None:
+            raise
+        print(f"error: {failure}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if lock is not None:
+            lock.release()  # an orderly stop: the next run finds no stale lock
+        # Not sys.exit: the exit handlers of the metrics writers would flush onto the same
+        # full disk and print their own tracebacks. The kernel drops the workdir lock.
+        os._exit(1)
 
 
 def console_main():

@@ -53,13 +53,27 @@ def write_manifest(directory: str) -> dict:
 
 
 def read_manifest(directory: str) -> dict | None:
-    """The manifest of `directory`, or None when it is missing or unreadable."""
+    """The manifest of `directory`, or None when it is missing, unreadable or malformed."""
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest.get("files"), dict) else None
+    # A damaged manifest is no manifest: every entry must be {"size": int, "crc32": int}.
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("algorithm", "crc32") != "crc32":
+        return None
+    for rel, want in files.items():
+        fields = want.values() if isinstance(want, dict) else ()
+        if (
+            not isinstance(rel, str)
+            or not isinstance(want, dict)
+            or set(want) != {"size", "crc32"}
+            or any(type(v) is not int for v in fields)
+            or ".." in rel.split("/")  # a manifest names files inside its own directory
+        ):
+            return None
+    return manifest
 
 
 def verify(directory: str, items: tuple[str, ...] | None = None) -> str | None:

@@ -57,14 +57,15 @@ from absl import logging
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
-from checkpoint import integrity
+from checkpoint import integrity, write_errors
+from checkpoint.workdir import CHECKPOINT_SUBDIR
+from checkpoint.write_errors import CheckpointWriteError, reason
 from zoo import VOCAB_DIMS
 
 # What `params` holds: every nnx.Param, or for a LoRA run only its adapters (the frozen base
 # is the run's --init_from directory, which run_info.json names).
 from zoo.layers.lora import trainable
 
-CHECKPOINT_SUBDIR = "checkpoints"
 INVALID_SUBDIR = "invalid"
 ITEMS = ("params", "opt_state", "data", "meta")
 _TREE_ITEMS = ("params", "opt_state")
@@ -118,6 +119,8 @@ def _committed(directory: str) -> list[int]:
 def step_dir_problem(step_dir: str) -> str | None:
     """Why `step_dir` is not a complete checkpoint (no manifest), or None when it is."""
     if integrity.read_manifest(step_dir) is None:
+        if os.path.isfile(os.path.join(step_dir, integrity.MANIFEST)):
+            return f"its {integrity.MANIFEST} is damaged (not a list of file sizes and CRC-32s)"
         return f"no {integrity.MANIFEST} (the save or its checksums did not finish)"
     return None
 
@@ -145,10 +148,18 @@ def check_integrity(step_dir: str, items=ITEMS) -> None:
 
 def _resolve_step(directory: str, step: int | None) -> int:
     if step is None:
-        steps = complete_steps(directory)
+        found = _committed(directory)
+        steps = complete_steps(
+            directory, warn=bool(found) and bool(complete_steps(directory, warn=False))
+        )
         if not steps:
-            found = _committed(directory)
-            detail = f" ({len(found)} incomplete step dirs)" if found else ""
+            # One line: the newest step dir and what is wrong with it.
+            detail = (
+                f" ({len(found)} incomplete step dirs; step {found[-1]}: "
+                f"{step_dir_problem(os.path.join(directory, str(found[-1])))})"
+                if found
+                else ""
+            )
             raise FileNotFoundError(f"no complete checkpoint in {directory}{detail}")
         return steps[-1]
     step_dir = os.path.join(directory, str(step))
@@ -341,6 +352,8 @@ class Checkpointer:
         self._manifest_thread: threading.Thread | None = None
         self._manifest_error: BaseException | None = None
         self._verified: set[int] = set()
+        self._last_saved: int | None = None  # newest step this run saved with its checksums
+        self._saving: int | None = None  # the step of the save started last
         self._set_aside(
             {s: p for s in _committed(self.directory) if (p := self._problem_p0(s)) is not None}
         )
@@ -411,6 +424,7 @@ class Checkpointer:
         if good < 0:
             return None
         self._verified.add(good)
+        self._last_saved = good
         return good
 
     def restore(self, step: int, *, model, optimizer=None, data_iter=None) -> dict:
@@ -453,17 +467,33 @@ class Checkpointer:
         if not force and step % self.save_every:
             return False
         self._join_manifest()
+        if self._last_saved is not None and not os.path.isdir(self.directory):
+            # Orbax would quietly create it again, and the run's history would be gone.
+            raise CheckpointWriteError(
+                step,
+                "the checkpoint directory disappeared while the run was going",
+                None,
+                self.directory,
+            )
         if step in self._manager.all_steps():
             return False
+        params, opt_state = _params(model), _opt_state(optimizer)
+        problem = write_errors.lacks_space(self.directory, self._needed_bytes(params, opt_state))
+        if problem:  # before Orbax starts: no partial write, no background failure
+            raise CheckpointWriteError(step, problem, self._last_saved, self.directory)
+        self._saving = step
         record = _to_json({**(meta or {}), "step": step, "run_info": self.run_info})
         args = ocp.args.Composite(
-            params=ocp.args.StandardSave(_params(model)),
-            opt_state=ocp.args.StandardSave(_opt_state(optimizer)),
+            params=ocp.args.StandardSave(params),
+            opt_state=ocp.args.StandardSave(opt_state),
             data=grain.checkpoint.CheckpointSave(data_iter),
             meta=ocp.args.JsonSave(record),
         )
         start = time.perf_counter()
-        self._manager.save(step, args=args, force=True)
+        try:
+            self._manager.save(step, args=args, force=True)
+        except Exception as e:  # noqa: BLE001 -- any failure to write: one line (write_errors)
+            raise self._write_error(step, e) from e
         self.last_save_blocking_s = time.perf_counter() - start
         self._manifest_thread = threading.Thread(
             target=self._write_manifest, args=(step,), name=f"checksums-{step}", daemon=True
@@ -478,8 +508,26 @@ class Checkpointer:
                 start = time.perf_counter()
                 integrity.write_manifest(os.path.join(self.directory, str(step)))
                 self.last_checksum_s = time.perf_counter() - start
+            self._last_saved = step
+        except Exception as e:  # noqa: BLE001 -- re-raised in the main thread by _join
+            self._manifest_error = self._write_error(step, e)
+            self._manifest_error.__cause__ = e
         except BaseException as e:  # noqa: BLE001 -- re-raised in the main thread by _join
             self._manifest_error = e
+
+    def _needed_bytes(self, params, opt_state) -> int:
+        """What the next save will write: the last save's files (its manifest's sizes), or,
+        before any, the arrays' bytes."""
+        if self._last_saved is not None:
+            manifest = integrity.read_manifest(os.path.join(self.directory, str(self._last_saved)))
+            if manifest is not None:
+                return sum(f["size"] for f in manifest["files"].values())
+        leaves = jax.tree.leaves((params, opt_state))
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+
+    def _write_error(self, step: int, error: BaseException) -> CheckpointWriteError:
+        last = self._last_saved
+        return CheckpointWriteError(step, reason(error), last, self.directory)
 
     def _join_manifest(self) -> None:
         if self._manifest_thread is not None:
@@ -492,7 +540,10 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every started save is on disk with its checksums."""
         self._join_manifest()
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 -- any failure to write: one line (write_errors)
+            raise self._write_error(self._saving or -1, e) from e
 
     def close(self) -> None:
         self.wait()

@@ -23,15 +23,30 @@ LOCK_FILE = ".lock"
 
 
 def expand(path: str) -> str:
-    """`~` expanded, absolute: every entry point reads a --workdir the same way."""
+    """`~` expanded, absolute: every entry point reads a --workdir the same way.
+
+    A workdir is a local or mounted POSIX directory: its lock (`flock`), the atomic writes
+    of run_info.json / checksums.json (rename), metrics.jsonl (append + fsync), the
+    checksums (os.walk) and the setting aside of damaged checkpoints are POSIX calls. An
+    object-store URL (gs://, s3://) is refused in one line rather than taken for a relative
+    path (it would quietly become ./gs:/bucket/...); mount the bucket (gcsfuse, s3fs) instead.
+    """
+    if "://" in path:
+        raise ValueError(
+            f"{path}: object-store URLs are not supported as a run directory (its lock, "
+            "metrics and checksums need a POSIX filesystem); mount the bucket (e.g. gcsfuse) "
+            "and pass the mounted path"
+        )
     return os.path.abspath(os.path.expanduser(path))
 
 
 def check_writable(workdir: str, flag: str = "--workdir") -> None:
     """Create `workdir` if needed and write a file in it; ValueError (one line) if either
     fails, or if the path is a file."""
+    # A flag reads `--workdir=DIR`; a description reads `the checkpoint directory DIR`.
+    name = f"{flag}={workdir}" if flag.startswith("--") else f"{flag} {workdir}"
     if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise ValueError(f"{flag}={workdir} is a file, not a directory")
+        raise ValueError(f"{name} is a file, not a directory")
     try:
         os.makedirs(workdir, exist_ok=True)
         # A real write: permission bits do not tell root about read-only mounts.
@@ -39,7 +54,7 @@ def check_writable(workdir: str, flag: str = "--workdir") -> None:
             pass
     except OSError as e:
         reason = e.strerror or errno.errorcode.get(e.errno, str(e))
-        raise ValueError(f"{flag}={workdir} cannot be written ({reason})") from None
+        raise ValueError(f"{name} cannot be written ({reason})") from None
 
 
 class WorkdirLock:
@@ -87,20 +102,58 @@ def _read(fd: int) -> str:
     return os.pread(fd, 4096, 0).decode("utf-8", errors="replace").strip()
 
 
-def hold(workdir: str) -> WorkdirLock | None:
-    """Check that the workdir can be written and take its lock, on process 0, and tell every
-    process the outcome: ValueError on all of them if either fails. Returns the lock on
-    process 0."""
+# Written by a training run: a workdir holding either has a history worth keeping.
+CHECKPOINT_SUBDIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+
+
+def check_history(workdir: str, checkpoints: bool) -> None:
+    """ValueError (one line) when a run without checkpoints would start a workdir that holds
+    an earlier run's records: it could not resume them, and starting from step 0 would cut
+    metrics.jsonl and overwrite run_info.json while the old checkpoints stayed, so records
+    and checkpoints would disagree."""
+    if checkpoints:
+        return
+    ckpt_dir = os.path.join(workdir, CHECKPOINT_SUBDIR)
+    saved = sorted(n for n in _listdir(ckpt_dir) if n.isdigit())
+    metrics = os.path.join(workdir, METRICS_FILE)
+    if saved or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
+        what = f"checkpoint steps {', '.join(saved)}" if saved else METRICS_FILE
+        raise ValueError(
+            f"--workdir={workdir} holds an earlier run ({what}) and "
+            "--config.checkpoint.enabled=False would start over and overwrite its records; "
+            "choose a new --workdir, or leave checkpoints enabled to resume it"
+        )
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def hold(workdir: str, *, checkpoints: bool = True) -> WorkdirLock | None:
+    """Check that the workdir (and, with `checkpoints`, its checkpoints/ folder) can be
+    written, that it holds no history a run without checkpoints would overwrite
+    (`check_history`), and take its lock, on process 0; tell every process the outcome:
+    ValueError on all of them if any check fails. Returns the lock on process 0."""
     import jax
 
     lock, error = None, ""
     if jax.process_index() == 0:
         try:
             check_writable(workdir)
+            if checkpoints:
+                # Orbax would find out at the first save, after training, by a timeout.
+                check_writable(os.path.join(workdir, CHECKPOINT_SUBDIR), "the checkpoint directory")
+            check_history(workdir, checkpoints)
             lock = WorkdirLock(workdir)
             warning = lock.acquire()
         except ValueError as e:
             lock, error = None, str(e)
+        except OSError as e:  # e.g. a full disk: the lock file cannot record its holder
+            lock, error = None, f"--workdir={workdir}: cannot take its lock ({e.strerror or e})"
         else:
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)

@@ -5,5 +5,6 @@ Used by training, evaluation and the benches alike; imports nothing from them.
 """
 
 from data.pipeline import build_dataset, make_dataset
+from data.sources import NoValidationSplitError
 
-__all__ = ["build_dataset", "make_dataset"]
+__all__ = ["NoValidationSplitError", "build_dataset", "make_dataset"]

@@ -131,7 +131,8 @@ def _read_jsonl(path: str, text_field: str) -> list[str]:
                     f"{path}:{line_no}: expected a JSON object with a string field "
                     f"{text_field!r} (data.text_field), got {got}"
                 )
-            texts.append(record[text_field])
+            if record[text_field]:  # an empty text is no document (it has no next token)
+                texts.append(record[text_field])
     return texts
 
 
@@ -149,6 +150,12 @@ def _read_text_file(path: str, text_field: str) -> list[str]:
         schema = pq.read_schema(path)
         if text_field not in schema.names:
             raise ValueError(f"{path}: no column {text_field!r} (columns: {schema.names})")
+        kind = schema.field(text_field).type
+        if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
+            raise ValueError(
+                f"{path}: column {text_field!r} holds {kind}, not strings; data.text_field "
+                f"must name a text column (columns: {schema.names})"
+            )
         column = pq.read_table(path, columns=[text_field])[text_field].to_pylist()
     except pyarrow.ArrowException as e:
         raise ValueError(
@@ -204,15 +211,41 @@ def load_documents(
             for path in files
             for i, text in enumerate(_read_text_file(path, text_field))
         ]
-    in_val = np.array([_in_validation(k, validation_fraction) for k, _ in keyed], dtype=bool)
+    if not keyed:
+        raise ValueError(
+            f"data source {source!r} holds no documents: every text is empty "
+            f"(data.text_field={text_field!r} names the text)"
+        )
+    in_val = _both_sides([_in_validation(k, validation_fraction) for k, _ in keyed])
     texts = [text for (_, text), keep in zip(keyed, _keep(in_val, split), strict=True) if keep]
     if not texts:
         raise ValueError(_no_documents(source, split, len(keyed), validation_fraction))
     return grain.MapDataset.source(texts)
 
 
+def _both_sides(in_validation) -> np.ndarray:
+    """The hash's split, made to leave both sides non-empty when there are two documents or
+    more: if every document hashed into one side, the first moves to the other. A source of
+    one document trains on it and has no validation split (the run then skips validation,
+    with a warning), so no `validation_fraction` can empty the training split."""
+    in_val = np.array(in_validation, dtype=bool)
+    if len(in_val) == 1:
+        in_val[0] = False
+    elif len(in_val) > 1 and (in_val.all() or not in_val.any()):
+        in_val[0] = not in_val[0]
+    return in_val
+
+
+class NoValidationSplitError(ValueError):
+    """A source of one document: it is all training data; a run skips validation."""
+
+
 def _no_documents(source: str, split: str, total: int, fraction: float) -> str:
     message = f"data source {source!r} has no documents in split {split!r}"
+    if split == "validation" and total == 1:
+        raise NoValidationSplitError(
+            f"{message}: its one document is the training data (add documents to validate)"
+        )
     if split == "validation" and total:
         message += (
             f": none of its {total} documents hashed into the validation share {fraction:g}; "
@@ -236,7 +269,7 @@ class _ReadRecord:
 def _token_documents(source, files, split, validation_fraction) -> grain.MapDataset:
     data_source = grain.sources.ArrayRecordDataSource(files)
     index = np.arange(len(data_source), dtype=np.int64)
-    kept = index[_keep(_index_in_validation(index, validation_fraction), split)]
+    kept = index[_keep(_both_sides(_index_in_validation(index, validation_fraction)), split)]
     if not len(kept):
         raise ValueError(_no_documents(source, split, len(index), validation_fraction))
     return grain.MapDataset.source(kept.tolist()).map(_ReadRecord(data_source))

@@ -33,8 +33,11 @@ class Generation:
     seed: int = 0
 
     def check(self) -> None:
-        if self.top_k < 0 or self.temperature < 0 or self.max_new_tokens < 1:
+        # `not >= 0` also refuses nan; inf is refused below.
+        if self.top_k < 0 or not self.temperature >= 0 or self.max_new_tokens < 1:
             raise ValueError("--top_k and --temperature must be >= 0, --max_new_tokens >= 1")
+        if self.temperature == float("inf"):
+            raise ValueError("--temperature=inf: must be a finite number >= 0 (0: greedy)")
 
 
 @dataclasses.dataclass(frozen=True)

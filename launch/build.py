@@ -132,6 +132,16 @@ def runtime_overrides(model: ModelSection) -> dict:
     )
 
 
+def check_positions(model_cfg, length: int, what: str) -> None:
+    """ValueError (one line) when rows of `length` tokens run past a learned position table
+    (GPT-2): a gather past its last row reads that row again, silently."""
+    if getattr(model_cfg, "position", None) == "learned" and length > model_cfg.max_seq_len:
+        raise ValueError(
+            f"{what}={length} is longer than the model's learned position table "
+            f"(max_seq_len={model_cfg.max_seq_len}); use {what} <= {model_cfg.max_seq_len}"
+        )
+
+
 def check_attention(model_cfg, mesh, seq_len: int) -> str:
     """The attention backend `model_cfg.attention_impl` runs on `mesh`'s platform for rows of
     `seq_len`; one-line ValueError when a backend named explicitly cannot run there."""
@@ -208,6 +218,7 @@ def build(
     # An attention backend named in the config that cannot run here fails now, in one line,
     # not while the step compiles.
     check_attention(model_cfg, mesh, run.data.seq_len)
+    check_positions(model_cfg, run.data.seq_len, "data.seq_len")
     model_cfg = fit_vocab(model_cfg, strategy, mesh)  # padded where the vocab split needs it
     check_model_fits(model_cfg, strategy, mesh)
     tx, schedule = build_optimizer(run)

@@ -92,7 +92,7 @@ def parse_flags(argv):
         return flags.FLAGS(argv)
     except flags.Error as e:
         usage_error(e)
-    except (OSError, AttributeError, KeyError) as e:  # the --config file or an override
+    except Exception as e:  # noqa: BLE001 -- the --config file (any error in it) or an override
         usage_error(_unknown_field_message(e) or config_file_message(e))
 
 
@@ -163,12 +163,16 @@ def load_run_config(run_flags: RunFlags, raw: dict | None = None):
     try:
         if raw is None:
             # config_flags defers a failed load of the file to the first use of the config.
-            raw = run_flags.config.value.to_dict()
+            raw = run_flags.config.value
+            if hasattr(raw, "to_dict"):  # a get_config() returning another type is named
+                raw = raw.to_dict()
         else:
             raw = _with_overrides(raw, explicit_config_overrides())
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
         usage_error(config_file_message(e))
-    run = RunConfig.from_config_dict(raw)
+    notes: list[str] = []
+    run = RunConfig.from_config_dict(raw, notes)
+    _warn(notes)
     replace = dataclasses.replace
     if run_flags.sharding_strategy.value is not None:
         run = replace(
@@ -222,8 +226,8 @@ def _define_config_flag():
             "name (tiny, small, llama3_1b, llama3_8b).",
             lock_config=True,
         )
-    except (AttributeError, KeyError) as e:
-        usage_error(_unknown_field_message(e) or f"--config override: {e}")
+    except Exception as e:  # noqa: BLE001 -- a misspelt override, or any error in the file
+        usage_error(_unknown_field_message(e) or config_file_message(e))
 
 
 def _unknown_field_message(error: Exception) -> str | None:
@@ -257,9 +261,17 @@ def _unknown_field_message(error: Exception) -> str | None:
 
 
 def config_file_message(error: Exception) -> str:
-    """One line for a --config file that did not load (config_flags' message spans lines)."""
+    """One line for a --config file that did not load (training/config_file.py)."""
+    from training.config_file import load_error_message
+
     given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
-    reason = next((line for line in lines if line.startswith("[Errno")), lines[-1])
-    name = given[-1] if given else DEFAULT_CONFIG
-    return f"--config={name}: cannot load the config file: {reason}"
+    return load_error_message(error, given[-1] if given else DEFAULT_CONFIG)
+
+
+def _warn(notes: list[str]) -> None:
+    """Adjustments a user expects (a smoke run's warmup), said once, on stderr."""
+    import jax
+
+    for note in notes:
+        if jax.process_index() == 0:
+            print(f"warning: {note}", file=sys.stderr, flush=True)

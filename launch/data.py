@@ -18,7 +18,9 @@ class RunData:
     tokenizer: object
     train_iter: object  # the Grain iterator, whose state checkpoints save
     train_batches: Iterator[dict]  # global arrays
-    make_val_batches: Callable[[], Iterator[dict]]  # a fresh pass over the validation batches
+    # A fresh pass over the validation batches; None for a one-document source (no split).
+    make_val_batches: Callable[[], Iterator[dict]] | None
+    notes: list[str] = dataclasses.field(default_factory=list)  # printed when training starts
 
     def close(self) -> None:
         # Worker processes (data.num_workers > 0) hold shared memory until closed.
@@ -41,12 +43,20 @@ def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
         validation_fraction=d.validation_fraction,
     )
     train_iter = data.make_dataset(d.source, "train", num_workers=d.num_workers, **common)
-    val_dataset = data.build_dataset(
-        d.source, "validation", num_batches=run.training.eval_batches, **common
-    )
+    notes = []
+    try:
+        val_dataset = data.build_dataset(
+            d.source, "validation", num_batches=run.training.eval_batches, **common
+        )
+    except data.NoValidationSplitError as e:  # one document: train on it, validate nothing
+        val_dataset = None
+        notes.append(f"{e}; val_loss is not computed")
     return RunData(
         tokenizer=tokenizer,
         train_iter=train_iter,
         train_batches=(to_global(b, mesh, batch_spec) for b in train_iter),
-        make_val_batches=lambda: (to_global(b, mesh, batch_spec) for b in val_dataset),
+        make_val_batches=None
+        if val_dataset is None
+        else lambda: (to_global(b, mesh, batch_spec) for b in val_dataset),
+        notes=notes,
     )

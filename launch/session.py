@@ -79,7 +79,7 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
             f"model vocab_size={built.model_cfg.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size} ids ({run.data.tokenizer}); {fix}"
         )
-    return TrainSession(built, run_data, workdir, built.info(), notes)
+    return TrainSession(built, run_data, workdir, built.info(), notes + run_data.notes)
 
 
 def _make_checkpointer(session: TrainSession):

@@ -224,6 +224,11 @@ def resolve_auto(run, log=print):
     remat and micro-batches, for this process's view of the run's devices (all of them).
     Logs the one-line why; raises NoFitError (a ValueError) when nothing fits."""
 
+    if run.training.mesh_shape:  # it would be silently replaced by the pick's mesh
+        raise ValueError(
+            f"mesh shape {run.training.mesh_shape!r} cannot be combined with "
+            "--sharding_strategy=auto, which chooses the mesh; name a strategy to set one"
+        )
     devices = jax.devices()
     chip = chip_for(chip_name_for(devices[0]))
     target = Target(

@@ -180,7 +180,8 @@ def make_target(name: str, memory_gib: float | None = None) -> Target:
         if not count.isdigit() or not 1 <= int(count) <= len(available):
             raise TargetError(
                 f"target {name!r}: this host has {len(available)} CPU devices; valid: "
-                f"cpu:1 .. cpu:{len(available)}"
+                f"cpu:1 .. cpu:{len(available)} (XLA_FLAGS="
+                f"--xla_force_host_platform_device_count=N set before start-up simulates N)"
             )
         devices = tuple(available[: int(count)])
     else:

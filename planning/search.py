@@ -266,6 +266,10 @@ def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -
             f"{least / GiB:.1f} GiB per chip; use more chips (at least {chips}, with fsdp)"
         )
     lowest = min(plans, key=lambda p: p.required_bytes)
+    most_remat = [p for p in plans if p.candidate.remat in ("full", "offload")]
+    if most_remat and lowest not in most_remat:
+        # Full remat was compiled and did not fit either: advise from there, not "use it".
+        lowest = min(most_remat, key=lambda p: p.required_bytes)
     c = lowest.candidate
     if c.remat not in ("full", "offload"):
         return (

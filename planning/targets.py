@@ -109,8 +109,11 @@ def _require(module: str, extra: str, what: str) -> None:
 def _topology_desc(name: str, kwargs: dict):
     from jax.experimental import topologies
 
+    from runtime.host import native_stderr_dropped
+
     try:
-        return topologies.get_topology_desc(**kwargs)
+        with native_stderr_dropped():  # libtpu: "no TPU here", five lines, one an E0000
+            return topologies.get_topology_desc(**kwargs)
     except Exception as e:  # XLA's runtime errors are multi-line; keep the first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TargetError(f"cannot build target {name!r}: {first}; valid e.g.: {_EXAMPLES}") from e

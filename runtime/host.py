@@ -56,3 +56,24 @@ def import_jax_quietly() -> None:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+@contextlib.contextmanager
+def native_stderr_dropped():
+    """On a host with no TPU / GPU: what native code writes to stderr inside the block is
+    dropped. For loading libtpu to compile for a TPU target, which then logs at length (and
+    at ERROR level) that this host has no TPU; its failures still raise, and the entry point
+    prints them in one line. On a TPU or GPU host nothing changes."""
+    if has_nvidia_gpu() or has_tpu():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -30,6 +30,8 @@ def parse_mesh_shape(text: str, axes: Sequence[str]) -> tuple[int, ...]:
                     f"mesh axis {name!r} is not used by this strategy; its axes are {list(axes)}"
                     f" (expected {valid})"
                 )
+            if name in sizes:
+                raise ValueError(f"mesh shape {text!r} names axis {name!r} twice; expected {valid}")
             sizes[name] = _positive_int(size, text)
         missing = [a for a in axes if a not in sizes]
         if missing:

@@ -233,10 +233,22 @@ def test_bad_data_file_is_named_with_its_line(tmp_path, case):
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def test_no_validation_documents_suggests_the_fraction(tmp_path):
-    path = _write_txt(tmp_path / "a.txt", _doc_texts(3))
-    with pytest.raises(ValueError, match=r"raise data.validation_fraction \(e.g. --config"):
-        sources.load_documents(path, "validation", validation_fraction=0.01)
+@pytest.mark.parametrize("fraction", [0.01, 0.99])
+def test_the_split_leaves_both_sides_documents(tmp_path, fraction):
+    # At 0.01 no key hashes into validation, at 0.99 all do: one document moves across, so
+    # no validation_fraction can leave either side empty.
+    texts = _doc_texts(3)
+    path = _write_txt(tmp_path / "a.txt", texts)
+    train = list(sources.load_documents(path, "train", validation_fraction=fraction))
+    val = list(sources.load_documents(path, "validation", validation_fraction=fraction))
+    assert train and val and sorted(train + val) == sorted(texts)
+
+
+def test_a_single_document_is_training_data_without_a_validation_split(tmp_path):
+    path = _write_txt(tmp_path / "a.txt", _doc_texts(1))
+    assert len(sources.load_documents(path, "train", validation_fraction=0.5)) == 1
+    with pytest.raises(sources.NoValidationSplitError, match="its one document is the training"):
+        sources.load_documents(path, "validation", validation_fraction=0.5)
 
 
 @pytest.mark.parametrize(

@@ -303,8 +303,19 @@ class RunConfig:
         return self.optimizer.decay_steps or self.training.steps
 
     @classmethod
-    def from_config_dict(cls, config: Mapping[str, Any]) -> RunConfig:
-        """Typed config from a ConfigDict (or nested dict); one-line ValueError on a bad one."""
+    def from_config_dict(
+        cls, config: Mapping[str, Any], notes: list[str] | None = None
+    ) -> RunConfig:
+        """Typed config from a ConfigDict (or nested dict); one-line ValueError on a bad one.
+
+        A warmup at least as long as the schedule (a preset's warmup of 20 with
+        `--config.training.steps=1`, a smoke run) is clamped to the schedule length - 1, and
+        a line saying so is appended to `notes` (the entry point prints it as a warning)."""
+        if not isinstance(config, Mapping) and not hasattr(config, "to_dict"):
+            raise ValueError(
+                f"the config is a {type(config).__name__}, not a ConfigDict: get_config() "
+                "must return an ml_collections ConfigDict (see configs/tiny.py)"
+            )
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         unknown = sorted(set(raw) - set(SECTIONS) - {"name"})
         if unknown:
@@ -325,11 +336,29 @@ class RunConfig:
                 if field.name in values:
                     values[field.name] = _coerce(section, field, values[field.name])
             sections[section] = section_type(**values)
+        sections["optimizer"] = _clamp_warmup(sections, notes)
         return cls(name=str(raw.get("name", "run")), **sections)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict (for checkpoint metadata and the run record)."""
         return dataclasses.asdict(self)
+
+
+def _clamp_warmup(sections: dict, notes: list[str] | None):
+    """The optimizer section with its warmup cut to fit the schedule (which needs at least
+    one step of decay after it); a note in `notes` when it was cut."""
+    optimizer = sections["optimizer"]
+    length = optimizer.decay_steps or sections["training"].steps
+    if optimizer.warmup_steps < length:
+        return optimizer
+    clamped = length - 1
+    if notes is not None:
+        notes.append(
+            f"optimizer.warmup_steps={optimizer.warmup_steps} does not fit a schedule of "
+            f"{length} steps (training.steps, or optimizer.decay_steps when set): warming up "
+            f"for {clamped} steps instead (set --config.optimizer.warmup_steps to choose)"
+        )
+    return dataclasses.replace(optimizer, warmup_steps=clamped)
 
 
 def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
@@ -352,8 +381,10 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
             _fail(section, field.name, value, "must be an integer")
         return value
     if base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(section, field.name, value, "must be a number")
+        if not math.isfinite(value):
+            _fail(section, field.name, value, "must be a finite number")
         return float(value)
     if base == "str" and not isinstance(value, str):
         _fail(section, field.name, value, "must be a string")

@@ -327,6 +327,10 @@ class _Loop:
         val_loss, val_tokens = evaluate(self.trainer, make_val_batches())
         self.writer.write_eval(self.step, val_loss, val_tokens=val_tokens)
         self.records.append({"step": self.step, "val_loss": val_loss, "val_tokens": val_tokens})
+        # The guard covers evaluation too: NaN over counted tokens is a diverged model (no
+        # counted token at all cannot happen: sources hold no empty documents).
+        if val_tokens and not math.isfinite(val_loss):
+            raise DivergedError(self.step, f"val_loss is {val_loss}", self.saved_step)
 
     def restart_interval(self, logged: bool, paused: float) -> None:
         # Validation and saving sit outside the timed intervals.

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -201,8 +202,8 @@ def generate(
         raise ValueError("generate needs at least one prompt, each of at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature} must be a number >= 0 (0: greedy)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1 (or None: the whole vocabulary)")
     cfg = model.cfg
@@ -217,6 +218,12 @@ def generate(
             f"model's max_seq_len={cfg.max_seq_len}"
         )
     mesh = model_mesh(model)
+    split_T = model.sharding.tokens[1] if len(model.sharding.tokens) > 1 else None
+    if split_T is not None:
+        raise ValueError(
+            f"generation does not split the sequence over {split_T!r} (a context-parallel "
+            "strategy): generate with a strategy without context, e.g. --sharding_strategy=fsdp"
+        )
     rows = _pad_rows([list(p) for p in prompts], batch_multiple(model, mesh))
     sharding = NamedSharding(mesh, model.sharding.tokens)
     arrays = [jax.device_put(a, sharding) for a in left_pad(rows, prompt_len)]

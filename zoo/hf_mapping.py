@@ -232,11 +232,44 @@ def family_and_config(path: str, overrides: dict) -> tuple[Family, DecoderConfig
     fam = family_for_hf(hf, where)
     try:
         fields = fam.hf.config_from_hf(hf)
-    except (KeyError, ValueError) as e:
-        what = f"no field {e}" if isinstance(e, KeyError) else str(e)
-        raise ValueError(f"{where}: {what}") from None
+    except KeyError as e:
+        raise ValueError(f"{where}: no field {e}") from None
+    except (ValueError, TypeError) as e:  # TypeError: int(None), float([1]) on a bad value
+        raise ValueError(f"{where}: {e}") from None
+    check_field_types(fam.config_cls, fields, where)
     fields.update(overrides)
     return fam, fam.config_cls(**fields)
+
+
+def check_field_types(config_cls, fields: dict, where: str) -> None:
+    """ValueError (one line) for a config.json value of the wrong kind for our Config field it
+    fills ("64" for an integer, null for a number, a non-finite float): the checks a
+    dataclass does not make, so such values fail here and not deep in a layer's init."""
+    import dataclasses
+    import math
+
+    kinds = {f.name: str(f.type).replace(" ", "") for f in dataclasses.fields(config_cls)}
+    for name, value in fields.items():
+        kind = kinds.get(name, "")
+        optional = kind.endswith("|None")
+        base = kind.removesuffix("|None")
+        if value is None:
+            if optional or base not in ("int", "float", "bool", "str"):
+                continue
+            bad = "must not be null"
+        elif base == "int":
+            bad = None if type(value) is int else "must be an integer"
+        elif base == "float":
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            bad = None if number and math.isfinite(value) else "must be a finite number"
+        elif base == "bool":
+            bad = None if isinstance(value, bool) else "must be true or false"
+        elif base == "str":
+            bad = None if isinstance(value, str) else "must be a string"
+        else:
+            continue
+        if bad:
+            raise ValueError(f"{where}: the value {json.dumps(value)} that sets {name} {bad}")
 
 
 def config_to_hf(cfg: DecoderConfig) -> dict:
