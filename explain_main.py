@@ -72,6 +72,7 @@ def main(argv):
         layout_report,
         layout_table,
     )
+    from shardings.hlo import dot_dtypes
     from zoo import get_config, param_layouts
 
     config = None
@@ -100,6 +101,9 @@ def main(argv):
             print(f"wrote {out / f'{s.name}.txt'}")
         return
     print(cfg.describe())
+    from zoo.layers.quant import describe as describe_quantization
+
+    print(f"quantization: {describe_quantization(cfg.quantization)}")
     print(f"{jax.device_count()} devices; default meshes:")
     for s in strategies:
         shape = s.default_mesh_shape(jax.device_count(), cfg, num_slices=_SLICES.value)
@@ -115,6 +119,7 @@ def main(argv):
             dcn = {op: n for (op, link), n in by_link.items() if link == "dcn"}
             total = {k: v for k, v in count_collectives(text).items() if v}
             print(f"{s.name}: {total}" + (f"; over dcn: {dcn}" if dcn else ""))
+            print(f"  matmuls by operand dtypes: {dict(sorted(dot_dtypes(text).items()))}")
 
 
 def _compiled_text(cfg, strategy):

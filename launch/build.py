@@ -128,6 +128,7 @@ def runtime_overrides(model: ModelSection) -> dict:
         remat=model.remat,
         attention_impl=model.attention_impl,
         attention_interpret=model.attention_interpret,
+        quantization=model.quantization,
     )
 
 

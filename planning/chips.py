@@ -30,6 +30,10 @@ class Chip:
     # ring along it uses both directions of each link.
     wraparound_dim: int | None = None
     devices_per_host: int = 8  # GPU: NVLink domain; TPU: chips sharing a host's DCN NICs
+    # Dense peak of matmuls on fp8 / int8 operands; None: no faster path than bf16 (the
+    # quantized dot then runs at the bf16 rate, e.g. fp8 on TPU v5/v6).
+    peak_fp8_flops: float | None = None
+    peak_int8_flops: float | None = None
     # HBM bandwidth per device, bytes/s (the vendor's figure); None: no step forecast.
     hbm_bytes_per_s: float | None = None
 
@@ -52,6 +56,7 @@ CHIPS: dict[str, Chip] = {
         "tpu",
         memory_bytes=95 * GiB,  # [tpu-v5p]
         peak_bf16_flops=459e12,  # [tpu-v5p]
+        peak_int8_flops=918e12,  # [tpu-int8]
         link_bytes_per_s=9e10,  # [scaling-book]
         cross_host_bytes_per_s=50e9 / 8,  # [tpu-v5p] 50 Gbps DCN per chip
         wraparound_dim=4,  # [scaling-book]
@@ -63,6 +68,7 @@ CHIPS: dict[str, Chip] = {
         "tpu",
         memory_bytes=16 * GiB,  # [tpu-v5e]
         peak_bf16_flops=197e12,  # [tpu-v5e]
+        peak_int8_flops=394e12,  # [tpu-int8]
         link_bytes_per_s=4.5e10,  # [scaling-book]
         cross_host_bytes_per_s=None,
         wraparound_dim=16,  # [scaling-book]
@@ -74,6 +80,7 @@ CHIPS: dict[str, Chip] = {
         "tpu",
         memory_bytes=32 * GiB,  # [tpu-v6e]
         peak_bf16_flops=918e12,  # [tpu-v6e]
+        peak_int8_flops=1836e12,  # [tpu-int8]
         link_bytes_per_s=9e10,  # [scaling-book]
         cross_host_bytes_per_s=None,
         wraparound_dim=16,  # [scaling-book]
@@ -85,6 +92,8 @@ CHIPS: dict[str, Chip] = {
         "gpu",
         memory_bytes=80 * 10**9,  # [h100]
         peak_bf16_flops=989e12,  # [h100]
+        peak_fp8_flops=1979e12,  # [h100]
+        peak_int8_flops=1979e12,  # [h100]
         link_bytes_per_s=450e9,  # [h100] half of 900 GB/s bidirectional
         cross_host_bytes_per_s=400e9 / 8,  # [h100] 400 Gb/s NIC per GPU
         hbm_bytes_per_s=3.35e12,  # [h100]
@@ -94,6 +103,8 @@ CHIPS: dict[str, Chip] = {
         "gpu",
         memory_bytes=141 * 10**9,  # [h200]
         peak_bf16_flops=989e12,  # [h200]
+        peak_fp8_flops=1979e12,  # [h200]
+        peak_int8_flops=1979e12,  # [h200]
         link_bytes_per_s=450e9,  # [h200]
         cross_host_bytes_per_s=400e9 / 8,  # [h100] same NIC per GPU as DGX H100
         hbm_bytes_per_s=4.8e12,  # [h200]
@@ -110,6 +121,26 @@ CHIPS: dict[str, Chip] = {
         cross_host_bytes_per_s=None,
     ),
 }
+
+
+# [tpu-int8] the v5p / v5e / v6e pages above: int8 918 / 394 / 1836 TOPS; no fp8 MXU rate.
+# [h100] / [h200] data sheets: FP8 1979 TFLOP/s and INT8 1979 TOPS dense (3958 with sparsity).
+
+
+def peak_flops(chip: Chip, quantization: str = "none") -> float:
+    """Dense peak FLOP/s of `chip` for the projections' precision (model.quantization): the
+    fp8 / int8 rate where the chip has one, else bf16's."""
+    faster = {"fp8": chip.peak_fp8_flops, "int8": chip.peak_int8_flops}.get(quantization)
+    return faster or chip.peak_bf16_flops
+
+
+def precision_peak_ratio(device, quantization: str) -> float:
+    """Peak at `quantization` over the bf16 peak for a real device (1 where unknown: CPU)."""
+    try:
+        chip = CHIPS[chip_name_for(device)]
+    except ValueError:
+        return 1.0
+    return peak_flops(chip, quantization) / chip.peak_bf16_flops
 
 
 def gpu_memory_fraction(environ: Mapping[str, str] = os.environ) -> float:

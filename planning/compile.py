@@ -94,6 +94,7 @@ class Plan:
     forecast: Forecast | None = None
     # MoE with an expert axis: the token exchange's bytes against the routed payload.
     moe: dict = dataclasses.field(default_factory=dict)
+    dot_dtypes: dict[str, int] = dataclasses.field(default_factory=dict)  # hlo.dot_dtypes
 
     def __getattr__(self, name: str):
         # argument_bytes, temp_bytes, peak_bytes, host_temp_bytes, required_bytes, ...
@@ -131,6 +132,7 @@ class Plan:
             **self.moe,
             "collectives_by_axis": collectives_by_axis(self.collectives),
             "kernels": self.kernels,
+            "dot_dtypes": self.dot_dtypes,
             "compile_seconds": round(self.compile_seconds, 2),
             "model_flops_per_device": self.estimate.model_flops,
             "executed_flops_per_device": self.estimate.executed_flops,
@@ -141,6 +143,7 @@ class Plan:
             "predicted_mfu": self.estimate.mfu,
             # Pipeline strategies: (S-1)/(micro-batches*repeats + S-1); 0 for the others.
             "pipeline_bubble": self.estimate.bubble,
+            "predicted_mfu_at_precision": self.estimate.mfu_at_precision,
             # The same bound under a name that says so, and the forecast beside it.
             "bound_step_seconds": self.estimate.step_seconds,
             "bound_mfu": self.estimate.mfu,
@@ -287,6 +290,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         kernels=dict(sorted(hlo.kernels(text).items())),
         estimate=estimate,
         traffic=own,
+        dot_dtypes=dict(sorted(hlo.dot_dtypes(text).items())),
     )
     from planning.moe import exchange_summary
 

@@ -2,13 +2,21 @@
 principles, never from XLA's cost model (which counts a scanned layer once and can return
 negative or no times).
 
-    compute  = executed FLOPs per device / chip peak bf16 FLOP/s
+    compute  = quantized FLOPs / chip peak at model.quantization's precision
+               + the other executed FLOPs per device / chip peak bf16 FLOP/s
     executed = model FLOPs (the config's formula: 6 * matmul params + causal attention, per
                token, times the step's tokens) + what rematerialisation recomputes:
                  remat 'full': every block's forward pass again (its matmuls and attention);
                  remat 'dots': the attention score/value products (they have batch dims, so
                    the policy does not save them); the projections are saved;
                  remat 'none': nothing.
+    quantized = the executed FLOPs of the projections model.quantization runs in fp8 / int8
+               (q, k, v, o and the dense MLP, forward, backward and recomputed); the LM
+               head, the attention core and MoE experts stay at the bf16 rate.
+    mfu      = model FLOPs / (bf16 peak * step), the published convention;
+    mfu_at_precision = model FLOPs / (peak at the quantization's precision * step), so the
+               share of the faster peak reached (below 1 even at best: head and attention
+               run at the bf16 rate).
     comm(op) = executions per step * bytes a device sends (ring algorithm: (n-1)/n of the
                array for all-gather / reduce-scatter / all-to-all, twice that for all-reduce,
                the operand for a permute) / bandwidth of the mesh axes the op crosses.
@@ -72,7 +80,7 @@ import math
 
 import numpy as np
 
-from planning.chips import Chip
+from planning.chips import Chip, peak_flops
 from shardings.hlo import Collective
 from zoo.layers.config import causal_keys_per_query
 
@@ -90,7 +98,9 @@ class StepEstimate:
     exposed_comm_seconds: float  # tensor-parallel collectives
     overlapped_comm_seconds: float  # data-parallel collectives, hidden behind compute
     step_seconds: float
-    mfu: float  # model FLOPs / (peak * step)
+    mfu: float  # model FLOPs / (bf16 peak * step)
+    mfu_at_precision: float  # model FLOPs / (peak at model.quantization's precision * step)
+    quantized_flops: float = 0.0  # per device per step: executed in fp8 / int8
     bubble: float = 0.0  # pipeline strategies: idle fraction of each stage's layer time
 
 
@@ -186,6 +196,27 @@ def recompute_flops_per_token(cfg, seq_len: int, remat: str) -> float:
     return block_matmuls_forward - kept[remat] + attention_forward
 
 
+def quantized_flops_per_token(cfg, remat: str) -> float:
+    """Executed FLOPs per token of the projections `cfg.quantization` quantizes: q/k/v/o and
+    the dense MLP (not MoE experts), 6 FLOPs per weight for training plus 2 per weight that
+    `remat` recomputes (as `recompute_flops_per_token` counts it)."""
+    if getattr(cfg, "quantization", "none") == "none":
+        return 0.0
+    M, N, K, D, L = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    qkv, out = M * D * (N + 2 * K), N * D * M
+    mlp = 0 if cfg.is_moe else M * cfg.ffn_dim * (3 if cfg.glu else 2)
+    per_layer = qkv + out + mlp
+    recomputed = {
+        "none": 0,
+        "dots": 0,
+        "full": per_layer,
+        "offload": per_layer,
+        "save_qkv_proj": per_layer - qkv,
+        "save_out_proj": per_layer - out,
+    }[remat]
+    return L * (6.0 * per_layer + 2.0 * recomputed)
+
+
 def axis_bandwidth(devices_grid: np.ndarray, axis_index: tuple[int, ...], chip: Chip, dims=None):
     """Bytes/s one device can send along the mesh axes `axis_index` of `devices_grid`.
 
@@ -262,7 +293,9 @@ def estimate_step(
         head = 6.0 * cfg.hidden_dim * cfg.vocab_size * tokens / num_devices
         work = pipeline.microbatches * pipeline.repeats
         executed = (executed - head) * pipeline.iterations / work + head * pipeline.stages
-    compute = executed / chip.peak_bf16_flops
+    quantized = quantized_flops_per_token(cfg, remat) * tokens / num_devices
+    peak_low = peak_flops(chip, getattr(cfg, "quantization", "none"))
+    compute = (executed - quantized) / chip.peak_bf16_flops + quantized / peak_low
     step = compute + exposed_comm + max(0.0, overlapped_comm - compute)
     return StepEstimate(
         model_flops=model,
@@ -272,6 +305,8 @@ def estimate_step(
         overlapped_comm_seconds=overlapped_comm,
         step_seconds=step,
         mfu=model / (chip.peak_bf16_flops * step),
+        mfu_at_precision=model / (peak_low * step),
+        quantized_flops=quantized,
         bubble=bubble,
     )
 
@@ -365,7 +400,12 @@ def forecast_step(
     rows = per_device * tensor_parallel / micro_batches
     m_eff = matmul_efficiency(chip, narrowest_matmul_dim(cfg, rows, tensor_parallel))
     a_eff = flash_efficiency(chip, cfg.head_dim) if flash else matmul_efficiency(chip, cfg.head_dim)
-    matmul_s = matmul_flops / (chip.peak_bf16_flops * m_eff)
+    # The projections model.quantization runs in fp8 / int8 go at that precision's peak.
+    quantized = quantized_flops_per_token(cfg, remat) * per_device
+    peak_low = peak_flops(chip, getattr(cfg, "quantization", "none"))
+    matmul_s = (matmul_flops - quantized) / (chip.peak_bf16_flops * m_eff) + quantized / (
+        peak_low * m_eff
+    )
     attention_s = attention_flops / (chip.peak_bf16_flops * a_eff)
     memory_s = memory_bytes / (chip.hbm_bytes_per_s * HBM_EFFICIENCY)
     host_s = kernels * KERNEL_GAP_SECONDS[chip.platform]

@@ -338,3 +338,53 @@ _HOST_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]\{[^}]*\bS\(5\)\}")
 def host_arrays(hlo_text: str) -> list[str]:
     """The distinct arrays (`dtype[dims]`, sorted) that live in host memory in the module."""
     return sorted({f"{dtype}[{dims}]" for dtype, dims in _HOST_ARRAY.findall(hlo_text)})
+
+
+# Custom calls that are matrix multiplies: cuBLAS / cuBLASLt GEMMs on GPU (`__cublas$gemm`,
+# `__cublas$lt$matmul`, `__cublas$lt$matmul$f8`), which XLA GPU rewrites most dots into.
+_GEMM_TARGET = re.compile(r'custom_call_target="([^"]*(?:gemm|matmul)[^"]*)"', re.IGNORECASE)
+
+
+def _operand_dtypes(inst: _Instruction, shapes: dict[str, str]) -> list[str]:
+    """Dtypes of an instruction's operands, in order: printed beside each operand in compiled
+    HLO (`dot(bf16[8,64]{1,0} %a, ...)`), else looked up by the operand's name."""
+    depth, end = 1, len(inst.attrs)
+    for i, ch in enumerate(inst.attrs):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            end = i
+            break
+    out = []
+    for operand in re.split(r",\s*(?![^\[\{]*[\]\}])", inst.attrs[:end]):
+        typed = _ARRAY.match(operand.strip())
+        if typed:
+            out.append(typed.group(1))
+            continue
+        name = operand.strip().lstrip("%")
+        shape = _ARRAY.match(shapes.get(name, ""))
+        out.append(shape.group(1) if shape else "?")
+    return out
+
+
+def dot_dtypes(hlo_text: str) -> Counter:
+    """Matrix multiplies by operand dtypes -> count: `dot`s and `convolution`s (also inside
+    fusions: TPU's output fusions, GPU's Triton GEMMs) and GEMM custom calls, keyed
+    `"lhs x rhs"`, e.g. `{"f8e4m3fn x f8e4m3fn": 42, "bf16 x bf16": 6}`. Instructions of the
+    compiled module, each counted once (a scanned layer stack's body once, not once per layer).
+    A missing low-precision path shows as the absence of its dtypes."""
+    computations, entry = _parse(hlo_text)
+    if entry is None:
+        return Counter()
+    live = _multipliers(computations, entry)
+    out: Counter = Counter()
+    for name, instructions in computations.items():
+        if not live.get(name):
+            continue
+        shapes = {inst.name: inst.shape for inst in instructions}
+        for inst in instructions:
+            gemm = inst.opcode == "custom-call" and _GEMM_TARGET.search(inst.attrs)
+            if inst.opcode not in ("dot", "convolution") and not gemm:
+                continue
+            dtypes = _operand_dtypes(inst, shapes)
+            out[" x ".join(dtypes[:2])] += 1
+    return out

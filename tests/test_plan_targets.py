@@ -83,6 +83,24 @@ def test_gpu_host_compiles_and_collectives_match_the_strategies(gpu_plans):
     _check_promises(*gpu_plans)
 
 
+def _no_low_precision_dots(plans):
+    """model.quantization='none': no fp8 or int8 matmul anywhere (test_quantization_compile
+    has the quantized runs)."""
+    for name, plan in plans.items():
+        dots = plan.to_json()["dot_dtypes"]
+        assert dots and not any("f8" in k or "s8" in k for k in dots), (name, dots)
+
+
+@pytest.mark.tpu_compile
+def test_tpu_plans_without_quantization_have_no_fp8_or_int8_dots(tpu_plans):
+    _no_low_precision_dots(tpu_plans[0])
+
+
+@pytest.mark.gpu_compile
+def test_gpu_plans_without_quantization_have_no_fp8_or_int8_dots(gpu_plans):
+    _no_low_precision_dots(gpu_plans[0])
+
+
 @pytest.mark.gpu_compile
 def test_step_time_comes_from_the_config_flops_not_xla(gpu_plans):
     plans, cfg = gpu_plans

@@ -94,6 +94,10 @@ def test_strategies_give_the_same_losses(strategy, fsdp_tp_run, tmp_path):
 
 BAD_INPUTS = {
     "unknown strategy": (["--sharding_strategy=zigzag"], "unknown sharding strategy 'zigzag'"),
+    "unknown quantization": (
+        ["--config.model.quantization=fp4"],
+        "config model.quantization='fp4': valid: none, fp8, int8",
+    ),
     "bad mesh shape": (["--mesh_shape=data:four,model:2"], "'four' is not an integer"),
     "mesh not matching devices": (
         ["--mesh_shape=data:4,model:4"],

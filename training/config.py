@@ -15,6 +15,7 @@ from typing import Any
 
 from zoo.layers.config import ATTENTION_IMPLEMENTATIONS
 from zoo.layers.lora import LoraConfig
+from zoo.layers.quant import QUANTIZATIONS
 from zoo.layers.remat import POLICIES as REMAT_POLICIES
 
 SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora")
@@ -67,6 +68,9 @@ class ModelSection:
     # (S-1)/(micro-batches*repeats + S-1)).
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
+    # Projections (q/k/v/o, MLP) in low precision, forward and backward: none | fp8 (e4m3,
+    # e5m2 gradients; fp8 GEMMs on H100/H200) | int8 (TPU's int8 MXU path). zoo/layers/quant.py
+    quantization: str = "none"
 
     SHAPE_FIELDS = (
         "vocab_size",
@@ -92,6 +96,7 @@ class ModelSection:
             ("remat", REMAT_POLICIES),
             ("attention_impl", ATTENTION_IMPLEMENTATIONS),
             ("moe_exchange", ("auto", "ragged", "padded")),
+            ("quantization", QUANTIZATIONS),
         ):
             if getattr(self, name) not in valid:
                 _fail("model", name, getattr(self, name), f"valid: {', '.join(valid)}")
@@ -111,6 +116,7 @@ class ModelSection:
             moe_capacity_factor=self.moe_capacity_factor,
             pipeline_microbatches=self.pipeline_microbatches,
             pipeline_repeats=self.pipeline_repeats,
+            quantization=self.quantization,
         )
         return out
 

@@ -223,7 +223,10 @@ class LoopOptions:
     total_steps: int
     tokens_per_step: int  # global batch * seq_len (padding included: the compute done)
     flops_per_token: float  # model FLOPs per token for training (config.flops_per_token)
-    peak_flops: float  # all devices together
+    peak_flops: float  # all devices together, in the compute dtype (bf16 on accelerators)
+    # Peak at model.quantization's precision over `peak_flops` (2 for fp8 on H100, int8 on
+    # TPU v5/v6; 1 without quantization or a faster path): `mfu_at_precision`'s divisor.
+    precision_peak_ratio: float = 1.0
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
     checkpoint_every: int = 0  # 0: only at the end (and on preemption)
@@ -282,7 +285,12 @@ class _Loop:
             "learning_rate": float(learning_rate(self.step - 1)),  # the rate this step used
             "grad_norm": float(fetched["grad_norm"]),
             "tokens_per_second": tokens_per_second,
+            # Against the compute dtype's peak (bf16: the published convention), and against
+            # the peak of the precision the projections run in (model.quantization).
             "mfu": tokens_per_second * o.flops_per_token / o.peak_flops,
+            "mfu_at_precision": tokens_per_second
+            * o.flops_per_token
+            / (o.peak_flops * o.precision_peak_ratio),
             "step_time": elapsed / self.interval_steps,
             # step_time = data_wait_time + compute_time (dispatch and device, per step);
             # checkpoint_time: seconds the loop blocked saving since the last record.

@@ -28,6 +28,7 @@ RUNTIME_FIELDS = (
     "remat",
     "attention_impl",
     "attention_interpret",
+    "quantization",
     "padded_vocab_size",
 )
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardings.specs import EmbeddingSharding, LinearSharding, NormSharding
+from zoo.layers import quant
 
 INIT_STD = 0.02  # GPT-2 / Llama initializer; depth is handled by the residual structure
 
@@ -22,6 +23,9 @@ def _normal(rngs: nnx.Rngs, shape, spec, std=INIT_STD):
 
 class Einsum(nnx.Module):
     """`y = einsum(eq, x, w) + b`, e.g. 'BTM,MND->BTND' for a q projection.
+
+    `quantization` ('none' | 'fp8' | 'int8') runs the einsum on quantized operands
+    (zoo/layers/quant.py); the bias is added in the compute dtype.
 
     Weight shape is given whole (`(M, N, D)`), so heads are a real dim that a strategy can
     split and a mesh check can name.
@@ -36,8 +40,13 @@ class Einsum(nnx.Module):
         rngs: nnx.Rngs,
         use_bias: bool = False,
         dtype=jnp.float32,
+        quantization: str = "none",
     ):
+        quant.check(quantization)
+        if quantization != "none":
+            quant.check_equation(eq)
         self.eq = eq
+        self.quantization = quantization
         self.sharding = sharding
         self.dtype = dtype
         self.weight = nnx.Param(
@@ -60,7 +69,10 @@ class Einsum(nnx.Module):
 
     def __call__(self, x):
         w = self.weight[...].astype(self.dtype)
-        y = jnp.einsum(self.eq, x.astype(self.dtype), w, out_sharding=self.sharding.out)
+        if self.quantization == "none":
+            y = jnp.einsum(self.eq, x.astype(self.dtype), w, out_sharding=self.sharding.out)
+        else:  # fp8 / int8 operands forward and backward (zoo/layers/quant.py)
+            y = quant.qeinsum(self.eq, self.quantization, self.sharding.out, x.astype(w.dtype), w)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora is not None:

@@ -11,7 +11,7 @@ import math
 
 import jax.numpy as jnp
 
-from zoo.layers import remat
+from zoo.layers import quant, remat
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -114,6 +114,11 @@ class DecoderConfig:
     # layer chunk r*S + s on stage s). Ignored by the other strategies.
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
+    # Operands of the attention and MLP projections (q, k, v, o, gate, up, down), forward and
+    # backward: 'none' (the compute dtype) | 'fp8' (e4m3 / e5m2 gradients, per-tensor scales)
+    # | 'int8' (per-row/column scales); see zoo/layers/quant.py. The LM head, the MoE router
+    # and experts and the attention core stay in the compute dtype.
+    quantization: str = "none"
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -128,6 +133,7 @@ class DecoderConfig:
                 f"{self.pipeline_repeats}; valid: microbatches >= 0 (0: one per stage), "
                 "repeats >= 1 (1: GPipe)"
             )
+        quant.check(self.quantization)
         if self.scan_unroll < 0:
             raise ValueError(
                 f"scan_unroll={self.scan_unroll}; valid: 0 (auto: unrolled on CPU without "

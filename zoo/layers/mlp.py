@@ -23,7 +23,12 @@ class Mlp(nnx.Module):
             raise ValueError(f"activation={cfg.activation!r}; valid: {', '.join(ACTIVATIONS)}")
         self.sharding = sharding
         self.activation = cfg.activation
-        common = dict(rngs=rngs, use_bias=cfg.use_bias, dtype=cfg.compute_dtype)
+        common = dict(
+            rngs=rngs,
+            use_bias=cfg.use_bias,
+            dtype=cfg.compute_dtype,
+            quantization=cfg.quantization,
+        )
         self.gate = Einsum("BTM,MF->BTF", (M, F), sharding.gate, **common) if cfg.glu else None
         self.up = Einsum("BTM,MF->BTF", (M, F), sharding.up, **common)
         self.down = Einsum("BTF,FM->BTM", (F, M), sharding.down, **common)

@@ -23,7 +23,12 @@ class Attention(nnx.Module):
         self.use_rope = cfg.position == "rope"
         self.implementation = cfg.attention_impl
         self.interpret = cfg.attention_interpret
-        common = dict(rngs=rngs, use_bias=cfg.use_bias, dtype=cfg.compute_dtype)
+        common = dict(
+            rngs=rngs,
+            use_bias=cfg.use_bias,
+            dtype=cfg.compute_dtype,
+            quantization=cfg.quantization,
+        )
         self.q = Einsum("BTM,MND->BTND", (M, N, D), sharding.q, **common)
         self.k = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.k, **common)
         self.v = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.v, **common)

@@ -1,0 +1,61 @@
+"""model.quantization compiled for the chips, without them: the step's matmuls take the
+low-precision operands (plan_main's `dot_dtypes`), and the forecast runs them at that
+precision's peak.
+
+Llama 3.2 1B with fp8 for 8 H100s (short rows: the dots are the same at any length): every
+projection (q, k, v, o, gate, up, down; one scanned block) is an fp8 GEMM forward (e4m3 x
+e4m3) and in both backward products (e5m2 gradients against e4m3 weights / activations); only
+the LM head (forward, recomputed forward, dx, dw) stays bf16. The tiny model with int8 for a
+v6e:4x4 slice: the projections are s8 x s8 dots. Without quantization neither appears
+(tests/test_plan_targets.py checks that on its plans).
+"""
+
+import pytest
+
+from planning.chips import CHIPS
+from planning.compile import Candidate, compile_plan, make_target
+from training.config import RunConfig
+
+PROJECTIONS = 7  # q, k, v, o, gate, up, down
+
+
+def _run(preset, quantization, **data):
+    model = dict(preset=preset, dtype="bfloat16", attention_impl="auto", remat="dots")
+    return RunConfig.from_config_dict(
+        {"model": {**model, "quantization": quantization}, "data": data}
+    )
+
+
+@pytest.mark.gpu_compile
+def test_llama3_1b_fp8_on_h100_has_fp8_gemms_for_every_projection_both_ways():
+    run = _run("llama3.2-1b", "fp8", seq_len=256, global_batch_size=8)
+    plan = compile_plan(run, Candidate("fsdp", (8,), "dots", 1), make_target("h100:8"))
+    dots = plan.to_json()["dot_dtypes"]
+    assert dots.get("f8e4m3fn x f8e4m3fn") == PROJECTIONS, dots  # forward
+    assert dots.get("f8e5m2 x f8e4m3fn") == PROJECTIONS, dots  # dx = dy . w
+    assert dots.get("f8e4m3fn x f8e5m2") == PROJECTIONS, dots  # dw = x . dy
+    assert set(dots) - {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2"} == {
+        "bf16 x bf16"
+    }
+    # The LM head only (chunked loss): forward, its recomputed forward, dx, dw.
+    assert dots["bf16 x bf16"] <= 4, dots
+    # The forecast: projections at H100's fp8 peak, MFU stated against both peaks.
+    h100 = CHIPS["h100"]
+    est = plan.estimate
+    assert 0 < est.quantized_flops < est.executed_flops
+    assert est.mfu_at_precision == pytest.approx(
+        est.mfu * h100.peak_bf16_flops / h100.peak_fp8_flops
+    )
+    bf16_compute = est.executed_flops / h100.peak_bf16_flops
+    assert est.compute_seconds < bf16_compute
+
+
+@pytest.mark.tpu_compile
+def test_tiny_int8_on_v6e_has_s8_dots():
+    run = _run("tiny", "int8", seq_len=128, global_batch_size=16)
+    target = make_target("v6e:4x4")
+    plan = compile_plan(run, Candidate("fsdp", (16,), "dots", 1), target)
+    dots = plan.to_json()["dot_dtypes"]
+    assert dots.get("s8 x s8", 0) >= 3 * PROJECTIONS, dots
+    assert not any("f8" in k for k in dots), dots
+    assert plan.estimate.mfu_at_precision == pytest.approx(plan.estimate.mfu / 2)
