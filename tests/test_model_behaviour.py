@@ -197,7 +197,7 @@ def _decode_all(model, tokens, prompt_len, mesh, strategy):
     pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
     with jax.set_mesh(mesh):
         spec = strategy.batch_spec()
-        step = nnx.jit(lambda m, t, s, p, c: m(t, segment_ids=s, positions=p, cache=c))
+        step = nnx.jit(lambda m, t, s, p, c: m.forward(t, segment_ids=s, positions=p, cache=c)[:2])
         cache = model.init_cache(B, T)
         chunks = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, T)]
         out = []
