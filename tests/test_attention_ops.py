@@ -1,4 +1,4 @@
-"""zoo.layers.attention_ops against a naive reference, plus backend choice and layouts.
+"""zoo.layers.attention against a naive reference, plus backend choice and layouts.
 
 The reference is written independently of the module: a mask built by explicit loops over
 (b, t, s) in numpy from the rule "same segment, kv_pos <= q_pos if causal, q_pos - kv_pos <

@@ -121,7 +121,7 @@ def test_truncate_after_and_resume(tmp_path):
 
 def test_restart_from_step_0_keeps_one_history(tmp_path):
     # A run that crashed before its first checkpoint (or ran without checkpoints) is started
-    # again on its workdir: training.run passes resume_step=0, and the old lines go.
+    # again on its workdir: launch.session passes resume_step=0, and the old lines go.
     workdir = str(tmp_path)
     for _ in range(2):
         writer = MetricsWriter(

@@ -1,6 +1,6 @@
 """Context parallelism: T split over a mesh axis (`context`), K/V gathered inside attention.
 
-Dims as in attention_ops: B batch, T queries, S keys, N / K query / kv heads, D head dim;
+Dims as in the attention package: B batch, T queries, S keys, N / K query / kv heads, D head dim;
 c = size of the context axis, C = T / (2c) tokens per chunk.
 
 Chunk order. Causal attention gives late queries more keys than early ones, so c contiguous

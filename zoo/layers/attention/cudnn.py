@@ -40,7 +40,7 @@ MAX_HEAD_DIM = 256
 
 
 def unavailable(call) -> str | None:
-    """Why cuDNN cannot run this call here (see attention_ops.CallInfo), or None."""
+    """Why cuDNN cannot run this call here (see registry.CallInfo), or None."""
     if call.platform not in GPU_PLATFORMS:
         return f"needs an NVIDIA GPU with cuDNN; this process compiles for {call.platform}"
     if jnp.dtype(call.dtype) not in _DTYPES:

@@ -3,7 +3,7 @@
 It never materializes the [B, N, T, S] scores: masks are index rules evaluated per block
 (causal, local window), documents are kept apart by segment ids, and fully masked blocks are
 skipped. The dispatcher runs it per device inside jax.shard_map over batch and heads (see
-attention_ops._per_shard), so each device calls the kernel on its own [B/data, T, N/model, D]
+layout.per_shard), so each device calls the kernel on its own [B/data, T, N/model, D]
 block with the whole sequence; it is vmapped over that local batch.
 
 What index masks cannot say is the dispatcher's to route elsewhere (registry flags): T != S
@@ -33,7 +33,7 @@ _LANES = 128
 
 
 def unavailable(call) -> str | None:
-    """Why splash cannot run this call here (see attention_ops.CallInfo), or None."""
+    """Why splash cannot run this call here (see registry.CallInfo), or None."""
     if call.platform != "tpu" and not call.interpret:
         return (
             f"needs a TPU (this process compiles for {call.platform}); on CPU only with "
