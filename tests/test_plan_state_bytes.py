@@ -21,7 +21,9 @@ NAMES = ["dp", "fsdp", "tp", "fsdp_tp"]
 
 def _run(preset: str) -> RunConfig:
     return RunConfig.from_config_dict(
-        {"model": {"preset": preset, "dtype": "bfloat16"}, "data": {"global_batch_size": 8}}
+        # A batch that splits over 64 devices: the planner builds the run as train_main does,
+        # batch checks included.
+        {"model": {"preset": preset, "dtype": "bfloat16"}, "data": {"global_batch_size": 64}}
     )
 
 
