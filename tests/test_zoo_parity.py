@@ -120,13 +120,14 @@ def test_export_then_import_is_bit_exact(family, tmp_path):
 
 def _declared(lm, path: str) -> P:
     """The spec LmSharding gives the param at `path`, found by walking the dataclasses along
-    the module path ('blocks' -> `block`; a LayerNorm's bias shares its weight's spec)."""
+    the module path ('blocks' -> `block`; a LayerNorm's bias shares its weight's spec). Stacked
+    block weights split their L dim over the pipeline's stage axis, when the strategy has one."""
     *modules, leaf = path.split("/")
     obj = lm
     for name in modules:
         obj = getattr(obj, "block" if name == "blocks" else name)
     spec = getattr(obj, leaf) if hasattr(obj, leaf) else obj.weight
-    return stacked(spec) if modules[0] == "blocks" else spec
+    return stacked(spec, lm.stage_axis) if modules[0] == "blocks" else spec
 
 
 @pytest.mark.parametrize("family", FAMILIES)
