@@ -62,6 +62,12 @@ _MICRO = flags.DEFINE_list(
 _DTYPE = flags.DEFINE_string("dtype", None, "Alias of --config.model.dtype.")
 _MEMORY = flags.DEFINE_float("memory_gib", None, "Pretend the chip has this much memory.")
 _MAX_COMPILES = flags.DEFINE_integer("max_compiles", 16, "Most compiles `auto` may spend.")
+_MOE_LOAD = flags.DEFINE_string(
+    "moe_load_from",
+    None,
+    "MoE: the workdir of a train_main run of the same model (a short CPU run will do); the "
+    "plan adds the router's measured load spread over experts and expert shards.",
+)
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per candidate on stdout.")
 
 
@@ -91,6 +97,7 @@ def main(argv):
             dtype=_DTYPE.value,
             memory_gib=_MEMORY.value,
             max_compiles=_MAX_COMPILES.value,
+            moe_load_from=_MOE_LOAD.value,
         )
         output = planner.plan(request, as_json=_JSON.value)
     except OSError as e:  # the config file

@@ -13,6 +13,7 @@ import jax
 from planning.chips import chip_for, chip_name_for
 from planning.compile import Target, make_target, run_for
 from planning.forecast import add_forecast
+from planning.moe import load_from_run, load_summary
 from planning.report import table
 from planning.search import (
     REMAT_ORDER,
@@ -52,6 +53,7 @@ class Request:
     dtype: str | None = None
     memory_gib: float | None = None
     max_compiles: int = 16
+    moe_load_from: str | None = None  # a run's workdir: its router load (planning.moe)
 
 
 # Short flag -> the config field it stands for.
@@ -190,10 +192,23 @@ def build(request: Request):
     return run, target, candidates, auto
 
 
+def _measured_load(request: Request, run):
+    if not request.moe_load_from:
+        return None
+    cfg = run.model.decoder_config()
+    if not cfg.is_moe:
+        raise ValueError(
+            f"--moe_load_from: {run.model.preset or 'this model'} has no experts; "
+            "it applies to MoE models (qwen3-moe-*, mixtral-*)"
+        )
+    return load_from_run(request.moe_load_from, cfg.num_experts)
+
+
 def plan(request: Request, as_json: bool = False) -> str:
     """Run the request: the table (or JSON lines), and with `auto` the pick's one-line why.
     Raises ValueError on bad input and NoFitError (a ValueError) when nothing fits."""
     run, target, candidates, auto = build(request)
+    measured = _measured_load(request, run)  # before any compile: a bad path fails at once
     log = (lambda _: None) if as_json else (lambda line: print(line, flush=True))
     result = search(
         run,
@@ -206,6 +221,8 @@ def plan(request: Request, as_json: bool = False) -> str:
     for p in result.plans:
         # The forecast beside the bound (two small compiles each): for what is reported only.
         add_forecast(run, p)
+        if measured is not None:
+            p.moe = {**p.moe, **load_summary(measured, p)}
     if as_json:
         rows = [p.to_json() | {"auto": auto and p is result.best} for p in result.plans]
         text = "\n".join(json.dumps(r) for r in rows)

@@ -79,10 +79,17 @@ def table(plans: list[Plan]) -> str:
         lines.append(f"  largest parameters (GiB/device): {largest}")
         lines.append(f"  collectives per step: {_collectives(p)}")
         lines.append(f"  custom-call kernels: {kernels}")
-        if p.moe:
+        if "all_to_all_bytes" in p.moe:
             lines.append(
                 f"  MoE token exchange: {p.moe['all_to_all_bytes'] / GiB:.3g} GiB all-to-all per"
                 f" step = {p.moe['all_to_all_over_payload']}x the routed payload"
+            )
+        if "load_spread_expert" in p.moe:
+            lines.append(
+                f"  router load ({p.moe['load_from']}, last {p.moe['load_steps']} steps): "
+                f"busiest expert {p.moe['load_spread_expert']}x the mean (worst layer); busiest "
+                f"expert shard {p.moe['load_spread_shard']}x (mean over layers): its grouped "
+                "matmuls and received rows are that many times a balanced router's"
             )
         if p.host_temp_bytes:
             lines.append(f"  pinned host memory (offloaded activations): {_gib(p.host_temp_bytes)}")
