@@ -13,7 +13,7 @@ from model_utils import one_device_mesh, packed_batch
 from shardings import get_strategy
 from training.loop import Trainer, loss_sum
 from zoo import create_model, get_config
-from zoo.layers.lora import TARGETS, LoraConfig, LoraParam, add_lora, merge_lora
+from zoo.layers.lora import TARGETS, LoraConfig, LoraParam, adapters, add_lora, merge_lora
 
 CFG = get_config("tiny")
 LORA = LoraConfig(rank=4, alpha=8.0, targets=tuple(TARGETS))
@@ -69,7 +69,14 @@ def test_zero_b_gives_exactly_the_base_logits():
         base = np.asarray(_logits(model, batch))
         add_lora(model, LORA, nnx.Rngs(1))
         adapted = np.asarray(_logits(model, batch))
-    assert np.array_equal(base, adapted)
+        # Every adapter adds exactly zero, (x A) B with B = 0, while A is random.
+        for _, module in adapters(model):
+            assert not np.any(np.asarray(module.lora.b[...]))
+            assert np.all(np.asarray(module.lora.a[...]) != 0)
+    # The adapted step is another program (it adds the adapters' dots), and XLA CPU may pick
+    # another kernel or fusion for the base dots beside them: on CI's host that rounded the
+    # logits differently by a few float32 ulps. Equal within that, not bit for bit.
+    np.testing.assert_allclose(adapted, base, rtol=1e-6, atol=1e-6)
 
 
 def test_only_adapters_train_and_adapted_equals_merged(one_device):

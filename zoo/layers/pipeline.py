@@ -186,8 +186,14 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
     order = chunk_order(cfg.num_layers, S, R)
     uniform_window = len(set(windows)) == 1
     static_window = (windows[0] or None) if uniform_window else None
-    windows_SRL = jnp.asarray(np.asarray(windows, np.int32)[order].reshape(S, R, Lc))
-    freqs_SRLR = jnp.asarray(np.asarray(freqs_LR)[order].reshape(S, R, Lc, -1))
+    # Laid out over `stage` before the shard_map: jax >= 0.12 refuses an input whose layout
+    # differs from its in_spec rather than resharding it.
+    windows_SRL = jax.sharding.reshard(
+        jnp.asarray(np.asarray(windows, np.int32)[order].reshape(S, R, Lc)), P(stage_axis)
+    )
+    freqs_SRLR = jax.sharding.reshard(
+        jnp.asarray(np.asarray(freqs_LR)[order].reshape(S, R, Lc, -1)), P(stage_axis)
+    )
 
     # Matmul weights cast to the compute dtype once, before the loop (as the layer scan does).
     graphdef, weights = nnx.split(model._compute_dtype_blocks())
