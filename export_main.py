@@ -43,10 +43,5 @@ def main(argv):
     print(f"wrote step {step} as {_FORMAT.value} to {out}", flush=True)
 
 
-def console_main():
-    """The `zoo-export` console script (pyproject.toml): what `python export_main.py` runs."""
-    cli.run_main(main)
-
-
 if __name__ == "__main__":
-    console_main()
+    cli.run_main(main)

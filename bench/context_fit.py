@@ -32,52 +32,15 @@ _HBM_GIB = flags.DEFINE_float("hbm_gib", 95.0, "memory per chip (v5p: 95 GiB)")
 
 
 def _required_bytes(strategy_name, shape, cfg, devices, seq_len) -> int:
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-    from jax.experimental import mesh_utils
-    from jax.sharding import AxisType, Mesh, NamedSharding
-
+    """What must fit per chip (training.step_memory, the planner's formula) for the product's
+    step, built by the one assembly (launch.build), one row per data shard."""
+    from launch.build import abstract_run
     from shardings import get_strategy
-    from training.loop import Trainer
-    from zoo.build import model_class
+    from training.step_memory import step_memory
 
-    strategy = get_strategy(strategy_name)
-    mesh = Mesh(
-        mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True),
-        strategy.axes,
-        axis_types=(AxisType.Explicit,) * len(shape),
-    )
-    cls = model_class(cfg)
-    with jax.set_mesh(mesh):
-
-        def build():
-            model = cls(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0))
-            return model, nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-
-        model, optimizer = nnx.eval_shape(build)
-        trainer = Trainer(model, optimizer, batch_spec=strategy.batch_spec())
-        shardings = nnx.get_named_sharding(trainer.state, mesh)
-        state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            trainer.state,
-            shardings,
-        )
-        rows = mesh.shape["data"]
-        spec = NamedSharding(mesh, strategy.batch_spec())
-        batch = {
-            k: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=spec)
-            for k in ("tokens", "segment_ids", "positions")
-        }
-        memory = trainer._train_jit.lower(state, batch).compile().memory_analysis()
-    live = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
-    return max(memory.peak_memory_in_bytes, live)
+    mesh = get_strategy(strategy_name).make_mesh(shape=shape, devices=devices, config=cfg)
+    run = abstract_run(cfg, strategy_name, mesh, batch_size=mesh.shape["data"], seq_len=seq_len)
+    return step_memory(run.compile()[0]).required_bytes
 
 
 def main(argv):

@@ -125,12 +125,6 @@ def normalize(spec: P | None, rank: int) -> P:
     return P(*entries)
 
 
-def stacked(spec: P, stage_axis: str | None = None) -> P:
-    """The layout of a weight stacked over layers: the L dim is split over the pipeline's
-    stage axis, else never."""
-    return P(stage_axis, *spec)
-
-
 def axes_of(entry) -> tuple[str, ...]:
     """The mesh axes of one spec entry: None -> (), 'data' -> ('data',), a tuple as is."""
     if entry is None:

@@ -7,7 +7,8 @@ kind of split (experts, a context axis) is a new logical dim here and its use in
 
 Notation in comments: dims with `/axis` for a sharded dim (`B/data T M/model`). The
 collectives named are the ones a rule implies; XLA inserts them, we only declare.
-Stacked layer weights get a leading, never-sharded L dim (`specs.stacked`).
+Stacked layer weights get a leading L dim, laid out by the `layers` rule (over `stage` in the
+pipeline strategies, else whole).
 """
 
 from __future__ import annotations

@@ -10,25 +10,16 @@ sits within rounding of a top-k tie here (the aux loss, a function of the choice
 
 from __future__ import annotations
 
-import jax
 import numpy as np
-import optax
 import pytest
+import test_strategies_equal_one_device as equal
 from flax import nnx
-from model_utils import (
-    host_params,
-    live_spec,
-    load_params,
-    one_device_mesh,
-    packed_batch,
-    put_batch,
-    record_outputs,
-)
+from model_utils import one_device_mesh
 
 from shardings import get_strategy
 from shardings.specs import normalize
 from training.loop import objective_from_nll
-from zoo import check_model_fits, create_model, get_config, param_layouts
+from zoo import check_model_fits, get_config, param_layouts
 from zoo.loss import token_nll
 
 # 8 experts of 64, top 2; aux weight raised so its gradient is not lost in the NLL's.
@@ -45,54 +36,23 @@ def objective_sum(logits_BTV, moe, batch, aux_coef: float):
     return objective_from_nll(nll_BT, mask_BT, moe, aux_coef)
 
 
+def _objective(model, batch):
+    """The trainer's objective (NLL + weighted aux loss) and its gradients; the aux loss
+    itself is compared too."""
+
+    def loss_fn(model):
+        logits, _, moe = model.forward(
+            batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+        )
+        total, (count, sums) = objective_sum(logits, moe, batch, CFG.router_aux_loss_coef)
+        return total / count, (sums["aux_loss"] / count, logits)
+
+    (loss, (aux, logits)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    return loss, logits, grads, {"aux": aux}
+
+
 def _run(strategy_name, mesh, init_params=None):
-    strategy = get_strategy(strategy_name)
-    batch_np = packed_batch(batch=8, seq=32, vocab=CFG.vocab_size)
-    with jax.set_mesh(mesh):
-        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
-        if init_params is not None:
-            load_params(model, init_params)
-        batch = put_batch(batch_np, strategy.batch_spec())
-        optimizer = nnx.Optimizer(model, optax.adamw(3e-3, weight_decay=0.1), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, optimizer, batch):
-            def loss_fn(model):
-                logits, _, moe = model.forward(
-                    batch["tokens"],
-                    segment_ids=batch["segment_ids"],
-                    positions=batch["positions"],
-                )
-                total, (count, sums) = objective_sum(logits, moe, batch, CFG.router_aux_loss_coef)
-                return total / count, (sums["aux_loss"] / count, logits)
-
-            (loss, (aux, logits)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-            optimizer.update(model, grads)
-            return loss, aux, logits, grads
-
-        params = host_params(model)
-        live = {
-            "/".join(map(str, p)): live_spec(v[...])
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-        }
-        with record_outputs() as records:
-            loss, aux, logits, grads = step(model, optimizer, batch)
-        out = {
-            "params": params,
-            "live_layouts": live,
-            "records": records,
-            "loss": float(loss),
-            "aux": float(aux),
-            "logits": np.asarray(logits),
-            "grads": {
-                "/".join(map(str, p)): np.asarray(v[...])
-                for p, v in nnx.to_flat_state(nnx.state(grads, nnx.Param))
-            },
-        }
-        out["adam_losses"] = [out["loss"]] + [
-            float(step(model, optimizer, batch)[0]) for _ in range(9)
-        ]
-    return out
+    return equal._run(strategy_name, mesh, init_params, cfg=CFG, objective=_objective)
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,9 @@ CASES = [
 
 
 def _loss_and_grads(model, batch):
+    """(loss, logits, grads, extras): the LM loss; `extras` are further scalars to compare
+    (none here; the MoE test's objective adds its aux loss)."""
+
     def loss_fn(model):
         logits = model(
             batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
@@ -58,12 +61,12 @@ def _loss_and_grads(model, batch):
         return lm_loss(logits, batch["tokens"], batch["segment_ids"])[0], logits
 
     (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    return loss, logits, grads
+    return loss, logits, grads, {}
 
 
-def _run(strategy_name, mesh, init_params=None, cfg=CFG):
+def _run(strategy_name, mesh, init_params=None, cfg=CFG, objective=_loss_and_grads):
     """Everything the checks compare, from one model: layouts, logits, loss, grads, the
-    loss sequence of ten AdamW steps."""
+    loss sequence of ten AdamW steps, and the objective's extra scalars."""
     strategy = get_strategy(strategy_name)
     batch_np = packed_batch(batch=8, seq=32, vocab=cfg.vocab_size)
     with jax.set_mesh(mesh):
@@ -76,9 +79,9 @@ def _run(strategy_name, mesh, init_params=None, cfg=CFG):
         # One compiled step serves every check: its first call sees the initial parameters.
         @nnx.jit
         def step(model, optimizer, batch):
-            loss, logits, grads = _loss_and_grads(model, batch)
+            loss, logits, grads, extras = objective(model, batch)
             optimizer.update(model, grads)
-            return loss, logits, grads
+            return loss, logits, grads, extras
 
         params = host_params(model)
         live_layouts = {
@@ -86,12 +89,13 @@ def _run(strategy_name, mesh, init_params=None, cfg=CFG):
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
         }
         with record_outputs() as records:
-            loss, logits, grads = step(model, optimizer, batch)
+            loss, logits, grads, extras = step(model, optimizer, batch)
         out = {
             "params": params,
             "live_layouts": live_layouts,
             "records": records,
             "loss": float(loss),
+            **{name: float(value) for name, value in extras.items()},
             "logits": np.asarray(logits),
             "grads": {
                 "/".join(map(str, p)): np.asarray(v[...])

@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardings.mesh import compile_platform
 from shardings.specs import MoeSharding, normalize
 from zoo.layers.basic import Einsum, _normal
 from zoo.layers.moe_exchange import (
-    compile_platform,
     packet_rows,
     padded_exchange,
     ragged_exchange,

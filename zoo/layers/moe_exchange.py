@@ -46,14 +46,6 @@ def emulate_ragged_all_to_all(packet_rows: int = 0):
         _RAGGED.update(before)
 
 
-def compile_platform() -> str:
-    """The platform the current trace compiles for: the mesh's devices when a mesh is set
-    (an abstract TPU / GPU target on a CPU host), else this process's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    return getattr(device, "platform", None) or jax.default_backend()
-
-
 def resolve_exchange(name: str, platform: str) -> str:
     """'auto' -> 'ragged' where XLA lowers ragged_all_to_all (TPU, GPU), else 'padded'.
     An explicit 'ragged' where it cannot lower raises ValueError (one line)."""
