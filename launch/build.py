@@ -269,26 +269,32 @@ def build(
     )
 
 
-def abstract_run(
+def model_run(
     model_cfg,
     strategy_name: str,
     mesh,
     *,
     batch_size: int,
     seq_len: int,
+    abstract: bool = False,
     loss_chunk_size: int = 0,
     micro_batches: int = 1,
     packed: bool = True,
 ) -> Run:
-    """`build(..., abstract=True)` for a zoo config rather than a run config (benches and
-    tests that compile one step of a model on a mesh): the run's other sections take their
-    defaults. `packed=False` states one document per row (no document mask)."""
+    """`build` for a zoo config rather than a run config (benches and tests that compile or
+    time one step of a model on a mesh): the run's other sections take their defaults.
+    `packed=False` states one document per row (no document mask)."""
     raw = {
         "model": {"preset": "tiny"},
         "data": {"seq_len": seq_len, "global_batch_size": batch_size},
         "training": {"sharding_strategy": strategy_name, "loss_chunk_size": loss_chunk_size},
         "optimizer": {"micro_batches": micro_batches},
     }
-    built = build(RunConfig.from_config_dict(raw), mesh, abstract=True, model_cfg=model_cfg)
+    built = build(RunConfig.from_config_dict(raw), mesh, abstract=abstract, model_cfg=model_cfg)
     built.trainer.packed = packed
     return built
+
+
+def abstract_run(model_cfg, strategy_name: str, mesh, **kwargs) -> Run:
+    """`model_run(..., abstract=True)`: shapes only, to compile for any target."""
+    return model_run(model_cfg, strategy_name, mesh, abstract=True, **kwargs)
