@@ -19,6 +19,7 @@ step, alone and while the checksums of the saved checkpoint are being computed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -32,11 +33,10 @@ import grain  # noqa: E402
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from checkpoint import integrity  # noqa: E402
 from checkpoint.manager import Checkpointer, checkpoint_dir  # noqa: E402
-from shardings import get_strategy  # noqa: E402
-from training import integrity, optim  # noqa: E402
+from launch.build import build, make_mesh  # noqa: E402
 from training.config import RunConfig  # noqa: E402
-from zoo import create_model  # noqa: E402
 
 
 def load_run_config(path: str) -> RunConfig:
@@ -98,17 +98,14 @@ def main():
     args = parser.parse_args()
 
     run = load_run_config(args.config)
-    cfg = run.model.decoder_config()
-    strategy = get_strategy(args.strategy)
-    mesh = strategy.make_mesh(shape=args.mesh_shape, config=cfg)
+    training = dataclasses.replace(run.training, sharding_strategy=args.strategy)
+    run = dataclasses.replace(run, training=training)
+    strategy, mesh = make_mesh(run)
+    if args.mesh_shape:
+        mesh = strategy.make_mesh(shape=args.mesh_shape, config=run.model.decoder_config())
+    built = build(run, mesh)  # the model and optimizer train_main saves
+    cfg, model, optimizer = built.model_cfg, built.model, built.optimizer
     with jax.set_mesh(mesh):
-        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
-        tx, _ = optim.make_optimizer(
-            learning_rate=run.optimizer.learning_rate,
-            warmup_steps=run.optimizer.warmup_steps,
-            total_steps=run.decay_steps,
-        )
-        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         # One update, so the Adam moments are real numbers (zeros would compress to nothing).
         grads = jax.tree.map(lambda p: 0.01 * p, nnx.state(model, nnx.Param))
         optimizer.update(model, grads)
