@@ -167,3 +167,20 @@ def test_packed_rows_equal_unpacked(tmp_path, tok_dir, model):
     assert np_ == na
     # float32; the same sums in another order and attention over other row lengths.
     np.testing.assert_allclose(lp, la, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__ }}",  # reaching Python's object graph
+        "{{ messages.append(1) }}",  # mutating what it was given (immutable sandbox)
+        "{{ cycler.__init__.__globals__ }}",  # a module's globals through a builtin
+    ],
+)
+def test_a_template_reaching_outside_its_sandbox_is_one_line(template):
+    chat = ChatTemplate(template, source="evil/tokenizer_config.json")
+    with pytest.raises(ValueError) as err:
+        chat.render([{"role": "user", "content": "hi"}])
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("evil/tokenizer_config.json: "), message
+    assert "sandbox" in message or "raised" in message, message

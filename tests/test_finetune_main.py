@@ -52,11 +52,24 @@ def _main(script, args, timeout=600):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
+    chats = write_chats_jsonl(str(root / "chats.jsonl"))
     return {
         "llama": write_tiny_checkpoint(str(root / "llama"), "llama3"),
-        "chats": write_chats_jsonl(str(root / "chats.jsonl")),
+        "chats": chats,
+        "chats_parquet": _to_parquet(chats, str(root / "chats.parquet")),
         "root": root,
     }
+
+
+def _to_parquet(jsonl: str, path: str) -> str:
+    """The same chats as a Parquet file (a `messages` column of structs)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open(jsonl, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return path
 
 
 def _write(path, lines):
@@ -93,6 +106,18 @@ def test_bad_input_exits_2_with_one_line(case, files, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
     assert needle in lines[0]
+
+
+def test_a_target_this_model_lacks_exits_2(files, tmp_path):
+    """'gate' is a valid target name, but a mixture-of-experts block has no dense MLP gate."""
+    base = write_tiny_checkpoint(str(tmp_path / "moe"), "qwen3", "qwen3-moe-tiny")
+    args = [f"--workdir={tmp_path / 'run'}", f"--init_from={base}"]
+    result = run_train_main(
+        [*args, f"--config.data.source={files['chats']}", *TRAIN], num_devices=1, timeout=300
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'gate' names no module" in lines[0], result.stderr
 
 
 def test_a_template_that_raises_exits_2(files, tmp_path):
@@ -141,9 +166,10 @@ def test_peft_round_trip(family, files, tmp_path):
     else:
         base = write_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3", "qwen3-0.6b", **QWEN3_TINY)
     workdir = str(tmp_path / "run")
+    # The same chats, as JSONL for one family and Parquet for the other.
+    source = files["chats"] if family == "llama" else files["chats_parquet"]
     result = run_train_main(
-        [f"--workdir={workdir}", f"--init_from={base}", f"--config.data.source={files['chats']}"]
-        + TRAIN,
+        [f"--workdir={workdir}", f"--init_from={base}", f"--config.data.source={source}"] + TRAIN,
         num_devices=1,
         timeout=600,
     )
@@ -151,6 +177,13 @@ def test_peft_round_trip(family, files, tmp_path):
     # The checkpoint holds the adapters and their optimizer state only, and points at the base.
     with open(os.path.join(workdir, "run_info.json")) as f:
         assert json.load(f)["init_from"] == base
+    step_dir = os.path.join(workdir, "checkpoints", "3")
+    for item in ("params", "opt_state"):
+        with open(os.path.join(step_dir, item, "_METADATA")) as f:
+            paths = list(json.load(f)["tree_metadata"])
+        # Scalars aside (the optimizer's step and Adam's / the schedule's counts).
+        arrays = [p for p in paths if "count" not in p and p != "('step',)"]
+        assert arrays and all("lora" in p for p in arrays), (item, paths)
     outs = {}
     for fmt in ("hf", "peft"):
         outs[fmt] = str(tmp_path / fmt)

@@ -209,13 +209,25 @@ def test_eval_main_tasks_on_a_trained_run(run_dir):
     assert "zoo_facts: acc " in proc.stdout and "wrote " in proc.stdout
 
 
-def test_bad_task_exits_2_with_one_line(tmp_path):
-    proc = _eval_main(f"--workdir={tmp_path}", "--tasks=zoo_facts", timeout=180)
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (
+            ["--tasks=zoo_facts"],
+            "error: unknown task 'zoo_facts': not among the harness's tasks (a local task needs "
+            "--include_path=DIR)",
+        ),
+        (
+            ["--tasks=zoo_facts", "--include_path=/no/such/dir"],
+            "error: --include_path='/no/such/dir' is not a directory of task YAML files",
+        ),
+    ],
+    ids=["unknown_task", "missing_include_path"],
+)
+def test_bad_task_exits_2_with_one_line(tmp_path, flags, line):
+    proc = _eval_main(f"--workdir={tmp_path}", *flags, timeout=180)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
-        "error: unknown task 'zoo_facts': not among the harness's tasks (a local task needs "
-        "--include_path=DIR)"
-    ], proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [line], proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
