@@ -12,12 +12,15 @@ Mosaic custom call), so an adoption decision waits for a measured step.
 
 from __future__ import annotations
 
+import os
 import re
 
-import jax
-import jax.numpy as jnp
-from absl import app, flags
-from jax.experimental.pallas.ops.tpu.megablox import gmm
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: no local accelerator is probed
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
+from jax.experimental.pallas.ops.tpu.megablox import gmm  # noqa: E402
 
 _ROWS = flags.DEFINE_integer("rows", 32768, "routed rows on the device (tokens x k)")
 _HIDDEN = flags.DEFINE_integer("hidden", 2048, "M")
