@@ -6,7 +6,11 @@ Layout: `<workdir>/checkpoints/<step>/` with four Orbax items and our manifest,
   params          nnx.state(model, nnx.Param) as a pure dict of arrays (OCDBT, sharded writes);
                   for a LoRA run only its adapters (LoraParam), the base being run_info's init_from
   opt_state       nnx.state(optimizer, nnx.optimizer.OptState): the step count, optax's state
-  data            the Grain iterator's state, one JSON file per process (grain.checkpoint)
+  data_position   JSON: the training stream's position, written once (process 0): the same
+                  for every process count and worker count (data/position.py), so a run
+                  resumes on any number of processes. Earlier versions wrote `data` instead,
+                  one Grain state per process of streams split by process: a one-process one
+                  still resumes (its state is the global stream's), others cannot (exit 2)
   meta            JSON: {'step', 'run_info' (config, strategy, mesh), and what the loop adds
                   (e.g. the RNG seed/counter)}
   checksums.json  size and CRC-32 of every file above (checkpoint/integrity.py)
@@ -67,7 +71,9 @@ from zoo import VOCAB_DIMS
 from zoo.layers.lora import trainable
 
 INVALID_SUBDIR = "invalid"
-ITEMS = ("params", "opt_state", "data", "meta")
+ITEMS = ("params", "opt_state", "data_position", "meta")
+_LEGACY_DATA = "data"  # per-process Grain states (module docstring)
+_CHECKED = (*ITEMS, _LEGACY_DATA)  # what the checksums cover, in old checkpoints too
 _TREE_ITEMS = ("params", "opt_state")
 EVAL_ITEMS = ("params", "meta")
 
@@ -84,7 +90,8 @@ def _handlers() -> dict[str, Any]:
     return {
         "params": ocp.StandardCheckpointHandler(),
         "opt_state": ocp.StandardCheckpointHandler(),
-        "data": grain.checkpoint.CheckpointHandler(),
+        "data_position": ocp.JsonCheckpointHandler(),
+        _LEGACY_DATA: grain.checkpoint.CheckpointHandler(),
         "meta": ocp.JsonCheckpointHandler(),
     }
 
@@ -138,7 +145,7 @@ def complete_steps(directory: str, *, warn: bool = True) -> list[int]:
     return steps
 
 
-def check_integrity(step_dir: str, items=ITEMS) -> None:
+def check_integrity(step_dir: str, items=_CHECKED) -> None:
     """Raise CorruptCheckpointError (one line, naming the step and the file) unless every
     file of `items` matches the checksums written at save time."""
     problem = integrity.verify(step_dir, items)
@@ -402,7 +409,7 @@ class Checkpointer:
         good, bad = -1, {}
         if jax.process_index() == 0:
             for step in reversed(steps):
-                problem = integrity.verify(os.path.join(self.directory, str(step)), ITEMS)
+                problem = integrity.verify(os.path.join(self.directory, str(step)), _CHECKED)
                 if problem is None:
                     good = step
                     break
@@ -434,18 +441,23 @@ class Checkpointer:
         step = _resolve_step(self.directory, step)
         step_dir = os.path.join(self.directory, str(step))
         if step not in self._verified:
-            check_integrity(step_dir, ITEMS)
+            check_integrity(step_dir, _CHECKED)
         args = _params_args(model)
         if optimizer is not None:
             args["opt_state"] = ocp.args.StandardRestore(_abstract(_opt_state(optimizer)))
+        legacy_data = None
         if data_iter is not None:
-            _check_data_state(step_dir)
-            args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+            if os.path.isdir(os.path.join(step_dir, "data_position")):
+                args["data_position"] = ocp.args.JsonRestore()
+            else:
+                legacy_data = _legacy_data_state(step_dir)
         args["meta"] = ocp.args.JsonRestore()
         restored = _restore(step_dir, "model", args, getattr(model, "cfg", None))
         _put_back(model, trainable(model), restored["params"])
         if optimizer is not None:
             _put_back(optimizer, nnx.optimizer.OptState, restored["opt_state"])
+        if data_iter is not None:
+            data_iter.set_state(legacy_data or dict(restored["data_position"]))
         logging.info("restored checkpoint %s", step_dir)
         return dict(restored["meta"])
 
@@ -486,7 +498,8 @@ class Checkpointer:
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(opt_state),
-            data=grain.checkpoint.CheckpointSave(data_iter),
+            # Every process holds the same position; Orbax writes it from process 0.
+            data_position=ocp.args.JsonSave(_to_json(data_iter.get_state())),
             meta=ocp.args.JsonSave(record),
         )
         start = time.perf_counter()
@@ -550,16 +563,25 @@ class Checkpointer:
         self._manager.close()
 
 
-def _check_data_state(step_dir: str) -> None:
-    # grain.checkpoint writes one JSON file per process, named after its index and the count.
-    name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-    data_dir = os.path.join(step_dir, "data")
-    if not os.path.isfile(os.path.join(data_dir, name)):
-        saved = sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else []
+def _legacy_data_state(step_dir: str) -> dict:
+    """The data position of a checkpoint written before positions were global: Grain's
+    per-process files `process_<i>-of-<n>.json`. A one-process run's state is a state of the
+    global stream (its pipeline saw every document); with n > 1 each file is a position in
+    that process's own share of the documents, which no longer exists."""
+    data_dir = os.path.join(step_dir, _LEGACY_DATA)
+    names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+    saved = sorted(n for n in names if n.startswith("process_") and n.endswith(".json"))
+    if not saved:
+        raise CorruptCheckpointError(f"checkpoint {step_dir} holds no data position")
+    if saved != ["process_0-of-1.json"]:
         raise ValueError(
-            f"checkpoint {step_dir} has no data-iterator state for {name} (saved: {saved}); "
-            "resume with the process count that wrote it"
+            f"checkpoint {step_dir} keeps one data position per process ({', '.join(saved)}), "
+            "in streams split by process, which this version no longer has: resume it with the "
+            "version that wrote it, or change a data field (e.g. --config.data.shuffle_seed) "
+            "to restart the data stream, keeping the model and optimizer"
         )
+    with open(os.path.join(data_dir, saved[0])) as f:
+        return json.load(f)
 
 
 # ----------------------------------------------------------------------------- evaluation side

@@ -7,10 +7,10 @@
   schedule's final rate. `keep_schedule` makes that choice and says it.
 - The data iterator. Its saved state is a position in one document stream, so it restores
   only into the same stream: same source, tokenizer, text field, validation split, shuffle
-  seed, sequence length and batch size. `data_changes` names the fields that differ; the run
-  then starts that stream afresh from its beginning (with a warning), since the old position
-  means nothing in a new stream. `num_workers` changes the shape of the state, not the
-  stream: a different value is refused with the value to resume with.
+  seed, sequence length and (global) batch size. `data_changes` names the fields that differ;
+  the run then starts that stream afresh from its beginning (with a warning), since the old
+  position means nothing in a new stream. The number of processes and `num_workers` change
+  neither the stream nor its saved position (data/position.py): they may differ freely.
 """
 
 from __future__ import annotations
@@ -69,16 +69,9 @@ def keep_schedule(run, saved) -> tuple[object, str | None]:
 
 def data_changes(run, saved) -> list[str]:
     """'field old -> new' for each stream field that differs (then the saved iterator state
-    is not restored). ValueError when the stream is the same but num_workers differs."""
-    changes = [
+    is not restored)."""
+    return [
         f"data.{name} {getattr(saved.data, name)!r} -> {getattr(run.data, name)!r}"
         for name in STREAM_FIELDS
         if getattr(saved.data, name) != getattr(run.data, name)
     ]
-    if not changes and run.data.num_workers != saved.data.num_workers:
-        raise ValueError(
-            f"the checkpoint's data-iterator state was saved with data.num_workers="
-            f"{saved.data.num_workers}, this run has {run.data.num_workers}; the state's shape "
-            f"depends on it: resume with --config.data.num_workers={saved.data.num_workers}"
-        )
-    return changes

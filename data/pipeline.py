@@ -3,7 +3,6 @@
 Documents come from data/sources.py (the `source` string, the train/validation split).
 
 Pipeline, in this order and why:
-  process shard   documents[process_index::process_count], so processes never share documents.
   shuffle/repeat  seeded, reshuffled each epoch; training repeats forever, evaluation makes one
                   pass in file order.
   tokenize        text -> ids + EOS (in Grain's read threads).
@@ -13,13 +12,33 @@ Pipeline, in this order and why:
   window shuffle  (when shuffling) mixes the chunks of `shuffle_window` consecutive chunks, so
                   one long file does not fill a whole batch with its consecutive pieces.
   pack            grain FirstFitPackIterDataset into rows of seq_len.
-  batch           [global_batch_size / process_count, seq_len] per process.
+  batch           [global_batch_size, seq_len]: the global batch.
+  process rows    process p keeps rows [p*B/n, (p+1)*B/n) of it (n processes, B rows).
+
+One stream for every process count. Every process runs the whole pipeline above over all the
+documents and keeps its rows of each global batch, so the global batches, and so the losses,
+are those of a one-process run whatever the number of processes, and the stream's position is
+one global fact (data/position.py) that resumes on any process count and worker count.
+Splitting the documents by process instead (as earlier versions did) ties the batches to the
+process count: a run's trajectory would depend on how many hosts it ran on, and its position
+could not move to another count.
+
+The cost: each process reads, tokenizes and packs every document, n times the work of reading
+1/n of them, so every process must build the stream as fast as the whole run consumes it (its
+tokens_per_second). One process's rate, from bench/data_throughput.py on one core of a loaded
+2-core machine (default source, 16x2048 batches): 10M tokens/s with the byte tokenizer, 0.47M
+with an 8k-id BPE tokenizer.json (0.66M with 2 workers), 3.3M reading the same ids
+pre-tokenized from ArrayRecord. The fastest run the README reports (llama3_1b on one H100)
+consumes 47k tokens/s, so one process serves ten such hosts even with BPE; past that,
+`num_workers` spreads tokenizing over a host's cores, and pre-tokenized ArrayRecord
+(`sources.write_token_documents`) takes tokenizing out of the run. `data_wait_time` in
+metrics.jsonl shows when the stream falls behind.
 
 Each batch is a dict of int32 arrays [B, T]: `tokens`, `segment_ids` (1, 2, ... per document in
 the row, 0 = padding) and `positions` (0, 1, ... restarting in each document; 0 on padding).
-The iterator's `get_state()` is a JSON-able dict and `set_state()` resumes exactly, into an
-iterator built with the same arguments (num_workers included: the state of a pipeline with
-worker processes has another shape).
+The iterator's `get_state()` is a JSON-able dict, the same on every process and for every
+`num_workers` (data/position.py), and `set_state()` resumes exactly, into an iterator built
+with the same arguments apart from `process_index`, `process_count` and `num_workers`.
 """
 
 from __future__ import annotations
@@ -30,6 +49,7 @@ import grain
 import jax
 import numpy as np
 
+from data.position import GlobalPosition
 from data.sources import DEFAULT_VALIDATION_FRACTION, load_documents
 from data.tokenizers import Tokenizer
 
@@ -85,6 +105,20 @@ def _rename_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if "loss_mask" in row:  # chat / instruction data: which tokens are trained targets
         out["loss_mask"] = row["loss_mask"].astype(np.int32)
     return out
+
+
+class _ProcessRows:
+    """Global batch [B, ...] -> this process's rows [p*B/n, (p+1)*B/n)."""
+
+    def __init__(self, process_index: int, process_count: int):
+        self.index, self.count = process_index, process_count
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.count == 1:
+            return batch
+        rows = batch["tokens"].shape[0] // self.count
+        start = self.index * rows
+        return {k: v[start : start + rows] for k, v in batch.items()}
 
 
 class _FixedBatchesIterator(grain.DatasetIterator):
@@ -162,21 +196,22 @@ def build_dataset(
       split: 'train', 'validation' or 'all'.
       tokenizer: from `data.tokenizers.make_tokenizer`.
       seq_len: T, the length of each packed row.
-      global_batch_size: rows per step over all processes; each process gets
-        global_batch_size // process_count of them.
+      global_batch_size: B, rows per step over all processes; process p gets rows
+        [p*B/n, (p+1)*B/n) of each global batch (n processes).
       seed: seeds the document shuffle (reshuffled every epoch) and the order of packed rows.
-      process_index, process_count: this process's document shard; default jax.process_index()
-        and jax.process_count().
+      process_index, process_count: which rows of each global batch this process keeps;
+        default jax.process_index() and jax.process_count(). They change neither the global
+        batches nor the iterator's state.
       num_workers: worker processes for reading and tokenizing (0 = in this process). Needs absl
-        flags parsed (run under absl.app.run). Does not change the batches.
+        flags parsed (run under absl.app.run). Changes neither the batches nor the state.
       shuffle: default True for 'train', False otherwise.
       repeat: repeat forever; default True for 'train'. Otherwise one pass, the last batch padded.
       num_batches: yield exactly this many batches; without repeat, all-padding batches follow
         when the data runs out, so all processes agree on the number of evaluation steps.
       text_field: the JSONL field / Parquet column holding the text.
       validation_fraction: share of documents in 'validation'.
-      num_packing_bins: rows packed at once; default max(local batch, 16). More bins pack
-        tighter.
+      num_packing_bins: rows packed at once; default max(global_batch_size, 16). More bins
+        pack tighter.
       shuffle_window: chunks shuffled together after chunking (when shuffling). Memory is
         about shuffle_window * seq_len * 4 bytes; a restore replays at most one window.
       data_format: 'text' (documents), 'chat' or 'prompt_completion' (records, data/chat.py):
@@ -195,7 +230,6 @@ def build_dataset(
             f"global_batch_size={global_batch_size} is not divisible by the "
             f"{process_count} processes"
         )
-    batch_size = global_batch_size // process_count
     shuffle = split == "train" if shuffle is None else shuffle
     repeat = split == "train" if repeat is None else repeat
 
@@ -211,12 +245,6 @@ def build_dataset(
         chat.check_first_record(docs, tokenizer, chat_template)
         encode = chat.EncodeRecord(tokenizer, chat_template)
         keys = ("tokens", "segment_ids", "positions", "loss_mask")
-    docs = docs[process_index::process_count]
-    if not len(docs):
-        raise ValueError(
-            f"data source {source!r} split {split!r} has fewer documents than the "
-            f"{process_count} processes"
-        )
     if shuffle:
         docs = docs.shuffle(seed=seed)
     if repeat:
@@ -234,16 +262,17 @@ def build_dataset(
     ds = grain.experimental.FirstFitPackIterDataset(
         ds,
         length_struct={k: seq_len for k in ("tokens", "loss_mask")[: len(keys) - 2]},
-        num_packing_bins=num_packing_bins or max(batch_size, 16),
+        num_packing_bins=num_packing_bins or max(global_batch_size, 16),
         seed=seed,
         shuffle_bins=shuffle,
     )
-    ds = ds.map(_rename_packed).batch(batch_size, drop_remainder=repeat)
+    ds = ds.map(_rename_packed).batch(global_batch_size, drop_remainder=repeat)
     if not repeat:
-        ds = _FixedBatches(ds, batch_size, seq_len, num_batches, keys)
+        ds = _FixedBatches(ds, global_batch_size, seq_len, num_batches, keys)
     elif num_batches is not None:
         ds = grain.experimental.LimitIterDataset(ds, num_batches)
-    return ds
+    ds = ds.map(_ProcessRows(process_index, process_count))
+    return GlobalPosition(ds, num_workers)
 
 
 def make_dataset(*args, **kwargs) -> grain.DatasetIterator:

@@ -102,8 +102,8 @@ def _make_checkpointer(session: TrainSession):
 def resume(session: TrainSession) -> int:
     """Restore the newest good checkpoint, if any (after naming each newer one that fails
     its checksums), then record run_info.json. Every mistake in the inputs it finds (a
-    checkpoint that does not fit the model, a num_workers change) is a ValueError, raised
-    before run_info.json is touched. Returns the step training starts from."""
+    checkpoint that does not fit the model, a data position it cannot continue) is a
+    ValueError, raised before run_info.json is touched. Returns the step training starts from."""
     run, workdir, built = session.run, session.workdir, session.built
     ckpt, session.watcher = _make_checkpointer(session)
     session.checkpointer = ckpt

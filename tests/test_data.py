@@ -1,4 +1,4 @@
-"""Data pipeline: sources, tokenizers, packing invariants, process sharding, exact resume."""
+"""Data pipeline: sources, tokenizers, packing invariants, exact resume, worker processes."""
 
 import io
 import json
@@ -314,18 +314,9 @@ def test_validation_pass_has_fixed_length(tmp_path):
     assert len(list(data.make_dataset(source, "all", BYTE, 32, 4, num_batches=1, **kw))) == 1
 
 
-def test_process_shards_are_disjoint_and_cover_the_data(tmp_path):
-    texts = _doc_texts(30)
-    source = _write_txt(tmp_path / "docs.txt", texts)
-    per_process = []
-    for i in range(2):
-        batches = list(
-            data.make_dataset(source, "all", BYTE, 32, 4, process_index=i, process_count=2)
-        )
-        assert all(b["tokens"].shape == (2, 32) for b in batches)
-        per_process.append(_segments(batches))
-    assert not set(per_process[0]) & set(per_process[1])
-    assert sorted(per_process[0] + per_process[1]) == sorted(_expected_chunks(texts, BYTE, 32))
+def test_global_batch_must_split_over_the_processes(tmp_path):
+    # Which rows each process keeps, and resuming on other counts: test_elastic_data.py.
+    source = _write_txt(tmp_path / "docs.txt", _doc_texts(30))
     with pytest.raises(ValueError, match="divisible"):
         data.make_dataset(source, "all", BYTE, 32, 3, process_index=0, process_count=2)
 
@@ -375,22 +366,38 @@ def test_state_round_trip_resumes_exactly():
 
 _MP_SCRIPT = textwrap.dedent(
     """
+    import json
     import sys
     from absl import app
     import numpy as np
     import data
-    from data import sources
+    from data.position import documents_read, for_workers
     from data.tokenizers import ByteTokenizer
 
-    def first(num_workers):
-        it = data.make_dataset("default", "train", ByteTokenizer(), 64, 4, seed=1,
+    def make(num_workers, state=None):
+        it = data.make_dataset(sys.argv[1], "all", ByteTokenizer(), 32, 4, seed=1,
+                               shuffle=True, repeat=True, shuffle_window=16,
                                process_index=0, process_count=1, num_workers=num_workers)
-        out = np.stack([next(it)["tokens"] for _ in range(6)])
-        it.close()
-        return out
+        if state is not None:
+            it.set_state(json.loads(json.dumps(state)))
+        return it
+
+    def take(it, n):
+        return np.stack([next(it)["tokens"] for _ in range(n)])
 
     def main(_):
-        np.testing.assert_array_equal(first(0), first(2))
+        alone, two = make(0), make(2)
+        np.testing.assert_array_equal(take(alone, 6), take(two, 6))
+        # One position for every worker count: it moves on to another count, both ways.
+        state = alone.get_state()
+        # Odd: the next document is worker 1's, so the workers' turn is part of the position.
+        assert two.get_state() == state and documents_read(state) % 2, state
+        want = take(alone, 4)
+        np.testing.assert_array_equal(take(make(0, two.get_state()), 4), want)
+        np.testing.assert_array_equal(take(make(2, state), 4), want)
+        # Grain's own state with 2 workers (what earlier versions saved) resumes too.
+        np.testing.assert_array_equal(take(make(0, for_workers(state, 2)), 4), want)
+        two.close()
         print("MP_OK")
 
     if __name__ == "__main__":
@@ -399,12 +406,17 @@ _MP_SCRIPT = textwrap.dedent(
 )
 
 
-def test_worker_processes_do_not_change_the_batches(tmp_path):
+def test_worker_processes_change_neither_the_batches_nor_the_position(tmp_path):
     script = tmp_path / "mp_check.py"
     script.write_text(_MP_SCRIPT)
+    source = _write_txt(tmp_path / "docs.txt", _doc_texts(200))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, str(script), source],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 0 and "MP_OK" in proc.stdout, proc.stderr[-3000:]

@@ -1,21 +1,24 @@
-"""Two processes with 4 CPU devices each train the run of one process with 8.
+"""Two processes with 4 CPU devices each train the run of one process with 8, and a run moves
+between one and two processes through its checkpoints.
 
-The processes meet through `jax.distributed` on localhost (gloo collectives on CPU). Each reads
-its own half of the documents (the pipeline shards by process), so the global batch of step s
-is process 0's local batch followed by process 1's (process 0 owns the first half of the
-batch axis). The one-process reference feeds exactly those global batches, built here from
-the same two shards, and must give the same losses.
+The processes meet through `jax.distributed` on localhost (gloo collectives on CPU). Every
+process builds the whole global batch and keeps its rows of it (data/pipeline.py), so the
+reference is a plain one-process run, and the losses must match it (within float32
+reassociation: see the tolerance).
 
 Three layouts: `fsdp_tp` (`data` spans both processes), `hsdp`, where each process plays
 one slice: the default mesh puts `replica` across the processes and `data` inside each, and
 `fsdp_ep` on the tiny Qwen3-MoE, whose 8 experts put every device on `expert`: the token
-all-to-all of every MoE layer crosses the processes.
+all-to-all of every MoE layer crosses the processes. `fsdp_tp` runs the elastic chain: one
+process to step 3, two processes from its checkpoint to step 6, one process again to step 9,
+against one process from 1 to 9 (the global batches themselves: test_elastic_data.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -42,55 +45,30 @@ CASES = {
 }
 
 
-def _reference_losses(workdir: str, strategy: str) -> list[float]:
-    """The 8-device, one-process run fed the two processes' batches, concatenated."""
-    import data
-    from data.tokenizers import make_tokenizer
+def _one_process(workdir: str, strategy: str, overrides: dict | None = None) -> list[float]:
+    """A plain run of this (one) process on its 8 devices; the losses of metrics.jsonl."""
     from launch import session as train_run
-    from runtime.distributed import to_global
 
-    mesh, mesh_text, _, overrides = CASES[strategy]
+    mesh, mesh_text, _, case = CASES[strategy]
     run = run_config(
         {
             **RUN,
-            **overrides,
+            **case,
+            **(overrides or {}),
             "training.sharding_strategy": strategy,
             "training.mesh_shape": mesh_text,
         }
     )
     setup = train_run.prepare(run, workdir)
     assert dict(setup.built.mesh.shape) == mesh
-    shards = [
-        data.make_dataset(
-            run.data.source,
-            "train",
-            make_tokenizer(run.data.tokenizer),
-            run.data.seq_len,
-            run.data.global_batch_size,
-            run.data.shuffle_seed,
-            process_index=i,
-            process_count=2,
-        )
-        for i in range(2)
-    ]
-
-    def two_process_batches():
-        while True:
-            local = [next(it) for it in shards]
-            # The shards hold different documents: the concatenation is not a duplicate.
-            assert not np.array_equal(local[0]["tokens"], local[1]["tokens"])
-            batch = {k: np.concatenate([b[k] for b in local]) for k in local[0]}
-            yield to_global(batch, setup.built.mesh, setup.built.batch_spec)
-
-    setup.data.train_batches = two_process_batches()
     train_run.train(setup)
     return train_losses(workdir)
 
 
-@pytest.mark.parametrize("strategy", list(CASES))
-def test_two_processes_equal_one(tmp_path, strategy):
+def _two_processes(workdir: str, strategy: str, overrides: dict | None = None) -> list[str]:
+    """train_main as two processes of 4 devices each; their stdout, after checking that both
+    exit 0, that only process 0 speaks, and the mesh they record."""
     port = portpicker.pick_unused_port()
-    workdir = str(tmp_path / "two")
     children = [
         subprocess.Popen(
             [
@@ -101,7 +79,7 @@ def test_two_processes_equal_one(tmp_path, strategy):
                 "--num_processes=2",
                 f"--process_id={i}",
                 f"--sharding_strategy={strategy}",
-                *cli_flags({**RUN, **CASES[strategy][3]}),
+                *cli_flags({**RUN, **CASES[strategy][3], **(overrides or {})}),
             ],
             env=child_env(num_devices=4),
             cwd=ROOT,
@@ -121,22 +99,52 @@ def test_two_processes_equal_one(tmp_path, strategy):
                 child.kill()
     for child, (_, err) in zip(children, outputs, strict=True):
         assert child.returncode == 0, err[-3000:]
-    # Only process 0 writes: one metrics file, one line per step.
-    two_process = train_losses(workdir)
-    assert len(two_process) == RUN["training.steps"]
     # Process 1 prints none of the run's lines (gloo's own connection lines may appear).
     assert "2 processes" in outputs[0][0] and "done:" in outputs[0][0]
     assert "Config: " in outputs[0][0]
     assert "Config: " not in outputs[1][0] and "done:" not in outputs[1][0]
-
     with open(os.path.join(workdir, "run_info.json")) as f:
         info = json.load(f)
     assert info["mesh_shape"] == CASES[strategy][0]
     # Only `replica` joins devices of different processes ("slices") under hsdp.
     assert info["slice_crossing_axes"] == CASES[strategy][2]
+    return [out for out, _ in outputs]
 
-    one_process = _reference_losses(str(tmp_path / "one"), strategy)
-    # Same arrays on the same 8 device positions; the cross-process all-reduce (gloo) may add
-    # partial sums in another order than the in-process one, so float32 reassociation only.
-    np.testing.assert_allclose(two_process, one_process, rtol=1e-5)
+
+# The processes hold the same arrays on the same 8 device positions; the cross-process
+# all-reduce (gloo) may add partial sums in another order than the in-process one, so float32
+# reassociation only.
+RTOL = 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "fsdp_ep"])
+def test_two_processes_equal_one(tmp_path, strategy):
+    _two_processes(str(tmp_path / "two"), strategy)
+    two_process = train_losses(str(tmp_path / "two"))
+    # Only process 0 writes: one metrics file, one line per step.
+    assert len(two_process) == RUN["training.steps"]
+    one_process = _one_process(str(tmp_path / "one"), strategy)
+    np.testing.assert_allclose(two_process, one_process, rtol=RTOL)
     assert one_process[0] - one_process[-1] > 0.5  # the losses move: equality means something
+
+
+def test_a_run_moves_between_one_and_two_processes(tmp_path, capsys):
+    saving = {"checkpoint.enabled": True, "checkpoint.every": 3, "checkpoint.keep": 3}
+    run = {**saving, "training.steps": 9}
+    uninterrupted = _one_process(str(tmp_path / "one"), "fsdp_tp", run)
+    # The same run up to its first checkpoint (step 3, written by one process).
+    workdir = str(tmp_path / "moved")
+    shutil.copytree(tmp_path / "one", workdir)
+    for step in ("6", "9"):
+        shutil.rmtree(os.path.join(workdir, "checkpoints", step))
+    capsys.readouterr()
+    # 1 -> 2 processes, steps 4-6 (keeping the 9-step schedule), saved at 6 by two processes.
+    (out, _) = _two_processes(workdir, "fsdp_tp", {**saving, "training.steps": 6})
+    assert "resumed from step 3" in out
+    # 2 -> 1 process, steps 7-9.
+    _one_process(workdir, "fsdp_tp", run)
+    assert "resumed from step 6" in capsys.readouterr().out
+    moved = train_losses(workdir)
+    assert len(moved) == 9
+    np.testing.assert_allclose(moved, uninterrupted, rtol=RTOL)
+    assert uninterrupted[3] - uninterrupted[-1] > 0.3  # steps 4-9 move: equality means something
