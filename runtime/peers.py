@@ -335,10 +335,6 @@ def _connect(address: str, index: int, deadline: float) -> socket.socket:
             time.sleep(0.1)
 
 
-def current() -> PeerWatch | None:
-    return _current
-
-
 def note(phase: str) -> None:
     """What this process is doing now, for the line a lost peer prints ("during step 7")."""
     if _current is not None:
@@ -352,6 +348,7 @@ def leave() -> None:
 
 
 def done() -> None:
+    """This process's run is complete (see PeerWatch.done)."""
     if _current is not None:
         _current.done()
 
