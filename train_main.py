@@ -38,19 +38,40 @@ _INIT_FROM = flags.DEFINE_string(
 def main(argv):
     cli.no_arguments(argv)
     cli.quiet_logging()
+    from runtime import peers
+
+    try:
+        _train()
+    except BaseException as e:
+        # Several processes: leave without JAX's exit barrier, which would wait for peers
+        # that leave the same way (runtime/peers.py). Alone: as Python would.
+        peers.exit_after(e)
+        raise
+    peers.done()
+
+
+def _train():
     import dataclasses
 
     from checkpoint import write_errors
     from checkpoint.workdir import expand, hold
     from launch import session
-    from runtime import distributed
+    from runtime import distributed, peers
     from training.loop import DivergedError
 
     # Every mistake in what the user gave surfaces while building (before the first step) as
     # one of these; anything raised later is a bug and keeps its stack trace.
     try:
-        distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-        run = cli.load_run_config(RUN)
+        # The config first: its peer timeout goes to jax.distributed.initialize.
+        notes = []
+        run = cli.load_run_config(RUN, notes=notes)
+        timeout = run.training.peer_timeout_seconds
+        distributed.initialize(
+            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, peer_timeout_s=timeout
+        )
+        cli.warn(notes)
+        coordinator = _COORDINATOR.value.rsplit(":", 1)[0] if _COORDINATOR.value else None
+        watch = peers.start(timeout, coordinator)
         if _PEAK_TFLOPS.value is not None:
             logging = dataclasses.replace(run.logging, peak_tflops=_PEAK_TFLOPS.value)
             run = dataclasses.replace(run, logging=logging)
@@ -59,16 +80,20 @@ def main(argv):
 
             run = resolve_auto(run)  # compiles candidates on these devices; picks, says why
         workdir = expand(_WORKDIR.value or os.path.join("runs", run.name))
+        if watch is not None:
+            watch.describe = session.saved_note(workdir, run.checkpoint.enabled)
         # Checked writable (checkpoints/ too), no history to overwrite, held until exit.
         lock = hold(workdir, checkpoints=run.checkpoint.enabled)
         init_from = expand(_INIT_FROM.value) if _INIT_FROM.value else None
         prepared = session.prepare(run, workdir, init_from=init_from)
         session.resume(prepared)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        peers.leave()
         cli.usage_error(cli.device_hint(e))
     try:
         session.train(prepared)
     except DivergedError as e:
+        peers.leave()
         # Not a mistake in the input (exit 2) nor a bug (a traceback): a run that failed.
         print(
             f"error: {e}; its metrics are in {os.path.join(workdir, 'metrics.jsonl')}; lower "
@@ -82,6 +107,7 @@ def main(argv):
         failure = write_errors.find(e)
         if failure is None:
             raise
+        peers.leave()
         print(f"error: {failure}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         if lock is not None:

@@ -153,9 +153,13 @@ def config_file_given() -> bool:
     return any(a.startswith("--config=") for a in sys.argv[1:])
 
 
-def load_run_config(run_flags: RunFlags, raw: dict | None = None):
+def load_run_config(run_flags: RunFlags, raw: dict | None = None, *, notes: list | None = None):
     """The typed run config: the config file (or `raw`, a config dict the caller built, with
-    the command line's `--config.*` overrides applied), with the run flags folded in."""
+    the command line's `--config.*` overrides applied), with the run flags folded in.
+
+    Its warnings are printed (process 0), or appended to `notes` for the caller to `warn`
+    later: a run of several processes reads its config before `jax.distributed.initialize`
+    (which takes the config's timeouts), and nothing may ask for the process index before."""
     from training.config import RunConfig
 
     try:
@@ -168,9 +172,12 @@ def load_run_config(run_flags: RunFlags, raw: dict | None = None):
             raw = _with_overrides(raw, explicit_config_overrides())
     except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
         usage_error(config_file_message(e))
-    notes: list[str] = []
-    run = RunConfig.from_config_dict(raw, notes)
-    _warn(notes)
+    found: list[str] = []
+    run = RunConfig.from_config_dict(raw, found)
+    if notes is None:
+        warn(found)
+    else:
+        notes += found
     replace = dataclasses.replace
     if run_flags.sharding_strategy.value is not None:
         run = replace(
@@ -266,7 +273,7 @@ def config_file_message(error: Exception) -> str:
     return load_error_message(error, given[-1] if given else DEFAULT_CONFIG)
 
 
-def _warn(notes: list[str]) -> None:
+def warn(notes: list[str]) -> None:
     """Adjustments a user expects (a smoke run's warmup), said once, on stderr."""
     import jax
 

@@ -11,15 +11,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from collections.abc import Callable
 
 import jax
 
 from checkpoint import resume as resume_rules
 from checkpoint.files import write_json_atomic
-from checkpoint.manager import Checkpointer
+from checkpoint.manager import Checkpointer, checkpoint_dir, complete_steps
 from launch.build import Run, build, make_mesh, model_config
 from launch.data import RunData, build_data
 from planning.chips import precision_peak_ratio
+from runtime import peers
 from runtime.preemption import PreemptionWatcher
 from training import finetune, flops
 from training.config import RunConfig
@@ -130,6 +132,24 @@ def resume(session: TrainSession) -> int:
     return session.start_step
 
 
+def saved_note(workdir: str, checkpoints: bool) -> Callable[[], str]:
+    """What a process stopped by a lost peer says of the saved state (runtime/peers.py):
+    read when it happens, from the files, since a save may have been cut short."""
+
+    def note() -> str:
+        if not checkpoints:
+            return "; nothing was saved (checkpoint.enabled=False)"
+        steps = complete_steps(checkpoint_dir(workdir), warn=False)
+        if not steps:
+            return "; no checkpoint was completed"
+        return (
+            f"; the last complete checkpoint is step {steps[-1]}; start every process again "
+            "with the same --workdir to resume from it"
+        )
+
+    return note
+
+
 def _write_run_info(session: TrainSession) -> None:
     if jax.process_index() == 0:
         # Atomically: a run killed here must not leave a half-written record behind.
@@ -159,6 +179,7 @@ def _compile(session: TrainSession, first_batch) -> None:
     """Compile the step ahead of the first one (so no timing includes it) and record its
     memory, the same figures plan_main reports for this command line."""
     trainer = session.built.trainer
+    peers.note("while compiling the train step")
     seconds = trainer.compile(first_batch)
     memory = step_memory(trainer.compiled)
     figures = memory.to_json() if memory is not None else {}
@@ -187,6 +208,7 @@ def _loop_options(session: TrainSession) -> LoopOptions:
         seed=run.training.seed,
         # Every process traces its own devices (one file per host under <workdir>/profile).
         profiler=StepProfiler(parse_steps(run.logging.profile_steps), session.workdir),
+        on_phase=peers.note,
     )
 
 

@@ -1,5 +1,5 @@
 """Process start-up, before and around `import jax`: quiet native libraries (`host`), CPU
-allocator and XLA flags (`cpu_memory`, `xla_cpu`), several processes (`distributed`) and
-preemption signals (`preemption`). Entry points call these first; nothing here imports a
-model, a strategy or the training step.
+allocator and XLA flags (`cpu_memory`, `xla_cpu`), several processes (`distributed`, and
+`peers`: a lost one ends the others with one line) and preemption signals (`preemption`).
+Entry points call these first; nothing here imports a model, a strategy or the training step.
 """

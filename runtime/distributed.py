@@ -6,6 +6,7 @@ global arrays.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -34,15 +35,31 @@ def detected_cluster() -> str | None:
     return None
 
 
+def jax_timeouts(peer_timeout_s: float) -> dict[str, int]:
+    """`jax.distributed.initialize`'s timeouts for a run whose peers are watched with this
+    bound (runtime/peers.py). JAX's heartbeat ends every process by LOG(FATAL) (SIGABRT and a
+    fatal-error dump) once one is silent that long, and its exit barrier waits that long for
+    the slowest process: twice the bound, so that the watch, which exits with one line, acts
+    first and JAX's runtime is the backstop should the watch's thread not run. 0: JAX's
+    defaults (100 s heartbeat, 300 s shutdown)."""
+    if not peer_timeout_s:
+        return {}
+    backstop = max(1, math.ceil(2 * peer_timeout_s))
+    return {"heartbeat_timeout_seconds": backstop, "shutdown_timeout_seconds": backstop}
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    *,
+    peer_timeout_s: float = 0.0,
 ) -> str | None:
     """Join the other processes, when there are any. Returns how ('flags', the detected
     variable) or None for a single-process run.
 
     Given flags must be complete: all three, or none (then a cluster is auto-detected).
+    `peer_timeout_s` is `training.peer_timeout_seconds` (`jax_timeouts`).
     """
     given = {
         "--coordinator_address": coordinator_address,
@@ -60,7 +77,8 @@ def initialize(
             raise ValueError(
                 f"--process_id={process_id} must be in [0, --num_processes={num_processes})"
             )
-        jax.distributed.initialize(
+        _join(
+            peer_timeout_s,
             coordinator_address=coordinator_address,
             num_processes=num_processes,
             process_id=process_id,
@@ -68,8 +86,17 @@ def initialize(
         return "flags"
     cluster = detected_cluster()
     if cluster is not None:
-        jax.distributed.initialize()  # JAX reads the cluster's variables itself
+        _join(peer_timeout_s)  # JAX reads the cluster's variables itself
     return cluster
+
+
+def _join(peer_timeout_s: float, **where) -> None:
+    # JAX's preemption service would catch SIGTERM in C++ from here on, only to record it for
+    # `reached_preemption_sync_point`, which nothing here asks: a SIGTERM before the training
+    # loop's own handler is installed (runtime/preemption.py) would be swallowed and the
+    # process run on until killed. Without it, such a SIGTERM ends the process.
+    jax.config.update("jax_enable_preemption_service", False)
+    jax.distributed.initialize(**where, **jax_timeouts(peer_timeout_s))
 
 
 def to_global(local_batch: Mapping[str, np.ndarray], mesh, batch_spec: P) -> dict[str, jax.Array]:

@@ -199,9 +199,23 @@ class TrainingSection:
     # device holds the logits of this many tokens at a time, never its [B, T, V] share.
     # 0: build the full logits.
     loss_chunk_size: int = 1024
+    # Several processes: seconds a process that stops answering (a frozen host, a network
+    # partition) may stay silent before every other process exits with one line naming it
+    # (runtime/peers.py); a killed or crashed one is noticed at once. 60: well above any pause
+    # of a live process's heartbeat thread, well below the minutes a dead host would bill.
+    # JAX's own heartbeat and shutdown timeouts are derived from it. 0: no watch of our own
+    # (JAX's defaults: ends the others by SIGABRT after about 100 s).
+    peer_timeout_seconds: float = 60.0
 
     def __post_init__(self):
         _positive("training", self, "steps", "eval_batches")
+        if not 0 <= self.peer_timeout_seconds < math.inf:
+            _fail(
+                "training",
+                "peer_timeout_seconds",
+                self.peer_timeout_seconds,
+                "must be >= 0 seconds (0: no peer watch, JAX's own heartbeat only)",
+            )
         if self.loss_chunk_size < 0:
             _fail(
                 "training",

@@ -232,6 +232,19 @@ class LoopOptions:
     checkpoint_every: int = 0  # 0: only at the end (and on preemption)
     seed: int = 0
     profiler: Any = None  # training.profile.StepProfiler, or None
+    # Told what the loop does next ("during step 7", "while saving step 20"): what a process
+    # whose peer was lost says it was doing (runtime/peers.py).
+    on_phase: Callable[[str], None] | None = None
+
+
+def _fetch(metrics: dict[str, jax.Array]) -> dict:
+    """The step's metrics on the host, once every local device has finished the step.
+    `device_get` reads one device's copy; waiting for all of them makes a device whose part
+    failed (a collective with a lost process) raise here, before anything else is dispatched:
+    otherwise that device would start the next program's collectives (the preemption
+    all-gather) against messages the lost process sent for this one, and gloo aborts the
+    process on the mismatch, before it can report the loss in one line."""
+    return jax.device_get(jax.block_until_ready(metrics))
 
 
 class _Loop:
@@ -250,6 +263,10 @@ class _Loop:
         # and seconds blocked saving a checkpoint (outside the timed interval, as validation).
         self.data_wait = self.checkpoint_wait = 0.0
 
+    def phase(self, text: str) -> None:
+        if self.options.on_phase is not None:
+            self.options.on_phase(text)
+
     def check_finite(self, fetched) -> None:
         # A finite loss with a non-finite gradient norm still writes NaN into the parameters.
         for name in ("loss", "grad_norm"):
@@ -264,6 +281,7 @@ class _Loop:
         return batch
 
     def train_step(self, batch: Batch) -> None:
+        self.phase(f"during step {self.step + 1}")
         profiler = self.options.profiler
         if profiler is not None:
             profiler.before(self.step + 1)
@@ -277,7 +295,7 @@ class _Loop:
     def log(self, learning_rate: Callable[[int], float]) -> None:
         """Fetch the step's metrics (blocks: the interval's steps are done) and write them."""
         o = self.options
-        fetched = jax.device_get(self.metrics)
+        fetched = _fetch(self.metrics)
         elapsed = time.perf_counter() - self.interval_start
         tokens_per_second = self.interval_steps * o.tokens_per_step / elapsed
         record = {
@@ -319,7 +337,8 @@ class _Loop:
             return  # the checkpointer would skip it; do not sync the objects for nothing
         started = time.perf_counter()
         if self.metrics:  # a step between log steps may have diverged: never save its state
-            self.check_finite(jax.device_get(self.metrics))
+            self.check_finite(_fetch(self.metrics))
+        self.phase(f"while saving step {step}")
         model, optimizer = self.trainer.sync()
         meta = {"step": step, "seed": o.seed, "tokens_seen": self.tokens_seen}
         if self.checkpointer.save(
@@ -336,6 +355,7 @@ class _Loop:
     def validate(self, make_val_batches) -> None:
         if make_val_batches is None:
             return
+        self.phase(f"while evaluating at step {self.step}")
         val_loss, val_tokens = evaluate(self.trainer, make_val_batches())
         self.writer.write_eval(self.step, val_loss, val_tokens=val_tokens)
         self.records.append({"step": self.step, "val_loss": val_loss, "val_tokens": val_tokens})
