@@ -108,8 +108,8 @@ def to_global(local_batch: Mapping[str, np.ndarray], mesh, batch_spec: P) -> dic
     sharding = NamedSharding(mesh, batch_spec)
     n = jax.process_count()
     if n > 1 and batch_spec[0] is None:
-        # A replicated batch would need every process to read the same rows; the data
-        # pipeline shards documents by process instead.
+        # Each process hands over only its own block of the global batch's rows
+        # (data/pipeline.py), which a batch layout not split over processes cannot use.
         raise ValueError(f"batch layout {batch_spec} is not split over processes")
     out = {}
     for name, local in local_batch.items():
