@@ -101,7 +101,7 @@ def test_only_adapters_train_and_adapted_equals_merged(one_device):
     np.testing.assert_allclose(adapted, merged, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["fsdp_tp"])
+@pytest.mark.parametrize("name", ["fsdp_tp", "fsdp_pp", "fsdp_tp_pp"])
 def test_every_strategy_equals_one_device(name, one_device):
     _, (ref_model, _, ref_losses, _, _) = one_device
     strategy = get_strategy(name)

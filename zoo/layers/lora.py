@@ -202,19 +202,35 @@ def add_lora(model, config: LoraConfig, rngs: nnx.Rngs) -> list[str]:
 
             make = _maker(module.eq, shape, module.sharding, config, module.dtype)
 
+            layer_axis = None
             if stacked:
+                # The adapters' L follows the base weight's L (the rule table's `layers`:
+                # split over `stage` under a pipeline strategy), so that each stage holds
+                # the adapters of the layers it runs.
+                layer_axis = model.sharding.stage_axis
                 layers = module.weight[...].shape[0]
                 make = nnx.split_rngs(splits=layers)(
                     nnx.vmap(
                         make,
                         in_axes=0,
                         out_axes=0,
-                        transform_metadata={nnx.PARTITION_NAME: None},
+                        transform_metadata={nnx.PARTITION_NAME: layer_axis},
                     )
                 )
             module.lora = nnx.jit(make)(rngs)
+            if layer_axis is not None:
+                _lay_out_recorded(module.lora)
             adapted.append("/".join(map(str, path)))
     return adapted
+
+
+def _lay_out_recorded(adapter) -> None:
+    """vmap records the layer split in each variable's metadata but creates L unsplit (as
+    for the base blocks, zoo/layers/decoder.py): move each value onto its recorded layout."""
+    for _, var in nnx.to_flat_state(nnx.state(adapter)):
+        spec = var.get_metadata().get("out_sharding")
+        if spec is not None:
+            var.set_value(jax.sharding.reshard(var.get_value(), P(*spec)))
 
 
 def adapters(model) -> list[tuple[tuple, Einsum]]:
