@@ -313,8 +313,11 @@ def estimate_step(
     )
 
 
-def compute_lower_bound(cfg, *, seq_len, global_batch, num_devices, remat, chip) -> float:
-    """Seconds no candidate with this remat can beat: its compute alone."""
+def compute_lower_bound(
+    cfg, *, seq_len, global_batch, num_devices, remat, chip, pipeline=None
+) -> float:
+    """Seconds no candidate with this remat (and pipeline schedule) can beat: its compute
+    alone, a pipeline's bubble included."""
     return estimate_step(
         cfg,
         seq_len=seq_len,
@@ -324,6 +327,7 @@ def compute_lower_bound(cfg, *, seq_len, global_batch, num_devices, remat, chip)
         chip=chip,
         exposed_comm=0.0,
         overlapped_comm=0.0,
+        pipeline=pipeline,
     ).step_seconds
 
 
