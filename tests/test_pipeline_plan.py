@@ -14,11 +14,14 @@ step stay within those weights' float32 shards (an activation gathered or summed
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from planning.chips import chip_for
-from planning.compile import Candidate, compile_plan, make_target
+from planning.cli import _strategies
+from planning.compile import Candidate, Target, compile_plan, make_target, run_for
 from planning.estimate import estimate_step
+from planning.search import candidate_space, pipeline_microbatches, search
 from shardings import get_strategy
 from shardings.specs import split_size
 from training.config import RunConfig
@@ -115,3 +118,34 @@ def test_only_permutes_and_the_gradient_reduction_cross_stage(compiled, topology
     moved = sum(op.executions * op.array_bytes for op in others)
     # 1 KiB: the loss's and the metrics' scalar sums.
     assert moved <= budget + 1024, (moved, budget, others)
+
+
+@pytest.mark.parametrize(
+    "stages, rows, expected",
+    [(2, 8, 8), (2, 64, 8), (2, 12, 6), (2, 6, 6), (4, 16, 16), (4, 8, 8), (4, 4, 4), (4, 2, 0)],
+)
+def test_auto_micro_batches_are_the_largest_multiple_of_stages_up_to_4s(stages, rows, expected):
+    assert pipeline_microbatches(stages, rows) == expected
+
+
+def test_auto_searches_the_pipelines_with_the_micro_batches_it_chose():
+    assert {"fsdp_pp", "fsdp_tp_pp"} <= set(_strategies("auto")[0])
+    run = RunConfig.from_config_dict(
+        {"model": {"preset": "tiny"}, "data": {"seq_len": 32, "global_batch_size": 16}}
+    )
+    target = Target("cpu:8", tuple(jax.devices()), chip_for("cpu", memory_gib=16))
+    named = candidate_space(run, target, ["fsdp_pp"], ("full",), (1, 2), {"fsdp_pp": (2, 4)})
+    assert [c.pipeline_microbatches for c in named] == [0, 0]  # the config's, as train_main
+    auto = candidate_space(
+        run, target, ["fsdp_pp"], ("full",), (1, 2), {"fsdp_pp": (2, 4)}, choose_pipeline=True
+    )
+    # 16 rows over data 4: 4 rows per data shard -> 4 micro-batches; 2 accumulation steps:
+    # 2 rows -> 2.
+    assert [c.pipeline_microbatches for c in auto] == [4, 2]
+    assert run_for(run, auto[0]).model.pipeline_microbatches == 4
+    result = search(run, target, auto[:1])
+    assert result.best is not None and result.best.candidate == auto[0]
+    plan = result.best.to_json()
+    assert plan["pipeline_microbatches"] == 4
+    assert plan["pipeline_bubble"] == pytest.approx(1 / 5)  # (S-1)/(Mb+S-1), S=2, Mb=4
+    assert "pipeline_microbatches=4" in result.reason
