@@ -118,9 +118,9 @@ def _strategies(text: str, auto_ok: bool = True) -> tuple[list[str], bool]:
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if names == ["auto"] and auto_ok:
-        # Pipeline strategies are planned when named (or `all`), not yet searched by auto:
-        # their micro-batch count is a model field the search does not vary yet.
-        return [n for n in STRATEGIES if get_strategy(n).lm_sharding().stage_axis is None], True
+        # Pipeline strategies included: the search chooses their micro-batch count
+        # (planning.search.pipeline_microbatches) when the config leaves it 0.
+        return list(STRATEGIES), True
     if names == ["all"]:
         return list(STRATEGIES), False
     for name in names:
@@ -182,7 +182,9 @@ def build(request: Request):
         cfg = run.model.decoder_config()
         slices = num_granules(list(target.devices))
         mesh_shapes = {s: get_strategy(s).default_mesh_shape(n, cfg, slices) for s in names}
-    candidates = candidate_space(run, target, names, remats, micro, mesh_shapes)
+    candidates = candidate_space(
+        run, target, names, remats, micro, mesh_shapes, choose_pipeline=auto
+    )
     if not candidates:
         raise ValueError(
             f"no candidate: batch {run.data.global_batch_size} does not split into "
@@ -255,7 +257,9 @@ def resolve_auto(run, log=print):
     )
     names, _ = _strategies("auto")
     names = distinct_strategies(names, run.model.decoder_config(), target)
-    candidates = candidate_space(run, target, names, REMAT_ORDER, (1, 2, 4, 8))
+    candidates = candidate_space(
+        run, target, names, REMAT_ORDER, (1, 2, 4, 8), choose_pipeline=True
+    )
     if not candidates:
         raise ValueError(
             f"--sharding_strategy=auto: batch {run.data.global_batch_size} splits over none of "

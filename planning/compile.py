@@ -39,12 +39,18 @@ class Candidate:
     mesh_shape: tuple[int, ...]
     remat: str
     micro_batches: int
+    # Pipeline strategies: the micro-batches the pipeline cuts each forward pass into, as
+    # `auto` chose them (`planning.search.pipeline_microbatches`); 0: the config's.
+    pipeline_microbatches: int = 0
 
     def describe(self) -> str:
 
         axes = get_strategy(self.strategy).axes
         mesh = ",".join(f"{a}:{n}" for a, n in zip(axes, self.mesh_shape, strict=True))
-        return f"{self.strategy} mesh {mesh} remat={self.remat} micro_batches={self.micro_batches}"
+        text = f"{self.strategy} mesh {mesh} remat={self.remat} micro_batches={self.micro_batches}"
+        if self.pipeline_microbatches:
+            text += f" pipeline_microbatches={self.pipeline_microbatches}"
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +101,7 @@ class Plan:
     # MoE with an expert axis: the token exchange's bytes against the routed payload.
     moe: dict = dataclasses.field(default_factory=dict)
     dot_dtypes: dict[str, int] = dataclasses.field(default_factory=dict)  # hlo.dot_dtypes
+    schedule: pipeline.PipelinePlan | None = None  # a pipeline strategy's
 
     def __getattr__(self, name: str):
         # argument_bytes, temp_bytes, peak_bytes, host_temp_bytes, required_bytes, ...
@@ -143,6 +150,7 @@ class Plan:
             "predicted_mfu": self.estimate.mfu,
             # Pipeline strategies: (S-1)/(micro-batches*repeats + S-1); 0 for the others.
             "pipeline_bubble": self.estimate.bubble,
+            "pipeline_microbatches": self.schedule.microbatches if self.schedule else None,
             "predicted_mfu_at_precision": self.estimate.mfu_at_precision,
             # The same bound under a name that says so, and the forecast beside it.
             "bound_step_seconds": self.estimate.step_seconds,
@@ -234,6 +242,8 @@ def run_for(run, candidate: Candidate):
         mesh_shape=",".join(str(n) for n in candidate.mesh_shape),
     )
     model = dataclasses.replace(run.model, remat=candidate.remat)
+    if candidate.pipeline_microbatches:
+        model = dataclasses.replace(model, pipeline_microbatches=candidate.pipeline_microbatches)
     optimizer = dataclasses.replace(run.optimizer, micro_batches=candidate.micro_batches)
     return dataclasses.replace(run, training=training, model=model, optimizer=optimizer)
 
@@ -264,6 +274,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         return axis_bandwidth(devices_grid, axis_index, target.chip, dims)
 
     exposed, overlapped = comm_seconds(ops, bandwidth, tuple(mesh.axis_names))
+    pp = pipeline.plan_for(built.model.cfg, built.model.sharding, mesh)
     estimate = estimate_step(
         run.model.decoder_config(),
         seq_len=run.data.seq_len,
@@ -273,7 +284,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         chip=target.chip,
         exposed_comm=exposed,
         overlapped_comm=overlapped,
-        pipeline=pipeline.plan_for(built.model.cfg, built.model.sharding, mesh),
+        pipeline=pp,
     )
     own = traffic(text)
     plan = Plan(
@@ -291,6 +302,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         estimate=estimate,
         traffic=own,
         dot_dtypes=dict(sorted(hlo.dot_dtypes(text).items())),
+        schedule=pp,
     )
     from planning.moe import exchange_summary
 

@@ -26,9 +26,9 @@ negative or no times).
 Pipeline strategies (a `stage` axis, S stages, Mb micro-batches, R repeats): every stage runs
 all Mb*R + S - 1 iterations of the schedule, S - 1 of them on no real work (the bubble,
 (S-1)/(Mb*R + S-1) of the layer time), so the layers' executed FLOPs are their share times
-(Mb*R + S-1)/(Mb*R); the LM head and embedding run on every stage (each stage runs the head
-on its data shard's whole batch), so the head's FLOPs count S times. MFU counts the useful
-FLOPs only (the config's formula), so the bubble and the repeated head lower it.
+(Mb*R + S-1)/(Mb*R); the LM head and embedding run once, each stage on its own rows (the
+batch is split over `stage` outside the layer stack), so the head's FLOPs count once. MFU
+counts the useful FLOPs only (the config's formula), so the bubble lowers it.
 
 The overlap assumption, stated: collectives whose group spans a data-parallel axis (`data`,
 `replica`: FSDP weight all-gathers, gradient reduce-scatters / all-reduces, also when XLA
@@ -290,9 +290,11 @@ def estimate_step(
     bubble = 0.0
     if pipeline is not None:
         bubble = pipeline.bubble
+        # The layers run every iteration, bubble included; the LM head runs once, on each
+        # stage's own rows (zoo/layers/pipeline.py).
         head = 6.0 * cfg.hidden_dim * cfg.vocab_size * tokens / num_devices
         work = pipeline.microbatches * pipeline.repeats
-        executed = (executed - head) * pipeline.iterations / work + head * pipeline.stages
+        executed = (executed - head) * pipeline.iterations / work + head
     quantized = quantized_flops_per_token(cfg, remat) * tokens / num_devices
     peak_low = peak_flops(chip, getattr(cfg, "quantization", "none"))
     compute = (executed - quantized) / chip.peak_bf16_flops + quantized / peak_low
@@ -311,8 +313,11 @@ def estimate_step(
     )
 
 
-def compute_lower_bound(cfg, *, seq_len, global_batch, num_devices, remat, chip) -> float:
-    """Seconds no candidate with this remat can beat: its compute alone."""
+def compute_lower_bound(
+    cfg, *, seq_len, global_batch, num_devices, remat, chip, pipeline=None
+) -> float:
+    """Seconds no candidate with this remat (and pipeline schedule) can beat: its compute
+    alone, a pipeline's bubble included."""
     return estimate_step(
         cfg,
         seq_len=seq_len,
@@ -322,6 +327,7 @@ def compute_lower_bound(cfg, *, seq_len, global_batch, num_devices, remat, chip)
         chip=chip,
         exposed_comm=0.0,
         overlapped_comm=0.0,
+        pipeline=pipeline,
     ).step_seconds
 
 

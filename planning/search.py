@@ -25,6 +25,7 @@ from shardings import get_strategy
 from shardings.hybrid import num_granules
 from shardings.specs import entry_size
 from shardings.strategies import CONTEXT, DATA, MAX_MODEL_AXIS, MODEL
+from zoo.layers import pipeline
 
 REMAT_ORDER = ("none", "dots", "full")
 GiB = 1024**3
@@ -49,11 +50,14 @@ def candidate_space(
     remats=REMAT_ORDER,
     micro_batches=(1, 2, 4, 8),
     mesh_shapes: dict[str, tuple[int, ...]] | None = None,
+    choose_pipeline: bool = False,
 ) -> list[Candidate]:
     """Every combination that the layouts and the batch allow on `target`'s device count.
 
     Two-axis strategies get every `model` size that divides the device count and the kv-head
     count, up to the strategies' tensor-parallel cap; `mesh_shapes` fixes a strategy's shape.
+    `choose_pipeline` (auto): a pipeline strategy's micro-batch count, when the config leaves
+    it 0, is `pipeline_microbatches`' (else the config's, as train_main would run it).
     """
 
     n = len(target.devices)
@@ -68,13 +72,38 @@ def candidate_space(
         else:
             shapes = _mesh_shapes(strategy, n, cfg, slices)
         batch_axes = strategy.batch_spec()[0]
+        stage_axis = strategy.lm_sharding().stage_axis
         for shape in shapes:
-            data = entry_size(batch_axes, dict(zip(strategy.axes, shape, strict=True)))
+            sizes = dict(zip(strategy.axes, shape, strict=True))
+            data = entry_size(batch_axes, sizes)
             for remat in remats:
                 for k in micro_batches:
-                    if batch % k == 0 and (batch // k) % data == 0:
-                        out.append(Candidate(name, tuple(shape), remat, k))
+                    if batch % k or (batch // k) % data:
+                        continue
+                    pm = 0
+                    if stage_axis is not None and choose_pipeline and not cfg.pipeline_microbatches:
+                        # Rows per data shard (the batch split but `stage`) of one forward.
+                        rows = batch // k // (data // sizes[stage_axis])
+                        pm = pipeline_microbatches(sizes[stage_axis], rows)
+                        if not pm:
+                            continue
+                    out.append(Candidate(name, tuple(shape), remat, k, pm))
     return out
+
+
+def pipeline_microbatches(stages: int, rows: int) -> int:
+    """`auto`'s micro-batch count for a pipeline of `stages` stages whose forward pass holds
+    `rows` rows per data shard: the largest multiple of `stages` up to 4 x `stages` that
+    divides `rows` (a micro-batch keeps at least one row per data shard), 0 if none.
+
+    At 4 x stages the GPipe bubble, (S-1)/(Mb + S-1), is 1/9 of a 2-stage step and under 1/5
+    for any S; more micro-batches shrink it further but gather each stage's FSDP weights once
+    more per micro-batch and run smaller matmuls, which the step-time bound does not price
+    well enough to go past it."""
+    for mb in range(4 * stages, stages - 1, -stages):
+        if rows % mb == 0:
+            return mb
+    return 0
 
 
 def _mesh_shapes(strategy, n: int, cfg, slices: int) -> list[tuple[int, ...]]:
@@ -148,6 +177,7 @@ def search(
             num_devices=len(target.devices),
             remat=c.remat,
             chip=target.chip,
+            pipeline=_schedule(run_for(run, c).model.decoder_config(), c),
         )
         for c in candidates
     }
@@ -203,6 +233,21 @@ def search(
     if best is None:
         return SearchResult(None, plans, skipped, smallest_change(run, target, plans, state_cache))
     return SearchResult(best, plans, skipped, _why(best, plans, skipped))
+
+
+def _schedule(cfg, c: Candidate):
+    """The pipeline schedule of a candidate (its bubble is compute no candidate escapes), or
+    None; None too for sizes the pipeline cannot run (the compile will say why)."""
+    stage_axis = get_strategy(c.strategy).lm_sharding().stage_axis
+    if stage_axis is None:
+        return None
+    stages = dict(zip(get_strategy(c.strategy).axes, c.mesh_shape, strict=True))[stage_axis]
+    try:
+        return pipeline.plan(
+            cfg.num_layers, stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
+        )
+    except ValueError:
+        return None
 
 
 def _at_least_as_much_remat(a: str, b: str) -> bool:

@@ -303,7 +303,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
                 op = "reduce-scatter"
             elif op not in COLLECTIVES:
                 continue
-            groups = _groups(inst.attrs, num_devices)
+            groups = _groups(_group_attrs(inst, computations), num_devices)
             group_size = max(len(g) for g in groups) if groups else 1
             output = _output_bytes(op, is_start, inst.shape)
             array = output * group_size if op == "reduce-scatter" else output
@@ -312,6 +312,18 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
             axes = _axes_crossed(groups, mesh_shape) if mesh_shape else ()
             out.append(Collective(op, inst.name, array, group_size, axes, runs))
     return out
+
+
+def _group_attrs(inst: _Instruction, computations) -> str:
+    """The attributes that name `inst`'s replica groups: its own, or for TPU's fused
+    reduce-scatter (whose fusion line names none) those of the all-reduce it calls."""
+    called = re.search(rf"calls=%({_FUSED_REDUCE_SCATTER}[\w.\-]*)", inst.attrs)
+    if inst.opcode != "fusion" or not called:
+        return inst.attrs
+    for inner in computations.get(called.group(1), []):
+        if inner.opcode in ("all-reduce", "all-reduce-start"):
+            return inner.attrs
+    return inst.attrs
 
 
 def _ragged_bytes(inst: _Instruction, output: int, shapes: dict[str, str]) -> int:

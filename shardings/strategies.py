@@ -94,6 +94,14 @@ class Strategy:
                         f"strategy {self.name!r}: rule {dim!r} -> {axis!r} names an axis "
                         f"outside its mesh axes {self.axes}"
                     )
+        stage = _as_tuple(self.rules.get("layers"))
+        if stage and _as_tuple(self.rules.get("batch"))[-1:] != stage:
+            # The pipeline takes each stage's rows in and hands them back (zoo/layers/
+            # pipeline.py): outside the layer stack B is split over `stage` too, minor-most.
+            raise ValueError(
+                f"strategy {self.name!r}: a pipeline's rule 'layers' -> {stage[0]!r} needs "
+                f"{stage[0]!r} as the last axis of rule 'batch'"
+            )
 
     def spec(self, *dims: str | None) -> P:
         """The layout of an array whose dims are these logical dims (None: never split)."""
@@ -178,7 +186,14 @@ def _lm(s: Strategy) -> LmSharding:
     """The typed layouts of a whole model, written in logical dims; `s.spec` applies the
     strategy's table. What no table may change (D, the vocab dim of the embedding table,
     a matmul input's M) is a plain None, with the reason."""
-    tokens = s.spec("batch", "seq")
+    # Outside the layer stack: the inputs, the embeddings, the final norm, the LM head and
+    # the loss. Under a pipeline their rows are split over `stage` too (the `batch` rule),
+    # so each stage embeds, and runs the head and the loss on, its own rows.
+    outer = s
+    tokens = outer.spec("batch", "seq")
+    # Inside a pipeline's stages (the blocks) B is split over the batch axes but `stage`:
+    # the pipeline is manual over `stage`, and streams every micro-batch through every stage.
+    s = _inside_stages(s)
     residual = s.spec("batch", "residual_seq", "residual")
     # Inputs to every matmul are whole on M, because the weights' M is split only for
     # storage (FSDP) and gathered: `B T M`. With a split residual this is the all-gather
@@ -249,19 +264,33 @@ def _lm(s: Strategy) -> LmSharding:
     # Embedding tables [V, M] / [T_max, M]: never split on V, so the row gather needs no
     # communication; their M follows `table_embed`.
     table = s.spec(None, "table_embed")
+    outer_residual = outer.spec("batch", "residual_seq", "residual")
     # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
     return LmSharding(
         # A split T runs in balanced chunk order inside the model, so that causal attention
         # gives every device the same work (zoo/layers/attention/context_parallel.py).
         seq_order="balanced" if s.rules.get("seq") else "natural",
-        stage_axis=s.rules.get("layers"),
+        stage_axis=outer.rules.get("layers"),
         tokens=tokens,
-        embed=EmbeddingSharding(table=table, out=residual),
-        position_embed=EmbeddingSharding(table=table, out=residual),
+        embed=EmbeddingSharding(table=table, out=outer_residual),
+        position_embed=EmbeddingSharding(table=table, out=outer_residual),
         block=block,
-        final_norm=_norm(gathered),
-        lm_head=_linear(s.spec("embed_fsdp", "vocab"), s.spec("batch", "seq", "vocab")),
+        final_norm=_norm(outer.spec("batch", "seq", None)),
+        lm_head=_linear(s.spec("embed_fsdp", "vocab"), outer.spec("batch", "seq", "vocab")),
     )
+
+
+def _inside_stages(s: Strategy) -> Strategy:
+    """`s` as the blocks of a pipeline see them: `batch` without the stage axis, and no
+    `layers` rule (the stacked weights' split is `LmSharding.stage_axis`). `s` itself when
+    it has no `layers` rule."""
+    stage = s.rules.get("layers")
+    if stage is None:
+        return s
+    batch = tuple(a for a in _as_tuple(s.rules.get("batch")) if a not in _as_tuple(stage))
+    rules = {k: v for k, v in s.rules.items() if k != "layers"}
+    rules["batch"] = batch[0] if len(batch) == 1 else (batch or None)
+    return dataclasses.replace(s, rules=rules)
 
 
 def _at_most_node(num_devices: int) -> int:
@@ -442,22 +471,24 @@ def _stages_per_node(num_devices: int) -> int:
 
 # Pipeline parallelism (GPipe / circular: zoo/layers/pipeline.py). The stacked layer weights
 # `[L, ...]` are split on L over `stage`: stage s stores and runs L/stage consecutive layers;
-# between stages only activations move (one collective-permute over `stage` per micro-batch
-# and repeat, forward and backward). Inside a stage the table is fsdp's (or fsdp_tp's).
-# Embeddings, the final norm and the LM head are replicated over `stage` (each stage runs
-# them on the whole batch); their gradients are all-reduced over `stage`.
+# between stages only activations move (collective-permutes over `stage`: per micro-batch
+# and repeat, forward and backward, and once to bring the rows in and hand them back).
+# Inside a stage the table is fsdp's (or fsdp_tp's). Outside the layer stack the batch is
+# split over `stage` as well: each stage embeds, and runs the LM head and the loss on, its
+# own rows. Embeddings, the final norm and the LM head are replicated over `stage`; their
+# gradients are all-reduced over `stage`, as data parallelism's are over `data`.
 FSDP_PP = Strategy(
     name="fsdp_pp",
     axes=(STAGE, DATA),
     axis_caps={STAGE: _stages_per_node},
-    rules={**FSDP.rules, "layers": STAGE},
+    rules={**FSDP.rules, "batch": (DATA, STAGE), "layers": STAGE},
 )
 
 FSDP_TP_PP = Strategy(
     name="fsdp_tp_pp",
     axes=(STAGE, DATA, MODEL),
     axis_caps={STAGE: _stages_per_node, MODEL: _at_most_node_and_sqrt},
-    rules={**FSDP_TP.rules, "layers": STAGE},
+    rules={**FSDP_TP.rules, "batch": (DATA, STAGE), "layers": STAGE},
 )
 
 STRATEGIES: dict[str, Strategy] = {

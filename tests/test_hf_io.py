@@ -162,6 +162,8 @@ def test_presets_have_their_published_sizes():
         "qwen3-8b": 8_190_735_360,
         "mistral-7b-v0.1": 7_241_732_096,
         "gemma3-1b": 999_885_952,
+        "llama3.1-8b": 8_030_261_248,
+        "llama3.1-70b": 70_553_706_496,
     }
     for name, count in expected.items():
         assert zoo.get_config(name).num_params() == count, name

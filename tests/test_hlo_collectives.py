@@ -50,6 +50,18 @@ def test_tpu_fused_reduce_scatter_is_one_reduce_scatter_of_the_whole_input():
     assert "all-reduce.9" not in ops
 
 
+# A TPU fused reduce-scatter names no replica groups on its fusion line: its groups are those
+# of the all-reduce it calls (here over `model` only, as a tensor-parallel reduce-scatter
+# inside a pipeline stage compiles for v5p).
+_FUSED_OVER_MODEL = (pathlib.Path(__file__).parent / "hlo" / "fused_reduce_scatter.hlo").read_text()
+
+
+def test_tpu_fused_reduce_scatter_takes_the_groups_of_its_all_reduce():
+    (rs,) = collectives(_FUSED_OVER_MODEL, MESH)
+    assert (rs.op, rs.axes, rs.group_size) == ("reduce-scatter", ("model",), 2)
+    assert rs.array_bytes == 4 * 32 * 2 * 2
+
+
 def test_replica_groups_map_to_the_mesh_axes_they_cross():
     ops = _by_name()
     assert ops["all-gather-start"].axes == ("data",)  # mesh form, axis_0 of 4 x 2

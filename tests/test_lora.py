@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from model_utils import one_device_mesh, packed_batch
 
-from shardings import get_strategy
+from shardings import STRATEGIES, get_strategy
 from training.loop import Trainer, loss_sum
 from zoo import create_model, get_config
 from zoo.layers.lora import TARGETS, LoraConfig, LoraParam, adapters, add_lora, merge_lora
@@ -21,11 +21,29 @@ BATCH = packed_batch(batch=8, seq=32)
 STEPS = 2
 
 
-def _build(mesh, strategy):
-    with jax.set_mesh(mesh):
-        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
-        add_lora(model, LORA, nnx.Rngs(1))
+def _make(strategy):
+    model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
+    add_lora(model, LORA, nnx.Rngs(1))
     return model
+
+
+def _build(mesh, strategy, values=None):
+    """The model with adapters under `strategy`: initialised, or with `values` ({path:
+    array}, e.g. the one-device model's) laid out as the strategy declares them, which
+    skips the initialiser's compile (the slowest part of a case)."""
+    with jax.set_mesh(mesh):
+        if values is None:
+            return _make(strategy)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: _make(strategy)))
+        flat = nnx.to_flat_state(state)
+        for path, var in flat:
+            spec = var.get_value().sharding.spec
+            var.set_value(jax.device_put(values[path], jax.NamedSharding(mesh, spec)))
+        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _values(model):
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
 def _put(mesh, strategy):
@@ -41,18 +59,19 @@ def _logits(model, batch):
     )(model, batch)
 
 
-def _train(mesh, strategy):
+def _train(mesh, strategy, values=None):
     """(model after STEPS SGD steps on the adapters (linear in the gradients, so the
     strategies' rounding differences stay that small), losses, base params before/after)."""
-    model = _build(mesh, strategy)
+    model = _build(mesh, strategy, values)
     batch = _put(mesh, strategy)
     with jax.set_mesh(mesh):
         base_before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        initial = _values(model)
         optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=LoraParam)
         trainer = Trainer(model, optimizer, batch_spec=strategy.batch_spec(), wrt=LoraParam)
         losses = [float(trainer.train_step(batch)["loss"]) for _ in range(STEPS)]
         model, optimizer = trainer.sync()
-    return model, optimizer, losses, base_before, batch
+    return model, optimizer, losses, base_before, batch, initial
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +99,7 @@ def test_zero_b_gives_exactly_the_base_logits():
 
 
 def test_only_adapters_train_and_adapted_equals_merged(one_device):
-    mesh, (model, optimizer, losses, base_before, batch) = one_device
+    mesh, (model, optimizer, losses, base_before, batch, _) = one_device
     assert losses[-1] < losses[0]
     with jax.set_mesh(mesh):
         base_after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -101,12 +120,34 @@ def test_only_adapters_train_and_adapted_equals_merged(one_device):
     np.testing.assert_allclose(adapted, merged, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["fsdp_tp"])
+# Every strategy, each axis of its mesh split (8 devices): the adapters take each table's
+# layouts, and the pipelines' stage split of L.
+CASES = {
+    "dp": (8,),
+    "fsdp": (8,),
+    "tp": (4, 2),
+    "fsdp_tp": (4, 2),
+    "hsdp": (2, 4),
+    "hsdp_tp": (2, 2, 2),
+    "fsdp_cp": (4, 2),
+    "fsdp_tp_cp": (2, 2, 2),
+    "fsdp_ep": (4, 2),
+    "fsdp_tp_ep": (2, 2, 2),
+    "fsdp_pp": (2, 4),
+    "fsdp_tp_pp": (2, 2, 2),
+}
+
+
+def test_every_strategy_has_a_case():
+    assert set(CASES) == set(STRATEGIES)
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_every_strategy_equals_one_device(name, one_device):
-    _, (ref_model, _, ref_losses, _, _) = one_device
+    _, (ref_model, _, ref_losses, _, _, initial) = one_device
     strategy = get_strategy(name)
-    mesh = strategy.make_mesh()
-    model, _, losses, _, _ = _train(mesh, strategy)
+    mesh = strategy.make_mesh(shape=CASES[name])
+    model, _, losses, _, _, _ = _train(mesh, strategy, initial)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     ref = nnx.to_flat_state(nnx.state(ref_model, LoraParam))
     got = dict(nnx.to_flat_state(nnx.state(model, LoraParam)))
@@ -116,13 +157,21 @@ def test_every_strategy_equals_one_device(name, one_device):
         np.testing.assert_allclose(
             np.asarray(got[path][...]), np.asarray(var[...]), atol=1e-5, rtol=1e-4
         )
-    # A follows its base matrix's input dim, B the output dims (fsdp_tp: M/data, N/model).
-    q = model.blocks.attention.q
-    w_spec = tuple(jax.typeof(q.weight[...]).sharding.spec) + (None,) * 4
-    a_spec = tuple(jax.typeof(q.lora.a[...]).sharding.spec) + (None,) * 3
-    b_spec = tuple(jax.typeof(q.lora.b[...]).sharding.spec) + (None,) * 4
-    assert a_spec[:3] == (w_spec[0], w_spec[1], None)  # [L, M, R]
-    assert b_spec[:4] == (w_spec[0], None, w_spec[2], w_spec[3])  # [L, R, N, D]
+    # A follows its base matrix's input dims, B the output dims (fsdp_tp: M/data, N/model),
+    # both the L split (stage, under a pipeline).
+    q, o = model.blocks.attention.q, model.blocks.attention.o
+    w_q, a_q, b_q = (_spec(x, 4) for x in (q.weight, q.lora.a, q.lora.b))
+    assert a_q[:3] == (w_q[0], w_q[1], None)  # [L, M, R]
+    assert b_q == (w_q[0], None, w_q[2], w_q[3])  # [L, R, N, D]
+    w_o, a_o, b_o = (_spec(x, 4) for x in (o.weight, o.lora.a, o.lora.b))
+    assert a_o == (w_o[0], w_o[1], w_o[2], None)  # [L, N, D, R]
+    assert b_o[:3] == (w_o[0], None, w_o[3])  # [L, R, M]
+    split = any(a is not None for a in (*w_q, *w_o))
+    assert split == (name != "dp"), name
+
+
+def _spec(var, rank):
+    return (tuple(jax.typeof(var[...]).sharding.spec) + (None,) * rank)[:rank]
 
 
 def test_a_target_that_names_no_module_is_one_line():
@@ -166,3 +215,12 @@ def test_dropout_trains_and_evaluation_is_deterministic():
         want, _ = nnx.jit(loss_sum)(merged, batch)
     # Were dropout on in evaluation, half the adapters' inputs would be gone: far apart.
     np.testing.assert_allclose(float(evaluated), float(want), rtol=1e-5)
+
+
+def test_dropout_under_a_pipeline_is_one_line():
+    strategy = get_strategy("fsdp_pp")
+    with jax.set_mesh(strategy.make_mesh(shape=(2, 4))):
+        model = nnx.eval_shape(lambda: create_model(CFG, strategy, rngs=nnx.Rngs(0)))
+        with pytest.raises(ValueError, match="lora.dropout=0.1 does not run under a pipeline") as e:
+            add_lora(model, LoraConfig(rank=2, alpha=2.0, dropout=0.1), nnx.Rngs(0))
+    assert "\n" not in str(e.value)

@@ -4,9 +4,11 @@ are the live ones, and logits, loss, gradients and ten AdamW steps equal the one
 in float32 on packed rows, for both schedules (GPipe: repeats 1; circular: repeats 2) on 2 and
 4 stages, with as many micro-batches as stages and with more (the loop-back buffer's delay).
 
-The model has 4 layers, so that 2 stages x 2 repeats and 4 stages divide it. Tolerances are
-that file's (its docstring gives the reasons): a pipeline only reorders which rows run when,
-so the sums inside a row are the one-device run's.
+The model has 4 layers, so that 2 stages x 2 repeats and 4 stages divide it; the circular
+case on 4 stages has 8 (2 repeats x 4 stages, one layer per chunk) and its own one-device
+reference. Two cases remat (the pipeline checkpoints each layer under the model's policy).
+Tolerances are that file's (its docstring gives the reasons): a pipeline only reorders which
+rows run when, so the sums inside a row are the one-device run's.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from shardings import get_strategy
 from zoo import get_config
 
 BASE = get_config("tiny").replace(num_layers=4)
-# (strategy, mesh, micro-batches, repeats)
+# (strategy, mesh, micro-batches, repeats, layers, remat)
 CASES = [
-    ("fsdp_pp", (2, 4), 2, 1),  # GPipe, 2 stages
-    ("fsdp_pp", (4, 2), 4, 1),  # GPipe, 4 stages
-    ("fsdp_pp", (2, 4), 2, 2),  # circular, layer chunk c on stage c mod 2
-    ("fsdp_tp_pp", (2, 2, 2), 4, 2),  # circular, more micro-batches than stages, with tp
+    ("fsdp_pp", (2, 4), 2, 1, 4, "none"),  # GPipe, 2 stages
+    ("fsdp_pp", (4, 2), 4, 1, 4, "none"),  # GPipe, 4 stages
+    ("fsdp_pp", (2, 4), 2, 2, 4, "none"),  # circular, layer chunk c on stage c mod 2
+    # Circular, more micro-batches than stages, with tp.
+    ("fsdp_tp_pp", (2, 2, 2), 4, 2, 4, "dots"),
+    ("fsdp_pp", (4, 2), 4, 2, 8, "full"),  # circular on 4 stages
 ]
 
 # The shared tests, run on this module's fixtures.
@@ -36,18 +40,43 @@ test_adamw_steps_equal_one_device = equal.test_adamw_steps_equal_one_device
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return equal._run("dp", one_device_mesh(), cfg=BASE)
+def references():
+    """The one-device run per layer count, each made once."""
+    runs = {}
+
+    def get(num_layers):
+        if num_layers not in runs:
+            runs[num_layers] = equal._run(
+                "dp", one_device_mesh(), cfg=BASE.replace(num_layers=num_layers)
+            )
+        return runs[num_layers]
+
+    return get
 
 
 @pytest.fixture(
     scope="module",
     params=CASES,
-    ids=[f"{s}-{'x'.join(map(str, m))}-mb{mb}-r{r}" for s, m, mb, r in CASES],
+    ids=[f"{s}-{'x'.join(map(str, m))}-mb{mb}-r{r}-l{n}-{rm}" for s, m, mb, r, n, rm in CASES],
 )
-def sharded(request, reference, monkeypatch_module):
-    name, shape, microbatches, repeats = request.param
-    cfg = BASE.replace(pipeline_microbatches=microbatches, pipeline_repeats=repeats)
+def case(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(case, references):
+    return references(case[4])
+
+
+@pytest.fixture(scope="module")
+def sharded(case, reference, monkeypatch_module):
+    name, shape, microbatches, repeats, num_layers, remat = case
+    cfg = BASE.replace(
+        num_layers=num_layers,
+        pipeline_microbatches=microbatches,
+        pipeline_repeats=repeats,
+        remat=remat,
+    )
     # The shared layout test reads the module's config.
     monkeypatch_module.setattr(equal, "CFG", cfg)
     mesh = get_strategy(name).make_mesh(shape=shape)

@@ -187,7 +187,15 @@ def add_lora(model, config: LoraConfig, rngs: nnx.Rngs) -> list[str]:
     """Attach adapters to `config.targets` in every block of `model`, under the active mesh.
     Returns the adapted paths. ValueError (one line) when a target names no module of this
     model (e.g. 'gate' on GPT-2, whose MLP has none)."""
-    adapted = []
+    if config.dropout and model.sharding.stage_axis is not None:
+        # The pipeline runs each layer from a copy of its weights (zoo/layers/pipeline.py)
+        # and does not carry the dropout's RNG state back: every step would drop the same.
+        raise ValueError(
+            f"config lora.dropout={config.dropout} does not run under a pipeline strategy "
+            "(its masks would repeat every step); use lora.dropout=0 there, or a strategy "
+            "without a `stage` axis"
+        )
+    found = []
     for target in config.targets:
         modules = _target_modules(model, target)
         if not modules:
@@ -196,25 +204,42 @@ def add_lora(model, config: LoraConfig, rngs: nnx.Rngs) -> list[str]:
                 f"({type(model.cfg).__name__}); valid here: "
                 f"{', '.join(t for t in TARGETS if _target_modules(model, t))}"
             )
-        for path, module in modules:
-            stacked = _layer_dims(module)
-            shape = tuple(module.weight[...].shape[stacked:])
-
-            make = _maker(module.eq, shape, module.sharding, config, module.dtype)
-
-            if stacked:
-                layers = module.weight[...].shape[0]
-                make = nnx.split_rngs(splits=layers)(
-                    nnx.vmap(
-                        make,
-                        in_axes=0,
-                        out_axes=0,
-                        transform_metadata={nnx.PARTITION_NAME: None},
-                    )
+        found += modules
+    # The adapters' L follows the base weights' L (the rule table's `layers`: split over
+    # `stage` under a pipeline strategy), so that each stage holds the adapters of the
+    # layers it runs.
+    layer_axis = model.sharding.stage_axis
+    makers = []
+    for _, module in found:
+        stacked = _layer_dims(module)
+        shape = tuple(module.weight[...].shape[stacked:])
+        make = _maker(module.eq, shape, module.sharding, config, module.dtype)
+        if stacked:
+            make = nnx.split_rngs(splits=module.weight[...].shape[0])(
+                nnx.vmap(
+                    make,
+                    in_axes=0,
+                    out_axes=0,
+                    transform_metadata={nnx.PARTITION_NAME: layer_axis},
                 )
-            module.lora = nnx.jit(make)(rngs)
-            adapted.append("/".join(map(str, path)))
-    return adapted
+            )
+        makers.append(make)
+    # One compiled program makes them all (one per target would compile once each).
+    made = nnx.jit(lambda rngs: [make(rngs) for make in makers])(rngs)
+    for (_, module), adapter in zip(found, made, strict=True):
+        if layer_axis is not None and _layer_dims(module):
+            _lay_out_recorded(adapter)
+        module.lora = adapter
+    return ["/".join(map(str, path)) for path, _ in found]
+
+
+def _lay_out_recorded(adapter) -> None:
+    """vmap records the layer split in each variable's metadata but creates L unsplit (as
+    for the base blocks, zoo/layers/decoder.py): move each value onto its recorded layout."""
+    for _, var in nnx.to_flat_state(nnx.state(adapter)):
+        spec = var.get_metadata().get("out_sharding")
+        if spec is not None:
+            var.set_value(jax.sharding.reshard(var.get_value(), P(*spec)))
 
 
 def adapters(model) -> list[tuple[tuple, Einsum]]:

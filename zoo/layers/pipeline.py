@@ -4,26 +4,37 @@ The stacked layer weights `[L, ...]` are stored split on L over `stage` (the str
 `layers` rule), so stage s holds layers s*L/S .. (s+1)*L/S - 1 and the global arrays are the
 ones every other strategy stores (checkpoints move between them unchanged).
 
-Schedule. The batch is cut into `Mb` micro-batches (rows i*Mb + m form micro-batch m, so
-each data shard cuts its own rows). `R` repeats (virtual stages per device): layer chunk
-c = r*S + s of `Lc = L / (S*R)` layers runs on stage s in repeat r, i.e. with one layer per
-chunk, layer l on stage l mod S. R = 1 is GPipe; R > 1 is the circular (interleaved)
-schedule, whose bubble is R times smaller. At iteration t stage s works on item k = t - s
-(micro-batch k mod Mb, repeat k // Mb) when 0 <= k < Mb*R; there are Mb*R + S - 1
-iterations, so the bubble (idle fraction of each stage) is (S-1) / (Mb*R + S-1).
+Rows. Outside the layer stack the batch is split over `stage` as well as the batch axes (the
+strategy's `batch` rule, `stage` minor-most): each stage embeds, and runs the final norm,
+the LM head and the loss on, its own rows, so nothing there runs once per stage. The batch
+is cut into `Mb` micro-batches (a multiple of S) such that each stage's rows are Mb/S whole
+micro-batches' shares of every data shard (`_microbatch`: no communication). Stage k sends
+its micro-batches to stage 0 (S-1 collective-permutes), and after the loop stage 0 sends
+each stage back its own (S-1 more).
+
+Schedule. `R` repeats (virtual stages per device): layer chunk c = r*S + s of
+`Lc = L / (S*R)` layers runs on stage s in repeat r, i.e. with one layer per chunk, layer l
+on stage l mod S. R = 1 is GPipe; R > 1 is the circular (interleaved) schedule, whose bubble
+is R times smaller. At iteration t stage s works on item k = t - s (micro-batch k mod Mb,
+repeat k // Mb) when 0 <= k < Mb*R; there are Mb*R + S - 1 iterations, so the bubble (idle
+fraction of each stage) is (S-1) / (Mb*R + S-1).
 
 Data movement, inside `jax.shard_map` manual over `stage` only (`data` / `model` stay
 explicit, so the blocks run their usual typed layouts): after each iteration every stage
-hands its output to the next with one `ppermute` (a collective-permute over `stage`; the
-last stage's goes round to stage 0). Stage 0 keeps a buffer of Mb micro-batches: it starts
-as the embedded inputs, and each result arriving from the last stage is written back into
-it, where repeat r+1 of that micro-batch reads it Mb - S + 1 >= 1 iterations later (hence
-Mb >= S). After the last iteration stage 0's buffer holds the outputs, which one sum over
-`stage` (stage 0's buffer, zeros elsewhere) hands to the LM head.
+hands its output, with the micro-batch's segment ids and positions, to the next with one
+`ppermute` (a collective-permute over `stage`; the last stage's goes round to stage 0).
+Stage 0 keeps a buffer of Mb micro-batches: it starts as the embedded inputs, and each
+result arriving from the last stage is written back into it, where repeat r+1 of that
+micro-batch reads it Mb - S + 1 >= 1 iterations later (hence Mb >= S). After the last
+iteration stage 0's buffer holds the outputs.
+
+So `stage` carries only collective-permutes of activations (and their transposes), besides
+what data parallelism over `stage` needs anyway: the all-reduce of the gradients of the
+weights replicated over it (embeddings, final norm, LM head) and of the loss's sums.
 
 As in MaxText's circular pipeline (layers/pipeline.py), every stage runs every iteration
 (SPMD): bubble iterations compute on stale values whose results are never stored.
-Memory is GPipe's: the backward pass keeps every iteration's activations (per block, what
+Memory is GPipe's: the backward pass keeps every iteration's activations (per layer, what
 the model's remat policy saves). Not done: a 1F1B schedule, whose activation memory is bounded
 by the stages in flight. Under jax.grad the backward loop runs only after the whole forward
 loop, so it needs a custom VJP around this loop that runs forward and backward items in one
@@ -32,12 +43,14 @@ work, the weight gradients accumulated in the carry), and the loss and LM head m
 the pipeline's last stage so the backward of micro-batch m can start before micro-batch m+1's
 forward ends.
 
-Besides the permutes, `stage` carries the sum that hands stage 0's outputs to every stage
-(and its transpose), and the all-reduce of the replicated embedding / LM head gradients.
+jax 0.10 lowers a partly manual `shard_map` with the inputs' explicit axes dropped, so each
+stage's weights arrive gathered over `data` / `model` (and their gradients leave the same
+way): right, but for fsdp_tp_pp 3x the memory of jax >= 0.12, which keeps the split.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -48,11 +61,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from shardings.specs import axes_of, normalize
+from zoo.layers import remat
 from zoo.layers.attention import Segments
 
-# The name the repeat's weight slice carries, so that the remat around a stage's work
-# recomputes it (a dynamic slice of weights already resident) instead of keeping one slice
-# per iteration for the backward pass.
+# The name a layer's weight slice carries, so that the remat around a layer recomputes it (a
+# dynamic slice of weights already resident) instead of keeping one slice per iteration for
+# the backward pass (what remat 'none' would otherwise keep).
 _STAGE_WEIGHTS = "pipeline_stage_weights"
 
 
@@ -93,6 +108,13 @@ def plan(num_layers: int, stages: int, microbatches: int, repeats: int) -> Pipel
             f"pipeline_microbatches={mb} is fewer than the {stages} pipeline stages; use at "
             f"least {stages} (or 0: one per stage)"
         )
+    if mb % stages:
+        # The outputs leave the pipeline split over `stage` by whole micro-batches.
+        raise ValueError(
+            f"pipeline_microbatches={mb} is not a multiple of the {stages} pipeline stages; "
+            f"use {stages * (mb // stages)} or {stages * (mb // stages + 1)} (or 0: one per "
+            "stage)"
+        )
     return PipelinePlan(stages, mb, repeats, num_layers // (stages * repeats))
 
 
@@ -123,12 +145,12 @@ def check_batch_size(batch_size: int, cfg, sharding, mesh) -> None:
     """Rows per forward pass cut into micro-batches that divide over the batch split."""
     pp = plan_for(cfg, sharding, mesh)
     if pp is not None:
-        check_batch(batch_size, pp, _shards(sharding.tokens[0], mesh))
+        check_batch(batch_size, pp, _data_shards(sharding.tokens[0], sharding.stage_axis, mesh))
 
 
-def _shards(entry, mesh) -> int:
-    axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-    return math.prod(mesh.shape[a] for a in axes)
+def _data_shards(entry, stage_axis, mesh) -> int:
+    """The batch split but `stage` (the blocks' batch split)."""
+    return math.prod(mesh.shape[a] for a in axes_of(entry) if a != stage_axis)
 
 
 def chunk_order(num_layers: int, stages: int, repeats: int) -> np.ndarray:
@@ -155,32 +177,58 @@ def _to_schedule_order(w, stage_axis: str, stages: int, repeats: int):
     return jax.sharding.reshard(w, P(stage_axis, *spec))
 
 
-def _microbatch(a, mb: int):
-    """[B, ...] -> [Mb, B/Mb, ...]: rows i*Mb + m form micro-batch m, so a split of B over
-    the batch axes lands on B/Mb (each data shard cuts its own rows; no communication)."""
-    spec = tuple(jax.typeof(a).sharding.spec)
-    spec = (*spec, *(None,) * (a.ndim - len(spec)))
-    b = a.shape[0]
-    a = a.reshape(b // mb, mb, *a.shape[1:], out_sharding=P(spec[0], None, *spec[1:]))
-    return jnp.moveaxis(a, 1, 0)
+def _microbatch(a, mb: int, stage_axis: str):
+    """[B, ...] with B split over (batch axes, stage) -> [Mb, B/Mb, ...] with Mb over
+    `stage` and B/Mb over the batch axes, with no communication: each device's B/(D*S) rows
+    are Mb/S micro-batches' shares, micro-batch s*Mb/S + j being stage s's j-th slice of
+    its rows in every data shard."""
+    mesh = jax.typeof(a).sharding.mesh
+    spec = normalize(jax.typeof(a).sharding.spec, a.ndim)
+    data = tuple(x for x in axes_of(spec[0]) if x != stage_axis)
+    data_entry = data[0] if len(data) == 1 else (data or None)
+    D, S = math.prod(mesh.shape[x] for x in data), mesh.shape[stage_axis]
+    B, rest, rest_spec = a.shape[0], a.shape[1:], tuple(spec)[1:]
+    b = B // (D * mb)
+    a = a.reshape(
+        D, S, mb // S, b, *rest, out_sharding=P(data_entry, stage_axis, *(None,) * 2, *rest_spec)
+    )
+    a = jnp.moveaxis(a, 0, 2)  # [S, Mb/S, D, b, ...]
+    return a.reshape(mb, D * b, *rest, out_sharding=P(stage_axis, data_entry, *rest_spec))
 
 
-def _unmicrobatch(a):
-    """The inverse of `_microbatch`."""
-    spec = tuple(jax.typeof(a).sharding.spec)
-    spec = (*spec, *(None,) * (a.ndim - len(spec)))
-    a = jnp.moveaxis(a, 0, 1)
-    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:], out_sharding=P(spec[1], *spec[2:]))
+def _unmicrobatch(a, stage_axis: str):
+    """The inverse of `_microbatch`: [Mb, B/Mb, ...] -> [B, ...] split over (batch axes,
+    stage)."""
+    mesh = jax.typeof(a).sharding.mesh
+    spec = normalize(jax.typeof(a).sharding.spec, a.ndim)
+    data_entry, rest_spec = spec[1], tuple(spec)[2:]
+    data = axes_of(data_entry)
+    D, S = math.prod(mesh.shape[x] for x in data), mesh.shape[stage_axis]
+    mb, rest = a.shape[0], a.shape[2:]
+    b = a.shape[1] // D
+    a = a.reshape(
+        S, mb // S, D, b, *rest, out_sharding=P(stage_axis, None, data_entry, None, *rest_spec)
+    )
+    a = jnp.moveaxis(a, 2, 0)  # [D, S, Mb/S, b, ...]
+    rows = (*data, stage_axis)
+    return a.reshape(
+        D * mb * b, *rest, out_sharding=P(rows if len(rows) > 1 else rows[0], *rest_spec)
+    )
 
 
 def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
     """The layer stack of `model` (a DecoderLM) as a pipeline over `stage_axis`; returns
-    (x_BTM, (None, None)) as `DecoderLM._run_scanned` does (no cache, no router stats)."""
+    (x_BTM, (None, None)) as `DecoderLM._run_scanned` does (no cache, no router stats).
+    `x_BTM` and the returned rows are split over (batch axes, stage), as the strategy's
+    `batch` rule says for everything outside the layer stack."""
     cfg = model.cfg
     mesh = jax.sharding.get_abstract_mesh()
     pp = plan_for(cfg, model.sharding, mesh)
     S, Mb, R, Lc = pp.stages, pp.microbatches, pp.repeats, pp.layers_per_chunk
-    check_batch(x_BTM.shape[0], pp, _shards(tuple(jax.typeof(x_BTM).sharding.spec)[0], mesh))
+    n = Mb // S  # micro-batches whose rows each stage brings in and takes back
+    check_batch(
+        x_BTM.shape[0], pp, _data_shards(jax.typeof(x_BTM).sharding.spec[0], stage_axis, mesh)
+    )
 
     # Per-layer tables in schedule order, [S, R, Lc]: stage s, repeat r reads row (s, r).
     order = chunk_order(cfg.num_layers, S, R)
@@ -199,77 +247,98 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
     graphdef, weights = nnx.split(model._compute_dtype_blocks())
     weights = jax.tree.map(lambda w: _to_schedule_order(w, stage_axis, S, R), weights)
 
-    inputs = _microbatch(x_BTM, Mb)  # [Mb, B/Mb, T, M]
-    seg = jax.tree.map(lambda a: _microbatch(a, Mb), segments)
+    # [Mb, B/Mb, ...], Mb over `stage`: stage s holds micro-batches s*n .. (s+1)*n - 1.
+    # Self-attention: the keys' ids and positions are the queries'.
+    inputs = _microbatch(x_BTM, Mb, stage_axis)
+    ids = _microbatch(segments.q_ids_BT, Mb, stage_axis)
+    pos = _microbatch(segments.q_positions_BT, Mb, stage_axis)
+
+    # Each layer's weights are sliced from the stage's (loop-invariant) stack inside the
+    # layer's own checkpoint, under the model's remat policy, which never saves them: so the
+    # backward pass re-slices them rather than keeping a copy of the stage's weights per
+    # iteration (9 copies, 7 GiB a device, for 8B on 2 stages with Mb = 8). The block runs
+    # without its own remat inside, which would recompute it twice.
+    device = getattr(mesh, "abstract_device", None)
+    if cfg.remat != "none" and device is not None:
+        remat.check_platform(cfg.remat, device.platform)
+    policy = (
+        remat.policy(cfg.remat)
+        if cfg.remat != "none"
+        else jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
+    )
 
     def stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR):
         """Repeat r's Lc layers of this stage on one micro-batch."""
 
-        def take(w):
-            return checkpoint_name(
-                jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False), _STAGE_WEIGHTS
-            )
+        @functools.partial(jax.checkpoint, policy=policy)
+        def layer(weights_RL, x, j):
+            def take(w):
+                return checkpoint_name(w[r, j], _STAGE_WEIGHTS)
 
-        chunk = jax.tree.map(take, weights_RL)
-        windows_L = jax.lax.dynamic_index_in_dim(windows_RL, r, 0, keepdims=False)
-        freqs_LR_ = jax.lax.dynamic_index_in_dim(freqs_RLR, r, 0, keepdims=False)
+            block = nnx.merge(graphdef, jax.tree.map(take, weights_RL))
+            win = static_window if uniform_window else windows_RL[r, j]
+            x, _ = block(x, seg_m, window=win, inv_freq_R=freqs_RLR[r, j], kv=None)
+            return x
 
-        def layer(x, xs):
-            w, window, inv_freq_R = xs
-            block = nnx.merge(graphdef, w)
-            win = static_window if uniform_window else window
-            x, _ = model._call_block(block, x, seg_m, win, inv_freq_R, None)
-            return x, None
-
-        x, _ = jax.lax.scan(layer, x, (chunk, windows_L, freqs_LR_))
+        x, _ = jax.lax.scan(lambda x, j: (layer(weights_RL, x, j), None), x, jnp.arange(Lc))
         return x
 
-    if R > 1:
-        stage_work = jax.checkpoint(
-            stage_work,
-            policy=jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS),
-        )
+    ring = [(s, (s + 1) % S) for s in range(S)]
 
-    perm = [(s, (s + 1) % S) for s in range(S)]
-
-    def local(weights, inputs, seg, windows_SRL, freqs_SRLR):
+    def local(weights, inputs, ids, pos, windows_SRL, freqs_SRLR):
         s = jax.lax.axis_index(stage_axis)
         # Local weights [R*Lc, ...] -> [R, Lc, ...]; local tables [1, R, Lc] -> [R, Lc].
         weights_RL = jax.tree.map(lambda w: w.reshape(R, Lc, *w.shape[1:]), weights)
         windows_RL, freqs_RLR = windows_SRL[0], freqs_SRLR[0]
 
+        # Stage 0 feeds the pipeline: every stage k sends it its n micro-batches (S-1
+        # collective-permutes). Only stage 0's buffers are read.
+        def to_stage_0(a):
+            sent = [jax.lax.ppermute(a, stage_axis, [(k, 0)]) for k in range(1, S)]
+            return jnp.concatenate([a, *sent], axis=0)
+
+        buf0, ids_buf, pos_buf = to_stage_0(inputs), to_stage_0(ids), to_stage_0(pos)
+
         def iteration(carry, t):
             buf, state = carry
             k = t - s  # this stage's work item
             m, r = k % Mb, jnp.clip(k // Mb, 0, R - 1)
-            x = jnp.where(s == 0, jax.lax.dynamic_index_in_dim(buf, m, 0, keepdims=False), state)
-            seg_m = jax.tree.map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False), seg
-            )
+
+            def mine(b, st):
+                return jnp.where(s == 0, jax.lax.dynamic_index_in_dim(b, m, 0, False), st)
+
+            x, ids_m, pos_m = mine(buf, state[0]), mine(ids_buf, state[1]), mine(pos_buf, state[2])
+            seg_m = Segments.self_attention(ids_m, pos_m, packed=segments.packed)
             y = stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR)
-            # Hand on to the next stage; stage 0 receives the last stage's result of item
-            # t - (S-1) and files it under its micro-batch.
-            received = jax.lax.ppermute(y, stage_axis, perm)
+            # Hand on to the next stage, the micro-batch's ids and positions with it; stage
+            # 0 receives the last stage's result of item t - (S-1) and files it under its
+            # micro-batch.
+            received = jax.lax.ppermute((y, ids_m, pos_m), stage_axis, ring)
             k_last = t - (S - 1)
             done = (s == 0) & (k_last >= 0) & (k_last < Mb * R)
             slot = k_last % Mb
             old = jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
-            buf = jax.lax.dynamic_update_index_in_dim(buf, jnp.where(done, received, old), slot, 0)
+            buf = jax.lax.dynamic_update_index_in_dim(
+                buf, jnp.where(done, received[0], old), slot, 0
+            )
             return (buf, received), None
 
-        # Every stage's buffer and state differ (they vary over `stage`).
-        buf0 = jax.lax.pcast(inputs, (stage_axis,), to="varying")
-        state0 = jnp.zeros_like(buf0[0])
+        state0 = (jnp.zeros_like(buf0[0]), jnp.zeros_like(ids_buf[0]), jnp.zeros_like(pos_buf[0]))
         (buf, _), _ = jax.lax.scan(iteration, (buf0, state0), jnp.arange(pp.iterations))
-        # Stage 0 holds the outputs; the others' buffers are zeroed, so the sum hands stage
-        # 0's to every stage.
-        return jax.lax.psum(jnp.where(s == 0, buf, jnp.zeros_like(buf)), stage_axis)
+        # Stage 0 holds the outputs; it keeps its own n micro-batches and sends stage k the
+        # k-th n (S-1 collective-permutes), so each stage gets back the rows it brought in.
+        out = buf[:n]
+        for k in range(1, S):
+            received = jax.lax.ppermute(buf[k * n : (k + 1) * n], stage_axis, [(0, k)])
+            out = jnp.where(s == k, received, out)
+        return out
 
     w_specs = jax.tree.map(lambda w: P(stage_axis), weights)
+    split = P(stage_axis)
     out = jax.shard_map(
         local,
-        in_specs=(w_specs, P(), P(), P(stage_axis), P(stage_axis)),
-        out_specs=P(),
+        in_specs=(w_specs, split, split, split, split, split),
+        out_specs=split,
         axis_names={stage_axis},
-    )(weights, inputs, seg, windows_SRL, freqs_SRLR)
-    return _unmicrobatch(out), (None, None)
+    )(weights, inputs, ids, pos, windows_SRL, freqs_SRLR)
+    return _unmicrobatch(out, stage_axis), (None, None)

@@ -81,6 +81,19 @@ class LlamaConfig(DecoderConfig):
         )
 
     @classmethod
+    def llama3_1_70b(cls, **overrides) -> LlamaConfig:
+        # meta-llama/Llama-3.1-70B config.json.
+        return cls._llama3(
+            overrides,
+            hidden_dim=8192,
+            num_layers=80,
+            num_heads=64,
+            head_dim=128,
+            ffn_dim=28_672,
+            rope_scaling=LLAMA31_SCALING,
+        )
+
+    @classmethod
     def _llama2(cls, overrides, **base) -> LlamaConfig:
         # Llama 2: the 32K SentencePiece vocabulary, RoPE base 10000 unscaled, 4K context.
         common = dict(vocab_size=32_000, rope_theta=10_000.0, max_seq_len=4096)
@@ -122,6 +135,7 @@ PRESETS = {
     "llama3.2-1b": LlamaConfig.llama3_2_1b,
     "llama3.2-3b": LlamaConfig.llama3_2_3b,
     "llama3.1-8b": LlamaConfig.llama3_1_8b,
+    "llama3.1-70b": LlamaConfig.llama3_1_70b,
     "llama2-7b": LlamaConfig.llama2_7b,
     "llama2-70b": LlamaConfig.llama2_70b,
 }
