@@ -63,7 +63,7 @@ in it is an assumption, stated here and in the tables below:
     host      = kernels per step * KERNEL_GAP_SECONDS[platform]: the launch gap between
                 kernels that the device idles through (GPU). Per-step host work (dispatch,
                 the next batch) overlaps the device under asynchronous dispatch and is not
-                counted; metrics.jsonl's `data_wait_seconds` shows where it does not
+                counted; metrics.jsonl's `data_wait_time` shows where it does not
     step      = matmul + attention + memory + host + exposed comm
                 + max(0, overlapped comm - (matmul + attention + memory))
 

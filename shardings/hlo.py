@@ -36,10 +36,22 @@ _FUSED_REDUCE_SCATTER = "all-reduce-scatter"
 
 _DTYPE_BYTES = {
     "pred": 1,
+    "s2": 0.25,
+    "u2": 0.25,
     "s4": 0.5,
     "u4": 0.5,
+    "f4e2m1fn": 0.5,
     "s8": 1,
     "u8": 1,
+    # fp8 (model.quantization=fp8 gathers e4m3 weights and moves e5m2 gradients)
+    "f8e3m4": 1,
+    "f8e4m3": 1,
+    "f8e4m3fn": 1,
+    "f8e4m3fnuz": 1,
+    "f8e4m3b11fnuz": 1,
+    "f8e5m2": 1,
+    "f8e5m2fnuz": 1,
+    "f8e8m0fnu": 1,
     "bf16": 2,
     "f16": 2,
     "s16": 2,
@@ -70,6 +82,7 @@ class Collective:
     group_size: int  # devices in each replica group (2 for a permute pair)
     axes: tuple[str, ...]  # mesh axes the group spans
     executions: int  # per step: the product of the enclosing loops' trip counts
+    dtypes: tuple[str, ...] = ()  # element types of the arrays it moves (`bf16`, `f8e4m3fn`)
 
     @property
     def bytes_per_device(self) -> float:
@@ -210,14 +223,14 @@ def _top_level(shape_text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def _output_bytes(op: str, is_start: bool, shape_text: str) -> int:
+def _output_shape(op: str, is_start: bool, shape_text: str) -> str:
     # An async start returns (operands, results, context...) except all-reduce-start,
     # whose result is the reduced value(s) itself.
     if is_start and op != "all-reduce":
         elements = _top_level(shape_text)
         if len(elements) >= 2:
-            return _arrays_bytes(elements[1])
-    return _arrays_bytes(shape_text)
+            return elements[1]
+    return shape_text
 
 
 def _iota(text: str) -> np.ndarray:
@@ -305,12 +318,14 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list
                 continue
             groups = _groups(_group_attrs(inst, computations), num_devices)
             group_size = max(len(g) for g in groups) if groups else 1
-            output = _output_bytes(op, is_start, inst.shape)
+            output_shape = _output_shape(op, is_start, inst.shape)
+            output = _arrays_bytes(output_shape)
             array = output * group_size if op == "reduce-scatter" else output
             if op == "ragged-all-to-all":
                 array = _ragged_bytes(inst, output, shapes[comp_name])
             axes = _axes_crossed(groups, mesh_shape) if mesh_shape else ()
-            out.append(Collective(op, inst.name, array, group_size, axes, runs))
+            dtypes = tuple(sorted({dtype for dtype, _ in _ARRAY.findall(output_shape)}))
+            out.append(Collective(op, inst.name, array, group_size, axes, runs, dtypes))
     return out
 
 

@@ -95,3 +95,16 @@ def test_count_collectives_counts_each_op_once_in_the_program_text():
 
 def test_kernels_are_custom_call_targets():
     assert kernels(_HLO) == {"tpu_custom_call": 2}
+
+
+def test_fp8_arrays_count_one_byte_and_each_op_names_its_dtypes():
+    # An FSDP gather of an e4m3 weight (model.quantization=fp8), GPU's async spelling.
+    fp8_gather = """ENTRY %main (p: f8e4m3fn[16,128]) -> f8e4m3fn[64,128] {
+  %p = f8e4m3fn[16,128]{1,0} parameter(0)
+  %all-gather-start.3 = (f8e4m3fn[16,128]{1,0}, f8e4m3fn[64,128]{1,0}) all-gather-start(%p), replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %all-gather-done.3 = f8e4m3fn[64,128]{1,0} all-gather-done(%all-gather-start.3)
+}
+"""  # noqa: E501
+    (gather,) = collectives(fp8_gather, {"data": 4})
+    assert gather.array_bytes == 64 * 128 and gather.dtypes == ("f8e4m3fn",)
+    assert _by_name()["all-gather-start"].dtypes == ("bf16",)

@@ -18,7 +18,10 @@ from _train_helpers import (
     train_losses,
 )
 
+# DESIGN.md's public keys, and `mfu_at_precision` (MFU against the peak of the precision the
+# projections run in; README "Low-precision training").
 CONTRACT_KEYS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu"}
+CONTRACT_KEYS |= {"mfu_at_precision"}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +53,8 @@ def test_loss_falls_and_files_exist(fsdp_tp_run):
         # MFU is only bounded loosely: on a shared CPU the start-up matmul that measures the
         # peak and the steps can see different loads.
         assert record["tokens_per_second"] > 0 and 0 < record["mfu"] < 10
+        # No quantization, and CPU has one peak: the two MFUs are one figure.
+        assert record["mfu_at_precision"] == pytest.approx(record["mfu"], rel=1e-12)
     assert [r["step"] for r in train_records] == list(range(1, 41))
     val_steps = [r["step"] for r in records if "val_loss" in r]
     assert val_steps == [20, 40]
