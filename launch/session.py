@@ -20,7 +20,6 @@ from checkpoint.files import write_json_atomic
 from checkpoint.manager import Checkpointer, checkpoint_dir, complete_steps
 from launch.build import Run, build, make_mesh, model_config
 from launch.data import RunData, build_data
-from planning.chips import precision_peak_ratio
 from runtime import peers
 from runtime.preemption import PreemptionWatcher
 from training import finetune, flops
@@ -201,7 +200,9 @@ def _loop_options(session: TrainSession) -> LoopOptions:
         # One formula for model FLOPs: the config's (6 * matmul params + causal attention).
         flops_per_token=built.model_cfg.flops_per_token(run.data.seq_len),
         peak_flops=peak * jax.device_count(),
-        precision_peak_ratio=precision_peak_ratio(jax.devices()[0], built.model_cfg.quantization),
+        precision_peak_ratio=flops.precision_peak_ratio(
+            jax.devices()[0], built.model_cfg.quantization
+        ),
         log_every=run.logging.log_every,
         eval_every=run.training.eval_every,
         checkpoint_every=run.checkpoint.every if session.checkpointer is not None else 0,

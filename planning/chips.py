@@ -1,4 +1,5 @@
-"""Chips the planner targets: memory, peak bf16 FLOP/s and link bandwidths, each sourced.
+"""Chips the planner targets: memory, HBM and link bandwidths, each sourced; peak FLOP/s from
+the one table of them, `training.flops.PEAKS`.
 
 Bandwidths are bytes/s in ONE direction over ONE link (TPU ICI) or per GPU (NVLink through the
 NVSwitch, InfiniBand NIC); `planning.estimate` turns them into the bandwidth of a mesh axis.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+
+from training.flops import PEAKS, peak_name
 
 GiB = 1024**3
 # JAX's GPU client caps its allocator at this fraction of the GPU's memory (preallocated, or
@@ -55,8 +58,8 @@ CHIPS: dict[str, Chip] = {
         "TPU v5p",
         "tpu",
         memory_bytes=95 * GiB,  # [tpu-v5p]
-        peak_bf16_flops=459e12,  # [tpu-v5p]
-        peak_int8_flops=918e12,  # [tpu-int8]
+        peak_bf16_flops=PEAKS["v5p"].bf16,
+        peak_int8_flops=PEAKS["v5p"].int8,
         link_bytes_per_s=9e10,  # [scaling-book]
         cross_host_bytes_per_s=50e9 / 8,  # [tpu-v5p] 50 Gbps DCN per chip
         wraparound_dim=4,  # [scaling-book]
@@ -67,8 +70,8 @@ CHIPS: dict[str, Chip] = {
         "TPU v5e",
         "tpu",
         memory_bytes=16 * GiB,  # [tpu-v5e]
-        peak_bf16_flops=197e12,  # [tpu-v5e]
-        peak_int8_flops=394e12,  # [tpu-int8]
+        peak_bf16_flops=PEAKS["v5e"].bf16,
+        peak_int8_flops=PEAKS["v5e"].int8,
         link_bytes_per_s=4.5e10,  # [scaling-book]
         cross_host_bytes_per_s=None,
         wraparound_dim=16,  # [scaling-book]
@@ -79,8 +82,8 @@ CHIPS: dict[str, Chip] = {
         "TPU v6e",
         "tpu",
         memory_bytes=32 * GiB,  # [tpu-v6e]
-        peak_bf16_flops=918e12,  # [tpu-v6e]
-        peak_int8_flops=1836e12,  # [tpu-int8]
+        peak_bf16_flops=PEAKS["v6e"].bf16,
+        peak_int8_flops=PEAKS["v6e"].int8,
         link_bytes_per_s=9e10,  # [scaling-book]
         cross_host_bytes_per_s=None,
         wraparound_dim=16,  # [scaling-book]
@@ -91,9 +94,9 @@ CHIPS: dict[str, Chip] = {
         "NVIDIA H100 SXM",
         "gpu",
         memory_bytes=80 * 10**9,  # [h100]
-        peak_bf16_flops=989e12,  # [h100]
-        peak_fp8_flops=1979e12,  # [h100]
-        peak_int8_flops=1979e12,  # [h100]
+        peak_bf16_flops=PEAKS["h100"].bf16,
+        peak_fp8_flops=PEAKS["h100"].fp8,
+        peak_int8_flops=PEAKS["h100"].int8,
         link_bytes_per_s=450e9,  # [h100] half of 900 GB/s bidirectional
         cross_host_bytes_per_s=400e9 / 8,  # [h100] 400 Gb/s NIC per GPU
         hbm_bytes_per_s=3.35e12,  # [h100]
@@ -102,9 +105,9 @@ CHIPS: dict[str, Chip] = {
         "NVIDIA H200 SXM",
         "gpu",
         memory_bytes=141 * 10**9,  # [h200]
-        peak_bf16_flops=989e12,  # [h200]
-        peak_fp8_flops=1979e12,  # [h200]
-        peak_int8_flops=1979e12,  # [h200]
+        peak_bf16_flops=PEAKS["h200"].bf16,
+        peak_fp8_flops=PEAKS["h200"].fp8,
+        peak_int8_flops=PEAKS["h200"].int8,
         link_bytes_per_s=450e9,  # [h200]
         cross_host_bytes_per_s=400e9 / 8,  # [h100] same NIC per GPU as DGX H100
         hbm_bytes_per_s=4.8e12,  # [h200]
@@ -123,24 +126,11 @@ CHIPS: dict[str, Chip] = {
 }
 
 
-# [tpu-int8] the v5p / v5e / v6e pages above: int8 918 / 394 / 1836 TOPS; no fp8 MXU rate.
-# [h100] / [h200] data sheets: FP8 1979 TFLOP/s and INT8 1979 TOPS dense (3958 with sparsity).
-
-
 def peak_flops(chip: Chip, quantization: str = "none") -> float:
     """Dense peak FLOP/s of `chip` for the projections' precision (model.quantization): the
     fp8 / int8 rate where the chip has one, else bf16's."""
     faster = {"fp8": chip.peak_fp8_flops, "int8": chip.peak_int8_flops}.get(quantization)
     return faster or chip.peak_bf16_flops
-
-
-def precision_peak_ratio(device, quantization: str) -> float:
-    """Peak at `quantization` over the bf16 peak for a real device (1 where unknown: CPU)."""
-    try:
-        chip = CHIPS[chip_name_for(device)]
-    except ValueError:
-        return 1.0
-    return peak_flops(chip, quantization) / chip.peak_bf16_flops
 
 
 def gpu_memory_fraction(environ: Mapping[str, str] = os.environ) -> float:
@@ -186,26 +176,13 @@ def chip_for(topology: str, memory_gib: float | None = None) -> Chip:
     return chip
 
 
-# `jax.Device.device_kind` substrings -> chip, most specific first.
-_DEVICE_KINDS = (
-    ("v5 lite", "v5e"),
-    ("v5e", "v5e"),
-    ("v6 lite", "v6e"),
-    ("v6e", "v6e"),
-    ("tpu v5", "v5p"),
-    ("h200", "h200"),
-    ("h100", "h100"),
-)
-
-
 def chip_name_for(device) -> str:
     """The CHIPS key of a real device (for `train_main --sharding_strategy=auto`)."""
     if device.platform == "cpu":
         return "cpu"
-    kind = device.device_kind.lower()
-    for substring, name in _DEVICE_KINDS:
-        if substring in kind:
-            return name
+    name = peak_name(device.device_kind)
+    if name in CHIPS:
+        return name
     raise ValueError(
         f"--sharding_strategy=auto has no figures for device kind {device.device_kind!r} "
         f"(known: {', '.join(sorted(CHIPS))}); name a strategy instead"

@@ -27,6 +27,7 @@ from planning.estimate import (
 from planning.hlo_traffic import Traffic, traffic
 from planning.targets import TargetError, target_devices
 from shardings import get_strategy, hlo
+from training import finetune
 from training.step_memory import StepMemory, step_memory
 from zoo.layers import pipeline
 
@@ -213,18 +214,29 @@ def _shard_bytes(leaf) -> int:
     return math.prod(shape) * np.dtype(leaf.dtype).itemsize
 
 
-def state_bytes(model_state, optimizer_state) -> StateBytes:
-    """Per-device bytes of parameters, optimizer state and gradients (which take the
-    parameters' layouts and dtypes), from abstract or real arrays' shardings."""
+def state_bytes(built) -> StateBytes:
+    """Per-device bytes of a built run's parameters, optimizer state and gradients, from
+    abstract or real arrays' shardings. Gradients take the trainable parameters' layouts and
+    dtypes: all of them, or only the adapters when LoRA freezes the base."""
 
-    params = [
-        ("/".join(str(p) for p in path), _shard_bytes(v.get_value()))
-        for path, v in nnx.to_flat_state(model_state)
-    ]
-    total = sum(b for _, b in params)
-    optimizer = sum(_shard_bytes(x) for x in jax.tree.leaves(optimizer_state))
-    largest = tuple(sorted(params, key=lambda p: -p[1])[:3])
-    return StateBytes(params=total, optimizer=optimizer, gradients=total, largest_params=largest)
+    def flat(state):
+        return [
+            ("/".join(str(p) for p in path), _shard_bytes(v.get_value()))
+            for path, v in nnx.to_flat_state(state)
+        ]
+
+    params = flat(nnx.state(built.model, nnx.Param))
+    kind = finetune.trainable(built.model)
+    trainable = params if kind is nnx.Param else flat(nnx.state(built.model, kind))
+    if kind is not nnx.Param:
+        params += trainable  # the adapters are parameters too, kept beside the frozen base
+    optimizer = sum(_shard_bytes(x) for x in jax.tree.leaves(nnx.state(built.optimizer.opt_state)))
+    return StateBytes(
+        params=sum(b for _, b in params),
+        optimizer=optimizer,
+        gradients=sum(b for _, b in trainable),
+        largest_params=tuple(sorted(params, key=lambda p: -p[1])[:3]),
+    )
 
 
 def make_mesh(target: Target, candidate: Candidate):
@@ -252,7 +264,7 @@ def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
     """State bytes per device without compiling (for pruning candidates that cannot fit)."""
 
     built = build(run_for(run, candidate), make_mesh(target, candidate), abstract=True)
-    return state_bytes(nnx.state(built.model, nnx.Param), nnx.state(built.optimizer.opt_state))
+    return state_bytes(built)
 
 
 def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
@@ -262,7 +274,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     run = run_for(run, candidate)
     mesh = make_mesh(target, candidate)
     built = build(run, mesh, abstract=True)
-    state = state_bytes(nnx.state(built.model, nnx.Param), nnx.state(built.optimizer.opt_state))
+    state = state_bytes(built)
     compiled, seconds = built.compile()
     text = compiled.as_text()
     ops = hlo.collectives(text, dict(mesh.shape))

@@ -111,3 +111,34 @@ def test_only_the_assembly_and_its_callers_import_launch():
     for module, deps in GRAPH.items():
         if any(_package(d) == "launch" for d in deps):
             assert _package(module) in ("launch", "evaluation", "planning", "export"), module
+
+
+# docs/ARCHITECTURE.md's "may import" column, package by package (jax and the libraries aside).
+_BASE = {"shardings", "zoo", "data", "checkpoint", "runtime", "training", "configs"}
+ALLOWED = {
+    "shardings": set(),
+    "zoo": {"shardings"},
+    "data": {"runtime"},
+    "checkpoint": {"zoo", "training"},
+    "runtime": set(),
+    "training": {"zoo", "shardings", "checkpoint", "data"},
+    "configs": {"training"},
+    "launch": _BASE,
+    "evaluation": {"launch"} | _BASE,
+    "planning": {"launch"} | _BASE,
+    "export": {"evaluation", "launch"} | _BASE,
+}
+
+
+def test_every_package_imports_only_what_the_architecture_allows():
+    for module, deps in GRAPH.items():
+        package = _package(module)
+        bad = {d for d in deps if _package(d) not in ALLOWED[package] | {package}}
+        assert not bad, f"{module} imports {sorted(bad)}; {package}/ may import {ALLOWED[package]}"
+
+
+def test_checkpoint_and_configs_take_only_the_config_from_training():
+    for module, deps in GRAPH.items():
+        if _package(module) in ("checkpoint", "configs"):
+            bad = {d for d in deps if _package(d) == "training" and d != "training.config"}
+            assert not bad, f"{module} imports {sorted(bad)}"

@@ -250,6 +250,46 @@ def test_peak_flops_table(kind, dtype, expected):
     assert flops.lookup_peak_flops(kind, dtype) == expected
 
 
+class _Device:
+    def __init__(self, platform, device_kind):
+        self.platform, self.device_kind = platform, device_kind
+
+
+@pytest.mark.parametrize(
+    "kind,quantization,ratio",
+    [
+        ("NVIDIA H100 80GB HBM3", "fp8", 2.0),
+        ("NVIDIA H100 80GB HBM3", "int8", 2.0),
+        ("NVIDIA H100 80GB HBM3", "none", 1.0),
+        ("NVIDIA A100-SXM4-80GB", "fp8", 1.0),  # no fp8 path: the bf16 rate
+        ("TPU v5p", "int8", 2.0),
+        ("TPU v6 lite", "fp8", 1.0),
+        ("Tesla T4", "int8", 1.0),  # unknown: MFU at precision is MFU
+    ],
+)
+def test_precision_peak_ratio(kind, quantization, ratio):
+    # 1979 / 989 on the H100: "2x" to the data sheet's rounding.
+    assert flops.precision_peak_ratio(_Device("gpu", kind), quantization) == pytest.approx(
+        ratio, rel=1e-3
+    )
+
+
+def test_the_planner_takes_its_chips_peaks_from_the_one_table():
+    from planning.chips import CHIPS, chip_name_for, peak_flops
+
+    for name, chip in CHIPS.items():
+        if chip.platform == "cpu":
+            continue
+        peak = flops.PEAKS[name]
+        for quantization in ("none", "fp8", "int8"):
+            assert peak_flops(chip, quantization) == peak.at(quantization), (name, quantization)
+        assert chip_name_for(_Device(chip.platform, peak.kinds[0])) == name
+    assert chip_name_for(_Device("gpu", "NVIDIA H100 80GB HBM3")) == "h100"
+    assert chip_name_for(_Device("tpu", "TPU v5 lite")) == "v5e"
+    with pytest.raises(ValueError, match="no figures for device kind"):
+        chip_name_for(_Device("gpu", "NVIDIA H100 PCIe"))  # its own peaks, no planner chip
+
+
 def test_peak_flops_per_device_on_cpu():
     device = jax.devices()[0]
     assert flops.peak_flops_per_device(device, override_tflops=2.5) == 2.5e12

@@ -89,3 +89,38 @@ def test_llama_8b_bytes_equal_its_declared_layouts(name):
     assert planned.gradients == expected
     # Adam: two moments with the parameters' layouts, plus step counters (int32 scalars).
     assert 2 * expected <= planned.optimizer <= 2 * expected + 64
+
+
+def test_lora_gradients_are_the_adapters_only():
+    """With LoRA the optimizer trains the adapters alone: gradients (and Adam's moments) are
+    theirs, while the frozen base still counts as parameters."""
+    from zoo.layers.lora import LoraParam
+
+    run = RunConfig.from_config_dict(
+        {
+            "model": {"preset": "tiny"},
+            "data": {"global_batch_size": 64},
+            "lora": {"rank": 4, "targets": "q_proj,v_proj"},
+        }
+    )
+    strategy = get_strategy("fsdp")
+    shape = strategy.default_mesh_shape(8, run.model.decoder_config())
+    target = Target("cpu:8", tuple(jax.devices()), CHIPS["cpu"])
+    candidate = Candidate("fsdp", shape, "none", 1)
+    planned = layout_state_bytes(run, candidate, target)
+
+    from launch.build import build
+    from planning.compile import make_mesh, run_for
+
+    built = build(run_for(run, candidate), make_mesh(target, candidate), abstract=True)
+    adapters = nnx.state(built.model, LoraParam)
+    base = nnx.state(built.model, nnx.Param)
+
+    def shard_bytes(tree):
+        return sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            for x in jax.tree.leaves(tree)
+        )
+
+    assert 0 < planned.gradients == shard_bytes(adapters) < shard_bytes(base)
+    assert planned.params == shard_bytes(base) + shard_bytes(adapters)

@@ -44,6 +44,7 @@ this module holds the hardware side: peak FLOP/s and MFU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -51,32 +52,71 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets. Looked up by
-# substring of `jax.Device.device_kind`, first match wins, so more specific names come first
-# ('TPU v5 lite' before 'TPU v5', 'H100 PCIe' before 'H100').
-# float32 column: on GPUs, XLA runs float32 matmuls as TF32 by default (jax's default matmul
+# Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets: the one table of
+# chip peaks (planning/chips.py takes its chips' figures from here). Looked up by substring of
+# `jax.Device.device_kind`, first match wins, so more specific names come first ('TPU v5 lite'
+# before 'TPU v5', 'H100 PCIe' before 'H100').
+# float32: on GPUs, XLA runs float32 matmuls as TF32 by default (jax's default matmul
 # precision), half the bf16 rate; on TPUs, default precision runs float32 matmuls as one bf16
 # pass, so the bf16 rate applies.
-#             (device_kind substrings,          bf16,     float32)
-PEAK_FLOPS: tuple[tuple[tuple[str, ...], float, float], ...] = (
-    (("H100 PCIe",), 756e12, 378e12),
-    (("H100",), 989e12, 494.5e12),  # SXM
-    (("H200",), 989e12, 494.5e12),
-    (("A100",), 312e12, 156e12),
-    (("TPU v4",), 275e12, 275e12),
-    (("TPU v5 lite", "TPU v5e"), 197e12, 197e12),
-    (("TPU v5p", "TPU v5"), 459e12, 459e12),
-    (("TPU v6 lite", "TPU v6e", "TPU v6"), 918e12, 918e12),
-)
+# fp8 / int8: matmuls on those operands (model.quantization); None: no faster path than bf16,
+# the quantized dot runs at the bf16 rate (fp8 on TPU v5 / v6).
+# Sources:
+# [h100] nvidia.com/en-us/data-center/h100 (SXM): 989 TFLOP/s bf16, FP8 1979 TFLOP/s and INT8
+#   1979 TOPS dense (3958 with sparsity); PCIe: 756 bf16, 1513 FP8 / INT8.
+# [h200] nvidia.com/en-us/data-center/h200 (SXM): as the H100 SXM.
+# [a100] nvidia.com/en-us/data-center/a100: 312 TFLOP/s bf16, INT8 624 TOPS, no FP8.
+# [tpu-v4] cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16 and int8.
+# [tpu-v5p] / [tpu-v5e] / [tpu-v6e] cloud.google.com/tpu/docs/v5p, /v5e, /v6e: bf16 459 / 197 /
+#   918 TFLOP/s, int8 918 / 394 / 1836 TOPS; no fp8 MXU rate.
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    kinds: tuple[str, ...]  # `jax.Device.device_kind` substrings
+    bf16: float
+    float32: float
+    fp8: float | None = None
+    int8: float | None = None
+
+    def at(self, quantization: str = "none") -> float:
+        """The projections' peak at `quantization` (model.quantization): fp8 / int8 where the
+        chip has a faster rate for them, else bf16's."""
+        return {"fp8": self.fp8, "int8": self.int8}.get(quantization) or self.bf16
+
+
+PEAKS: dict[str, Peak] = {
+    "h100_pcie": Peak(("H100 PCIe",), 756e12, 378e12, fp8=1513e12, int8=1513e12),  # [h100]
+    "h100": Peak(("H100",), 989e12, 494.5e12, fp8=1979e12, int8=1979e12),  # [h100] SXM
+    "h200": Peak(("H200",), 989e12, 494.5e12, fp8=1979e12, int8=1979e12),  # [h200]
+    "a100": Peak(("A100",), 312e12, 156e12, int8=624e12),  # [a100]
+    "v4": Peak(("TPU v4",), 275e12, 275e12),  # [tpu-v4]
+    "v5e": Peak(("TPU v5 lite", "TPU v5e"), 197e12, 197e12, int8=394e12),  # [tpu-v5e]
+    "v5p": Peak(("TPU v5p", "TPU v5"), 459e12, 459e12, int8=918e12),  # [tpu-v5p]
+    "v6e": Peak(("TPU v6 lite", "TPU v6e", "TPU v6"), 918e12, 918e12, int8=1836e12),  # [tpu-v6e]
+}
+
+
+def peak_name(device_kind: str) -> str | None:
+    """The PEAKS key of a `device_kind` string, or None if not in the table."""
+    for name, peak in PEAKS.items():
+        if any(k.lower() in device_kind.lower() for k in peak.kinds):
+            return name
+    return None
 
 
 def lookup_peak_flops(device_kind: str, dtype=jnp.bfloat16) -> float | None:
     """Peak FLOP/s for a `device_kind` string and compute dtype, or None if not in the table."""
-    low_precision = jnp.dtype(dtype).itemsize <= 2
-    for kinds, bf16, fp32 in PEAK_FLOPS:
-        if any(k.lower() in device_kind.lower() for k in kinds):
-            return bf16 if low_precision else fp32
-    return None
+    name = peak_name(device_kind)
+    if name is None:
+        return None
+    return PEAKS[name].bf16 if jnp.dtype(dtype).itemsize <= 2 else PEAKS[name].float32
+
+
+def precision_peak_ratio(device: jax.Device, quantization: str) -> float:
+    """Peak at `quantization` over the bf16 peak for a real device (1 where unknown: CPU)."""
+    name = None if device.platform == "cpu" else peak_name(device.device_kind)
+    return 1.0 if name is None else PEAKS[name].at(quantization) / PEAKS[name].bf16
 
 
 @functools.cache
@@ -109,7 +149,7 @@ def peak_flops_per_device(
     """Peak FLOP/s of one `device` for matmuls in `dtype`.
 
     `override_tflops` (e.g. from `--peak_tflops`) wins; CPUs are measured
-    (`measure_cpu_peak_flops`, in `dtype`); accelerators come from `PEAK_FLOPS`. An accelerator
+    (`measure_cpu_peak_flops`, in `dtype`); accelerators come from `PEAKS`. An accelerator
     not in the table raises ValueError, naming the kind and the override to use.
     """
     if override_tflops is not None:
@@ -120,7 +160,7 @@ def peak_flops_per_device(
         return measure_cpu_peak_flops(dtype=dtype)
     peak = lookup_peak_flops(device.device_kind, dtype)
     if peak is None:
-        known = ", ".join(k for kinds, _, _ in PEAK_FLOPS for k in kinds)
+        known = ", ".join(k for peak in PEAKS.values() for k in peak.kinds)
         raise ValueError(
             f"no peak FLOP/s known for device kind {device.device_kind!r} (known: {known}); "
             "give it with --peak_tflops"
