@@ -37,8 +37,9 @@ layer compute of neighbouring layers, so they cost time only where they exceed t
 collectives that cross only tensor / context-parallel axes (`model`, `context`) move
 activations between a matmul and the next one that needs its result, so they are fully
 exposed. Compute is taken at the chip's peak: no
-allowance for elementwise work, memory-bound kernels or pipeline bubbles, so the predicted
-MFU is an upper bound that real runs fall short of.
+allowance for elementwise work or memory-bound kernels, so the bound's MFU is an upper bound
+that real runs fall short of. Plans report it as `bound_*`; `predicted_*` is the forecast below
+where there is one (`predicted_from` says which).
 
 Axis bandwidth. TPU: a ring along a mesh axis uses the ICI links of every physical torus dim
 the axis spans, both directions on a dim that wraps around, one otherwise. GPU: NVLink within
@@ -342,7 +343,8 @@ class Forecast:
     exposed_comm_seconds: float
     overlapped_comm_seconds: float
     step_seconds: float
-    mfu: float
+    mfu: float  # model FLOPs / (bf16 peak * step)
+    mfu_at_precision: float  # model FLOPs / (peak at model.quantization's precision * step)
 
     def to_json(self) -> dict:
         return {f"forecast_{k}": v for k, v in dataclasses.asdict(self).items()}
@@ -426,4 +428,5 @@ def forecast_step(
         overlapped_comm_seconds=overlapped_comm,
         step_seconds=step,
         mfu=model_per_token * per_device / (chip.peak_bf16_flops * step),
+        mfu_at_precision=model_per_token * per_device / (peak_low * step),
     )

@@ -34,13 +34,14 @@ def step_traffic(run, candidate, target) -> Traffic:
 
 
 def add_forecast(run, plan: Plan) -> Forecast | None:
-    """Set `plan.forecast` (None on a chip without the figures, e.g. the simulated CPU, and
-    for pipeline strategies)."""
+    """Set `plan.forecast` (None on a chip without the figures, e.g. the simulated CPU, for
+    pipeline strategies, and for a plan the compiler refused for memory)."""
     chip = plan.target.chip
     # Pipeline strategies: the one- and two-layer unscanned twins this needs cannot be cut
     # into stages, so they get the bound (with the bubble) and no forecast.
     pipelined = get_strategy(plan.candidate.strategy).lm_sharding().stage_axis is not None
-    if chip.hbm_bytes_per_s is None or pipelined:
+    # A plan the compiler refused has no program to read the collectives from.
+    if chip.hbm_bytes_per_s is None or pipelined or plan.compile_error is not None:
         plan.forecast = None
         return None
     total = step_traffic(run, plan.candidate, plan.target)
