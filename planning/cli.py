@@ -12,7 +12,6 @@ import jax
 
 from planning.chips import chip_for, chip_name_for
 from planning.compile import Target, make_target, run_for
-from planning.forecast import add_forecast
 from planning.moe import load_from_run, load_summary
 from planning.report import table
 from planning.search import (
@@ -220,11 +219,8 @@ def plan(request: Request, as_json: bool = False) -> str:
         exhaustive=not auto,
         log=log,
     )
-    for p in result.plans:
-        # The forecast beside the bound (two small compiles each): for what is reported only.
-        add_forecast(run, p)
-        if measured is not None:
-            p.moe = {**p.moe, **load_summary(measured, p)}
+    for p in result.plans if measured is not None else []:
+        p.moe = {**p.moe, **load_summary(measured, p)}
     if as_json:
         rows = [p.to_json() | {"auto": auto and p is result.best} for p in result.plans]
         text = "\n".join(json.dumps(r) for r in rows)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import time
 
 import jax
 import numpy as np
@@ -103,6 +105,8 @@ class Plan:
     moe: dict = dataclasses.field(default_factory=dict)
     dot_dtypes: dict[str, int] = dataclasses.field(default_factory=dict)  # hlo.dot_dtypes
     schedule: pipeline.PipelinePlan | None = None  # a pipeline strategy's
+    # The compiler's refusal (TPU: temporaries over the chip's HBM); such a plan never fits.
+    compile_error: str | None = None
 
     def __getattr__(self, name: str):
         # argument_bytes, temp_bytes, peak_bytes, host_temp_bytes, required_bytes, ...
@@ -112,7 +116,17 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.required_bytes <= self.target.chip.memory_bytes
+        return self.compile_error is None and self.required_bytes <= self.target.chip.memory_bytes
+
+    @property
+    def predicted_from(self) -> str:
+        """'forecast' where one was made (TPU / GPU targets), else 'bound'."""
+        return "forecast" if self.forecast is not None else "bound"
+
+    @property
+    def predicted(self) -> Forecast | StepEstimate:
+        """What the plan says a step takes: the forecast, or the bound where there is none."""
+        return self.forecast if self.forecast is not None else self.estimate
 
     def to_json(self) -> dict:
         c = self.candidate
@@ -142,20 +156,26 @@ class Plan:
             "kernels": self.kernels,
             "dot_dtypes": self.dot_dtypes,
             "compile_seconds": round(self.compile_seconds, 2),
+            "compile_error": self.compile_error,
             "model_flops_per_device": self.estimate.model_flops,
             "executed_flops_per_device": self.estimate.executed_flops,
             "compute_seconds": self.estimate.compute_seconds,
             "exposed_comm_seconds": self.estimate.exposed_comm_seconds,
             "overlapped_comm_seconds": self.estimate.overlapped_comm_seconds,
-            "predicted_step_seconds": self.estimate.step_seconds,
-            "predicted_mfu": self.estimate.mfu,
+            # What a step should take: the forecast where there is one, else the bound
+            # (`predicted_from` says which: no forecast on the simulated CPU, nor for a
+            # plan the compiler refused).
+            "predicted_step_seconds": self.predicted.step_seconds,
+            "predicted_mfu": self.predicted.mfu,
+            "predicted_mfu_at_precision": self.predicted.mfu_at_precision,
+            "predicted_from": self.predicted_from,
             # Pipeline strategies: (S-1)/(micro-batches*repeats + S-1); 0 for the others.
             "pipeline_bubble": self.estimate.bubble,
             "pipeline_microbatches": self.schedule.microbatches if self.schedule else None,
-            "predicted_mfu_at_precision": self.estimate.mfu_at_precision,
-            # The same bound under a name that says so, and the forecast beside it.
+            # The bound: compute at peak plus the communication it cannot hide.
             "bound_step_seconds": self.estimate.step_seconds,
             "bound_mfu": self.estimate.mfu,
+            "bound_mfu_at_precision": self.estimate.mfu_at_precision,
         } | (self.forecast.to_json() if self.forecast else {"forecast_step_seconds": None})
 
 
@@ -267,6 +287,57 @@ def layout_state_bytes(run, candidate: Candidate, target: Target) -> StateBytes:
     return state_bytes(built)
 
 
+# The TPU compiler refuses a step whose temporaries exceed the chip's HBM (libtpu's
+# CompileTimeHbmOom): "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required
+# for HLO temporaries (39.77G) exceeds available HBM (31.25G)." (G: GiB, XLA's byte printer).
+_HBM_OOM = re.compile(r"RESOURCE_EXHAUSTED.*?temporaries \(([\d.]+)([KMGT]?)\)", re.S)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def compile_time_oom_bytes(message: str) -> int | None:
+    """The temporaries' bytes of a compile-time out-of-memory error; None for other errors."""
+    match = _HBM_OOM.search(message)
+    if match is None:
+        return None
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def _out_of_memory_plan(run, candidate, target, mesh, state, temp, seconds, message, pp) -> Plan:
+    """A candidate the compiler refused for memory: a plan that does not fit, its memory the
+    state's arguments (parameters + optimizer state, from the layouts) plus the temporaries
+    the compiler asked for, with no program to read collectives, kernels or a forecast from
+    (so its bound is compute alone)."""
+    arguments = state.params + state.optimizer
+    estimate = estimate_step(
+        run.model.decoder_config(),
+        seq_len=run.data.seq_len,
+        global_batch=run.data.global_batch_size,
+        num_devices=mesh.size,
+        remat=candidate.remat,
+        chip=target.chip,
+        exposed_comm=0.0,
+        overlapped_comm=0.0,
+        pipeline=pp,
+    )
+    line = next((x for x in message.splitlines() if "RESOURCE_EXHAUSTED" in x), message)
+    return Plan(
+        candidate=candidate,
+        target=target,
+        mesh=dict(mesh.shape),
+        global_batch=run.data.global_batch_size,
+        seq_len=run.data.seq_len,
+        state=state,
+        memory=StepMemory(arguments, 0, 0, temp, arguments + temp, 0),
+        host_arrays=[],
+        compile_seconds=seconds,
+        collectives=[],
+        kernels={},
+        estimate=estimate,
+        schedule=pp,
+        compile_error=line.strip()[:300],
+    )
+
+
 def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
     the layouts or the batch cannot take (a split that does not divide). The step forecast is
@@ -275,7 +346,17 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     mesh = make_mesh(target, candidate)
     built = build(run, mesh, abstract=True)
     state = state_bytes(built)
-    compiled, seconds = built.compile()
+    pp = pipeline.plan_for(built.model.cfg, built.model.sharding, mesh)
+    start = time.perf_counter()
+    try:
+        compiled, seconds = built.compile()
+    except jax.errors.JaxRuntimeError as e:
+        temp = compile_time_oom_bytes(str(e))
+        if temp is None:
+            raise
+        return _out_of_memory_plan(
+            run, candidate, target, mesh, state, temp, time.perf_counter() - start, str(e), pp
+        )
     text = compiled.as_text()
     ops = hlo.collectives(text, dict(mesh.shape))
 
@@ -286,7 +367,6 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         return axis_bandwidth(devices_grid, axis_index, target.chip, dims)
 
     exposed, overlapped = comm_seconds(ops, bandwidth, tuple(mesh.axis_names))
-    pp = pipeline.plan_for(built.model.cfg, built.model.sharding, mesh)
     estimate = estimate_step(
         run.model.decoder_config(),
         seq_len=run.data.seq_len,

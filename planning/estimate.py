@@ -37,8 +37,9 @@ layer compute of neighbouring layers, so they cost time only where they exceed t
 collectives that cross only tensor / context-parallel axes (`model`, `context`) move
 activations between a matmul and the next one that needs its result, so they are fully
 exposed. Compute is taken at the chip's peak: no
-allowance for elementwise work, memory-bound kernels or pipeline bubbles, so the predicted
-MFU is an upper bound that real runs fall short of.
+allowance for elementwise work or memory-bound kernels, so the bound's MFU is an upper bound
+that real runs fall short of. Plans report it as `bound_*`; `predicted_*` is the forecast below
+where there is one (`predicted_from` says which).
 
 Axis bandwidth. TPU: a ring along a mesh axis uses the ICI links of every physical torus dim
 the axis spans, both directions on a dim that wraps around, one otherwise. GPU: NVLink within
@@ -348,7 +349,8 @@ class Forecast:
     exposed_comm_seconds: float
     overlapped_comm_seconds: float
     step_seconds: float
-    mfu: float
+    mfu: float  # model FLOPs / (bf16 peak * step)
+    mfu_at_precision: float  # model FLOPs / (peak at model.quantization's precision * step)
 
     def to_json(self) -> dict:
         return {f"forecast_{k}": v for k, v in dataclasses.asdict(self).items()}
@@ -386,8 +388,15 @@ def forecast_step(
     kernels: float,
     exposed_comm: float,
     overlapped_comm: float,
+    pipeline=None,
 ) -> Forecast | None:
-    """The forecast for one step; None for a chip without the figures (the simulated CPU)."""
+    """The forecast for one step; None for a chip without the figures (the simulated CPU).
+
+    `pipeline` (a PipelinePlan): each device runs its stage's layers on one micro-batch of
+    its rows at a time, every one of the schedule's Mb*R + S-1 iterations (bubble included:
+    SPMD stages compute on stale values there), so the layers' matmul, attention and
+    memory-bound time stretch by iterations / (Mb*R); the LM head runs once, on the stage's
+    own rows. `memory_bytes` is then the in-stage twin's (planning.forecast._in_stage)."""
     if chip.hbm_bytes_per_s is None or chip.platform not in KERNEL_GAP_SECONDS:
         return None
     tokens = global_batch * seq_len
@@ -404,6 +413,13 @@ def forecast_step(
     # Rows a device's matmuls see: its data shard of one micro-batch (tensor parallelism
     # splits the weights, not the rows).
     rows = per_device * tensor_parallel / micro_batches
+    stretch, head_share, launches = 1.0, 0.0, 1.0
+    if pipeline is not None:
+        rows *= pipeline.stages / pipeline.microbatches
+        stretch = pipeline.iterations / (pipeline.microbatches * pipeline.repeats)
+        head_share = 6.0 * cfg.hidden_dim * cfg.vocab_size / matmul
+        # A stage launches its L/(S*R) layers' kernels once per iteration.
+        launches = pipeline.iterations / (pipeline.stages * pipeline.repeats)
     m_eff = matmul_efficiency(chip, narrowest_matmul_dim(cfg, rows, tensor_parallel))
     a_eff = flash_efficiency(chip, cfg.head_dim) if flash else matmul_efficiency(chip, cfg.head_dim)
     # The projections model.quantization runs in fp8 / int8 go at that precision's peak.
@@ -414,7 +430,12 @@ def forecast_step(
     )
     attention_s = attention_flops / (chip.peak_bf16_flops * a_eff)
     memory_s = memory_bytes / (chip.hbm_bytes_per_s * HBM_EFFICIENCY)
-    host_s = kernels * KERNEL_GAP_SECONDS[chip.platform]
+    # The layers' share stretches over the bubble, the head's does not. Memory-bound time all
+    # stretches: the optimizer's share, which runs once, is over-counted by the bubble.
+    matmul_s *= head_share + (1.0 - head_share) * stretch
+    attention_s *= stretch
+    memory_s *= stretch
+    host_s = kernels * launches * KERNEL_GAP_SECONDS[chip.platform]
     busy = matmul_s + attention_s + memory_s
     step = busy + host_s + exposed_comm + max(0.0, overlapped_comm - busy)
     return Forecast(
@@ -432,4 +453,5 @@ def forecast_step(
         overlapped_comm_seconds=overlapped_comm,
         step_seconds=step,
         mfu=model_per_token * per_device / (chip.peak_bf16_flops * step),
+        mfu_at_precision=model_per_token * per_device / (peak_low * step),
     )

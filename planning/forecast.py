@@ -33,17 +33,32 @@ def step_traffic(run, candidate, target) -> Traffic:
     return _CACHE[key]
 
 
+def _in_stage(candidate):
+    """A pipeline candidate's twin without the pipeline: the strategy that runs inside a
+    stage (fsdp_pp -> fsdp) on the same devices, `stage` folded into `data`. Per device it
+    holds the same bytes of weights, optimizer state and activations (L/S layers sharded
+    over N/S devices against L layers over N), so its memory-bound traffic stands for the
+    pipeline's, which per-layer twins of one and two layers cannot be cut into stages for."""
+    strategy = get_strategy(candidate.strategy)
+    inner = candidate.strategy.removesuffix("_pp")
+    sizes = dict(zip(strategy.axes, candidate.mesh_shape, strict=True))
+    sizes["data"] *= sizes.pop("stage")
+    shape = tuple(sizes[a] for a in get_strategy(inner).axes)
+    return dataclasses.replace(candidate, strategy=inner, mesh_shape=shape)
+
+
 def add_forecast(run, plan: Plan) -> Forecast | None:
     """Set `plan.forecast` (None on a chip without the figures, e.g. the simulated CPU, and
-    for pipeline strategies)."""
+    for a plan the compiler refused for memory). A pipeline strategy's memory-bound bytes
+    come from its in-stage twin (`_in_stage`), and its schedule stretches the layers' time
+    by the bubble (`planning.estimate.forecast_step`)."""
     chip = plan.target.chip
-    # Pipeline strategies: the one- and two-layer unscanned twins this needs cannot be cut
-    # into stages, so they get the bound (with the bubble) and no forecast.
-    pipelined = get_strategy(plan.candidate.strategy).lm_sharding().stage_axis is not None
-    if chip.hbm_bytes_per_s is None or pipelined:
+    # A plan the compiler refused has no program to read the collectives from.
+    if chip.hbm_bytes_per_s is None or plan.compile_error is not None:
         plan.forecast = None
         return None
-    total = step_traffic(run, plan.candidate, plan.target)
+    twin = plan.candidate if plan.schedule is None else _in_stage(plan.candidate)
+    total = step_traffic(run, twin, plan.target)
     e = plan.estimate
     plan.forecast = forecast_step(
         run.model.decoder_config(),
@@ -59,5 +74,6 @@ def add_forecast(run, plan: Plan) -> Forecast | None:
         kernels=total.kernels,
         exposed_comm=e.exposed_comm_seconds,
         overlapped_comm=e.overlapped_comm_seconds,
+        pipeline=plan.schedule,
     )
     return plan.forecast

@@ -32,10 +32,10 @@ def table(plans: list[Plan]) -> str:
         "peak",
         "chip",
         "fits",
-        "step_s",
-        "MFU",
+        "bound_s",
+        "bound_MFU",
         "forecast_s",
-        "f_MFU",
+        "forecast_MFU",
         "compile_s",
     ]
     rows = [header]
@@ -70,7 +70,9 @@ def table(plans: list[Plan]) -> str:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
     lines.append(
-        "GiB per device; peak = XLA's peak, or arguments + outputs + temporaries if larger."
+        "GiB per device; peak = XLA's peak, or arguments + outputs + temporaries if larger. "
+        "forecast_s: what a step should take (planning/estimate.py); bound_s: compute at peak, "
+        "no step is faster; '-': no forecast (simulated CPU, compile refused)."
     )
     for p in plans:
         largest = ", ".join(f"{path} {_gib(b)}" for path, b in p.state.largest_params)
@@ -97,7 +99,7 @@ def table(plans: list[Plan]) -> str:
         lines.append(
             f"  step: compute {e.compute_seconds:.4g} s + exposed comm "
             f"{e.exposed_comm_seconds:.4g} s, overlapped comm {e.overlapped_comm_seconds:.4g} s"
-            " (step_s: the bound, compute at peak)"
+            f"; bound {e.step_seconds:.4g} s (compute at peak: no step is faster)"
         )
         f = p.forecast
         if f is not None:

@@ -1,13 +1,14 @@
 """`--sharding_strategy=auto`: among strategies x mesh shapes x remat policies x micro-batch
-counts, the candidate that fits and has the best predicted step time.
+counts, the candidate that fits and has the best predicted step time (`Plan.predicted`: the
+forecast where the target has one, else the bound).
 
 Every candidate cannot be compiled (a TPU compile of an 8B step takes minutes), so the search
 is branch and bound on the step-time model:
 - a candidate whose parameters + optimizer state + gradients (from the layouts, no compile)
   exceed the chip's memory cannot fit and is never compiled;
 - compute alone (FLOPs at peak, remat included) is a lower bound of a candidate's predicted
-  step time; candidates are compiled in order of that bound, and the search stops once the
-  bound reaches the best predicted time found;
+  step time (the bound and the forecast are never below it); candidates are compiled in order
+  of that bound, and the search stops once the bound reaches the best predicted time found;
 - more remat (none < dots < full) or more micro-batches never predict a faster step for the
   same layout and mesh (more FLOPs; as much or more communication), so once a candidate fits,
   those variants of it are not compiled.
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 from planning.compile import Candidate, Plan, Target, compile_plan, layout_state_bytes, run_for
 from planning.estimate import compute_lower_bound
+from planning.forecast import add_forecast
 from shardings import get_strategy
 from shardings.hybrid import num_granules
 from shardings.specs import entry_size
@@ -163,7 +165,8 @@ def search(
     exhaustive: bool = False,
     log: Callable[[str], None] = lambda _: None,
 ) -> SearchResult:
-    """The best candidate that fits, by predicted step time (see the module docstring).
+    """The best candidate that fits, by predicted step time (see the module docstring). Each
+    compiled plan gets its forecast (`planning.forecast.add_forecast`: two small compiles).
 
     `exhaustive` compiles every candidate whose state can fit (the bound, the dominance rule
     and the compile budget are off): what plan_main does for named strategies."""
@@ -194,7 +197,7 @@ def search(
     for c in candidates if exhaustive else order:
         if exhaustive:
             pass
-        elif best is not None and bounds[c] >= best.estimate.step_seconds:
+        elif best is not None and bounds[c] >= best.predicted.step_seconds:
             skipped.append((c, "its compute alone is slower than the best found"))
             continue
         elif any(_dominated(c, f) for f in fitted):
@@ -220,15 +223,16 @@ def search(
         except ValueError as e:
             skipped.append((c, str(e)))
             continue
+        add_forecast(run, plan)
         plans.append(plan)
         log(
             f"  {plan.required_bytes / GiB:.2f} GiB of {memory / GiB:.1f}, "
-            f"{'fits' if plan.fits else 'does not fit'}, predicted "
-            f"{plan.estimate.step_seconds:.4g} s/step ({plan.compile_seconds:.0f} s compile)"
+            f"{'fits' if plan.fits else 'does not fit'}, {_step_text(plan)} "
+            f"({plan.compile_seconds:.0f} s compile)"
         )
         if plan.fits:
             fitted.append(c)
-            if best is None or plan.estimate.step_seconds < best.estimate.step_seconds:
+            if best is None or plan.predicted.step_seconds < best.predicted.step_seconds:
                 best = plan
     if best is None:
         return SearchResult(None, plans, skipped, smallest_change(run, target, plans, state_cache))
@@ -266,20 +270,29 @@ def _dominated(c: Candidate, fitted: Candidate) -> bool:
     )
 
 
+def _step_text(plan: Plan) -> str:
+    """'forecast 0.32 s/step (bound 0.13)', or 'bound 0.13 s/step (no forecast)'."""
+    bound = plan.estimate.step_seconds
+    if plan.forecast is None:
+        return f"bound {bound:.4g} s/step (no forecast)"
+    return f"forecast {plan.forecast.step_seconds:.4g} s/step (bound {bound:.4g})"
+
+
 def _why(best: Plan, plans: list[Plan], skipped) -> str:
     e = best.estimate
     fit = [p for p in plans if p.fits and p is not best]
-    runner = min(fit, key=lambda p: p.estimate.step_seconds) if fit else None
+    runner = min(fit, key=lambda p: p.predicted.step_seconds) if fit else None
     # Communication-bound once collectives add to the compute time at all.
     bound = "compute" if e.step_seconds <= e.compute_seconds * (1 + 1e-9) else "communication"
     parts = [
-        f"auto picked {best.candidate.describe()}: predicted {e.step_seconds:.4g} s/step, "
-        f"MFU {e.mfu:.1%}, {best.required_bytes / GiB:.1f} of "
+        f"auto picked {best.candidate.describe()}: {_step_text(best)}, "
+        f"MFU {best.predicted.mfu:.1%}, {best.required_bytes / GiB:.1f} of "
         f"{best.target.chip.memory_bytes / GiB:.1f} GiB ({bound}-bound)"
     ]
     if runner is not None:
         parts.append(
-            f"next best {runner.candidate.describe()} at {runner.estimate.step_seconds:.4g} s"
+            f"next best {runner.candidate.describe()} at "
+            f"{runner.predicted.step_seconds:.4g} s ({runner.predicted_from})"
         )
     no_fit = sum(not p.fits for p in plans)
     parts.append(f"{len(plans)} compiled, {no_fit} did not fit, {len(skipped)} ruled out")

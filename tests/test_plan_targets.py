@@ -153,3 +153,31 @@ def test_offload_compiles_for_tpu_with_the_residual_stream_in_host_memory(tpu_pl
 @pytest.mark.gpu_compile
 def test_offload_compiles_for_gpu_with_the_residual_stream_in_host_memory(gpu_plans):
     _offload_check(*gpu_plans, "h100:8")
+
+
+@pytest.mark.tpu_compile
+def test_a_step_the_tpu_compiler_refuses_for_memory_is_a_plan_that_does_not_fit():
+    """libtpu refuses, at compile time, a step whose temporaries exceed the chip's HBM. The
+    planner reports it as a plan that does not fit (with the compiler's figure) and advises,
+    never a stack trace. Tiny at 8192 tokens with XLA attention and no remat keeps every
+    layer's [N, T, T] scores: about 64 GiB of temporaries per v5e chip (16 GiB)."""
+    from planning.cli import Request, build
+    from planning.search import search
+
+    request = Request(
+        topology="v5e:2x4",
+        model="tiny",
+        strategies="fsdp",
+        batch_size=128,
+        seq_len=8192,
+        remat=["none"],
+        micro_batches=["1"],
+        attention_impl="xla",
+    )
+    run, target, candidates, _ = build(request)
+    result = search(run, target, candidates, exhaustive=True)
+    (plan,) = result.plans
+    assert not plan.fits and "HLO temporaries" in plan.compile_error
+    assert plan.temp_bytes > 3 * target.chip.memory_bytes  # the compiler's figure, parsed
+    assert plan.to_json()["predicted_from"] == "bound"  # no program to forecast from
+    assert result.best is None and "use more remat" in result.reason
