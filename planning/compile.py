@@ -302,23 +302,27 @@ def compile_time_oom_bytes(message: str) -> int | None:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def _out_of_memory_plan(run, candidate, target, mesh, state, temp, seconds, message, pp) -> Plan:
-    """A candidate the compiler refused for memory: a plan that does not fit, its memory the
-    state's arguments (parameters + optimizer state, from the layouts) plus the temporaries
-    the compiler asked for, with no program to read collectives, kernels or a forecast from
-    (so its bound is compute alone)."""
-    arguments = state.params + state.optimizer
-    estimate = estimate_step(
+def _estimate(run, candidate, target, mesh, pp, exposed, overlapped):
+    return estimate_step(
         run.model.decoder_config(),
         seq_len=run.data.seq_len,
         global_batch=run.data.global_batch_size,
         num_devices=mesh.size,
         remat=candidate.remat,
         chip=target.chip,
-        exposed_comm=0.0,
-        overlapped_comm=0.0,
+        exposed_comm=exposed,
+        overlapped_comm=overlapped,
         pipeline=pp,
     )
+
+
+def _out_of_memory_plan(run, candidate, target, mesh, state, temp, seconds, message, pp) -> Plan:
+    """A candidate the compiler refused for memory: a plan that does not fit, its memory the
+    state's arguments (parameters + optimizer state, from the layouts) plus the temporaries
+    the compiler asked for, with no program to read collectives, kernels or a forecast from
+    (so its bound is compute alone)."""
+    arguments = state.params + state.optimizer
+    estimate = _estimate(run, candidate, target, mesh, pp, exposed=0.0, overlapped=0.0)
     line = next((x for x in message.splitlines() if "RESOURCE_EXHAUSTED" in x), message)
     return Plan(
         candidate=candidate,
@@ -367,17 +371,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         return axis_bandwidth(devices_grid, axis_index, target.chip, dims)
 
     exposed, overlapped = comm_seconds(ops, bandwidth, tuple(mesh.axis_names))
-    estimate = estimate_step(
-        run.model.decoder_config(),
-        seq_len=run.data.seq_len,
-        global_batch=run.data.global_batch_size,
-        num_devices=mesh.size,
-        remat=candidate.remat,
-        chip=target.chip,
-        exposed_comm=exposed,
-        overlapped_comm=overlapped,
-        pipeline=pp,
-    )
+    estimate = _estimate(run, candidate, target, mesh, pp, exposed, overlapped)
     own = traffic(text)
     plan = Plan(
         candidate=candidate,

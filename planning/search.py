@@ -11,7 +11,12 @@ is branch and bound on the step-time model:
   of that bound, and the search stops once the bound reaches the best predicted time found;
 - more remat (none < dots < full) or more micro-batches never predict a faster step for the
   same layout and mesh (more FLOPs; as much or more communication), so once a candidate fits,
-  those variants of it are not compiled.
+  those variants of it are not compiled;
+- and the other way round for memory: once a candidate does not fit, its variants with less
+  remat and no more micro-batches cannot fit either, and one with k' > k micro-batches needs
+  at least the arguments plus k/k' of the rest (its activations shrink at most as 1/k, the
+  rest stays), so it is not compiled where even that exceeds the chip.
+Only candidates that fit get a forecast (its two extra compiles), unless all are compiled.
 """
 
 from __future__ import annotations
@@ -194,6 +199,7 @@ def search(
     best: Plan | None = None
     state_cache: dict[tuple, int] = {}
     fitted: list[Candidate] = []
+    failed: list[Plan] = []
     for c in candidates if exhaustive else order:
         if exhaustive:
             pass
@@ -202,6 +208,9 @@ def search(
             continue
         elif any(_dominated(c, f) for f in fitted):
             skipped.append((c, "a variant with less remat / fewer micro-batches fits"))
+            continue
+        elif (why := _cannot_fit(c, failed, memory)) is not None:
+            skipped.append((c, why))
             continue
         layout = (c.strategy, c.mesh_shape)
         try:
@@ -223,14 +232,17 @@ def search(
         except ValueError as e:
             skipped.append((c, str(e)))
             continue
-        add_forecast(run, plan)
+        if plan.fits or exhaustive:
+            add_forecast(run, plan)
         plans.append(plan)
         log(
             f"  {plan.required_bytes / GiB:.2f} GiB of {memory / GiB:.1f}, "
             f"{'fits' if plan.fits else 'does not fit'}, {_step_text(plan)} "
             f"({plan.compile_seconds:.0f} s compile)"
         )
-        if plan.fits:
+        if not plan.fits:
+            failed.append(plan)
+        else:
             fitted.append(c)
             if best is None or plan.predicted.step_seconds < best.predicted.step_seconds:
                 best = plan
@@ -270,11 +282,37 @@ def _dominated(c: Candidate, fitted: Candidate) -> bool:
     )
 
 
+def _cannot_fit(c: Candidate, failed: list[Plan], memory: int) -> str | None:
+    """Why `c` cannot fit, from a compiled variant of the same layout that did not; None if
+    no such variant says so."""
+    for plan in failed:
+        f = plan.candidate
+        same_layout = (c.strategy, c.mesh_shape, c.pipeline_microbatches) == (
+            f.strategy,
+            f.mesh_shape,
+            f.pipeline_microbatches,
+        )
+        if not same_layout or c == f or not _at_least_as_much_remat(f.remat, c.remat):
+            continue
+        if c.micro_batches <= f.micro_batches:
+            return f"{f.describe()} does not fit, and this has no more remat or micro-batches"
+        if c.remat != f.remat:
+            continue
+        arguments = plan.state.params + plan.state.optimizer
+        least = arguments + (plan.required_bytes - arguments) * f.micro_batches / c.micro_batches
+        if least > memory:
+            return (
+                f"needs at least {least / GiB:.1f} GiB ({f.describe()} needs "
+                f"{plan.required_bytes / GiB:.1f}; activations shrink at most as 1/k)"
+            )
+    return None
+
+
 def _step_text(plan: Plan) -> str:
     """'forecast 0.32 s/step (bound 0.13)', or 'bound 0.13 s/step (no forecast)'."""
     bound = plan.estimate.step_seconds
     if plan.forecast is None:
-        return f"bound {bound:.4g} s/step (no forecast)"
+        return f"bound {bound:.4g} s/step ({'no forecast' if plan.fits else 'not forecast'})"
     return f"forecast {plan.forecast.step_seconds:.4g} s/step (bound {bound:.4g})"
 
 

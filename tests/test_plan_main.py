@@ -169,3 +169,31 @@ def test_a_gpu_holds_what_jaxs_allocator_may_take(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1.5")
     with pytest.raises(ValueError, match=r"XLA_PYTHON_CLIENT_MEM_FRACTION='1.5': must be"):
         chip_for("h100:8")
+
+
+def test_a_variant_that_cannot_fit_is_not_compiled():
+    """After (fsdp, data:8, dots, k=2) needs 30 GiB of a 16 GiB chip (4 of them arguments),
+    less remat or fewer micro-batches of the same layout cannot fit, and k=4 needs at least
+    4 + 26/2 = 17 GiB; k=8 (at least 10.5) and another layout stay candidates."""
+    from types import SimpleNamespace
+
+    from planning.compile import Candidate
+    from planning.search import _cannot_fit
+
+    state = SimpleNamespace(params=1 * GiB, optimizer=3 * GiB)
+    failed = [
+        SimpleNamespace(
+            candidate=Candidate("fsdp", (8,), "dots", 2), state=state, required_bytes=30 * GiB
+        )
+    ]
+
+    def why(strategy, mesh, remat, k):
+        return _cannot_fit(Candidate(strategy, mesh, remat, k), failed, 16 * GiB)
+
+    assert "does not fit" in why("fsdp", (8,), "none", 2)
+    assert "does not fit" in why("fsdp", (8,), "dots", 1)
+    assert "needs at least 17.0 GiB" in why("fsdp", (8,), "dots", 4)
+    assert why("fsdp", (8,), "dots", 8) is None
+    assert why("fsdp", (8,), "full", 2) is None  # more remat: may fit
+    assert why("fsdp_tp", (4, 2), "none", 1) is None  # another layout
+    assert why("fsdp", (8,), "dots", 2) is None  # itself: not a verdict on a variant
