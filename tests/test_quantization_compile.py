@@ -8,7 +8,9 @@ e4m3) and in both backward products (e5m2 gradients against e4m3 weights / activ
 the LM head (forward, recomputed forward, dx, dw) stays bf16. Its FSDP all-gathers of those
 weights move the e4m3 values (one byte each, half of bf16's). The tiny model with int8, for a
 v6e:4x4 slice and for 8 H100s: the projections are s8 x s8 dots. Without quantization neither
-appears (tests/test_plan_targets.py checks that on its plans).
+appears (tests/test_plan_targets.py checks that on its plans). fp8 on a TPU before v7, which
+has no fp8 matrix unit, still compiles (the TPU compiler takes the f8 dots), and the planner
+counts those dots at the bf16 rate, so fp8 there forecasts no speed-up.
 """
 
 import pytest
@@ -72,6 +74,16 @@ def test_tiny_int8_on_v6e_has_s8_dots():
     assert dots.get("s8 x s8", 0) >= 3 * PROJECTIONS, dots
     assert not any("f8" in k for k in dots), dots
     assert plan.estimate.mfu_at_precision == pytest.approx(plan.estimate.mfu / 2)
+
+
+@pytest.mark.tpu_compile
+def test_tiny_fp8_on_v5p_compiles_and_plans_at_the_bf16_rate():
+    run = _run("tiny", "fp8", seq_len=128, global_batch_size=16)
+    plan = compile_plan(run, Candidate("fsdp", (8,), "dots", 1), make_target("v5p:2x2x2"))
+    dots = plan.to_json()["dot_dtypes"]
+    assert dots.get("f8e4m3fn x f8e4m3fn", 0) >= PROJECTIONS, dots
+    assert CHIPS["v5p"].peak_fp8_flops is None  # no fp8 rate: peak_flops falls back to bf16
+    assert plan.estimate.mfu_at_precision == pytest.approx(plan.estimate.mfu)
 
 
 @pytest.mark.gpu_compile
