@@ -1,6 +1,8 @@
 """Training tokens/s of a tiny MoE (dropless) against a dense model of the same active size.
 
     python bench/moe_throughput.py --model=qwen3-moe-tiny --devices=1 --batch=8 --seq=128
+    python bench/moe_throughput.py --hidden_dim=1024 --num_experts=32 --experts_per_tok=4 \
+        --dtype=bfloat16 --platform=gpu        # issue 32's scaled-up model, on one GPU
 
 The dense model is the same config with the experts replaced by one MLP of width
 k * F_expert, so both do the same matmul FLOPs per token (the router's M x E aside). One
@@ -22,16 +24,26 @@ _DEVICES = flags.DEFINE_integer("devices", 1, "simulated CPU devices")
 _BATCH = flags.DEFINE_integer("batch", 8, "global batch (rows)")
 _SEQ = flags.DEFINE_integer("seq", 128, "tokens per row")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
+_HIDDEN = flags.DEFINE_integer("hidden_dim", None, "override M (heads keep their head_dim)")
+_EXPERTS = flags.DEFINE_integer("num_experts", None, "override E")
+_TOP_K = flags.DEFINE_integer("experts_per_tok", None, "override k")
+_EXPERT_FFN = flags.DEFINE_integer("moe_ffn_dim", None, "override one expert's F")
+_DTYPE = flags.DEFINE_string("dtype", None, "override the compute dtype (bfloat16 on a GPU)")
+_PLATFORM = flags.DEFINE_enum(
+    "platform", "cpu", ["cpu", "gpu", "tpu"], "where to run; cpu simulates --devices devices"
+)
 
 
 def main(argv):
     del argv
     if "jax" not in sys.modules:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={_DEVICES.value}"
-        )
+        # Named, not defaulted: a GPU host's JAX_PLATFORMS would otherwise decide silently.
+        os.environ["JAX_PLATFORMS"] = {"gpu": "cuda"}.get(_PLATFORM.value, _PLATFORM.value)
+        if _PLATFORM.value == "cpu":
+            os.environ["XLA_FLAGS"] = (
+                os.environ.get("XLA_FLAGS", "")
+                + f" --xla_force_host_platform_device_count={_DEVICES.value}"
+            )
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
     from step_timing import time_train_step
@@ -40,6 +52,14 @@ def main(argv):
     from zoo import get_config
 
     moe_cfg = get_config(_MODEL.value)
+    overrides = {
+        "hidden_dim": _HIDDEN.value,
+        "num_experts": _EXPERTS.value,
+        "num_experts_per_tok": _TOP_K.value,
+        "moe_ffn_dim": _EXPERT_FFN.value,
+        "dtype": _DTYPE.value,
+    }
+    moe_cfg = moe_cfg.replace(**{k: v for k, v in overrides.items() if v is not None})
     dense_cfg = moe_cfg.replace(
         num_experts=0, ffn_dim=moe_cfg.num_experts_per_tok * moe_cfg.moe_ffn_dim
     )

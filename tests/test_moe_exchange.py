@@ -87,6 +87,7 @@ def test_hlo_reader_counts_a_ragged_all_to_all_by_its_filled_side():
     assert all(c.executions == 2 and c.axes == ("expert",) for c in ops)
 
 
+@pytest.mark.tpu_compile
 def test_ragged_exchange_sends_the_routed_payload_on_tpu():
     """Issue 32, check 1: qwen3-moe-tiny, bf16, remat none, 8 x 2048 on v5p:2x2x2, fsdp_ep
     with expert 8. The routed payload: 4 exchanges per layer (dispatch and combine, forward
