@@ -184,3 +184,43 @@ def test_a_template_reaching_outside_its_sandbox_is_one_line(template):
     message = str(err.value)
     assert "\n" not in message and message.startswith("evil/tokenizer_config.json: "), message
     assert "sandbox" in message or "raised" in message, message
+
+
+def test_a_role_the_template_knows_trains_and_one_it_does_not_is_one_line(tmp_path, tok_dir):
+    """The template judges roles: Llama 3's writes any role (Llama 3.1's `ipython` included,
+    refused by a fixed list before); Qwen3's renders nothing for `ipython`, so it is refused,
+    naming the roles it does render there."""
+    from chat_fixtures import chat_template
+
+    chat = {
+        "messages": [
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "ipython", "content": '{"result": 5}'},
+            {"role": "assistant", "content": "It is 5."},
+        ]
+    }
+    tokenizer = make_tokenizer(tok_dir)
+    out = encode_record(chat, tokenizer, ChatTemplate.from_dir(tok_dir))
+    trained = out["tokens"][out["loss_mask"] == 1].tolist()
+    assert tokenizer.decode(trained) == "It is 5."  # the tool output is context, not a target
+    qwen = ChatTemplate(chat_template("qwen3"), {"eos_token": "<|im_end|>"}, source="qwen3")
+    with pytest.raises(ValueError) as err:
+        encode_record(chat, tokenizer, qwen)
+    assert str(err.value) == (
+        "qwen3: message 1 has role 'ipython', which the chat template does not know (it renders "
+        "nothing of that message); roles it renders there: system, user, assistant, tool"
+    )
+    # A later record bringing a new role is encoded while the run is built, not in a worker.
+    source = _write(tmp_path / "chats.jsonl", [_chat("Hi?", "Hello."), chat])
+    with pytest.raises(ValueError, match="role 'ipython'"):
+        data.build_dataset(
+            source,
+            "all",
+            tokenizer,
+            SEQ,
+            2,
+            shuffle=False,
+            repeat=False,
+            data_format="chat",
+            chat_template=qwen,
+        )
