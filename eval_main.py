@@ -65,7 +65,7 @@ _PROMPT = flags.DEFINE_string("prompt", None, "Text to continue (greedy unless -
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0: all.")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (--prompt, and --tasks that sample).")
 _HF_CHECKPOINT = flags.DEFINE_string(
     "hf_checkpoint", None, "Evaluate a Hugging Face checkpoint directory instead of the run's."
 )
@@ -145,7 +145,7 @@ def _run_tasks():
     try:
         request = _request()
         tasks = harness.prepare(_TASKS.value, include, _NUM_FEWSHOT.value, _LIMIT.value)
-        results, result = harness.evaluate(request, tasks)
+        results, result = harness.evaluate(request, tasks, seed=_SEED.value)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         cli.usage_error(cli.device_hint(e))
     try:

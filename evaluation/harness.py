@@ -168,20 +168,46 @@ class TaskRequest:
     limit: float | None = None  # examples per task: N, or a fraction when < 1
 
 
-def evaluate(request, tasks: TaskRequest):
+def check_strategy(tasks: TaskRequest, strategy: str) -> None:
+    """ValueError (one line) when `strategy` cannot generate (a pipeline's, a context-parallel
+    one: zoo.generate.check_can_generate) and a requested task does (output_type
+    generate_until). The tasks are built to read their type only in that case."""
+    from shardings import get_strategy
+    from zoo.generate import check_can_generate
+
+    get_strategy(strategy)  # an unknown name is its own error
+    try:
+        check_can_generate(strategy)
+    except ValueError:
+        built = tasks.manager.load(tasks.names)["tasks"]
+        generating = sorted(n for n, t in built.items() if t.OUTPUT_TYPE == "generate_until")
+        if generating:
+            shown = ", ".join(generating[:3]) + (
+                f" and {len(generating) - 3} more" if len(generating) > 3 else ""
+            )
+            check_can_generate(strategy, what=f"--tasks: {shown} (output_type generate_until)")
+
+
+def evaluate(request, tasks: TaskRequest, seed: int = 0):
     """(results, EvalResult): the harness's results for the request's model (loaded as for
-    the held-out metrics), and what eval_main prints beside them."""
+    the held-out metrics), and what eval_main prints beside them. `seed` draws the samples of
+    sampled `generate_until` tasks (the same seed, the same text)."""
     from checkpoint.workdir import check_writable_everywhere
     from evaluation import run
     from evaluation.harness_lm import ZooLM
 
+    strategy = request.overrides.get("strategy")
+    if strategy:
+        check_strategy(tasks, strategy)  # before reading the checkpoint
     check_writable_everywhere(request.workdir)  # before the work, not after it
     settings, tokenizer, model, mesh, step = run.load(request)
+    if not strategy:
+        check_strategy(tasks, settings.strategy)  # the run's own: still before any task runs
     # A run's context is the length it trained at (--seq_len overrides); an HF model's, the
     # length its config allows (the hf backend reads max_position_embeddings).
     seq_len = request.overrides.get("seq_len")
     max_length = seq_len or (None if request.hf_checkpoint else settings.seq_len)
-    lm = ZooLM(model, mesh, tokenizer, rows=settings.batch_size, max_length=max_length)
+    lm = ZooLM(model, mesh, tokenizer, rows=settings.batch_size, max_length=max_length, seed=seed)
     limit = tasks.limit
     if limit is not None and limit >= 1:
         limit = int(limit)
