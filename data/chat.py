@@ -2,8 +2,10 @@
 
 Formats (`data.format`):
   chat               each record has `messages`: a list of {role, content} (OpenAI / HF style).
-  prompt_completion  each record has `prompt` and `completion`: strings (joined as they are,
-                     EOS after the completion) or lists of messages (rendered as a chat).
+  prompt_completion  each record has `prompt` and `completion`: strings (the prompt as the
+                     tokenizer encodes a text, BOS first where it adds one, as transformers
+                     and TRL do; then the completion's ids and EOS) or lists of messages
+                     (rendered as a chat).
 
 Records are JSONL lines or Parquet rows. A chat is rendered with the checkpoint's own
 `chat_template` (`chat_template.jinja`, else `chat_template` in `tokenizer_config.json`, beside
@@ -379,11 +381,35 @@ def encode_record(record: dict, tokenizer: Tokenizer, template: ChatTemplate | N
         text, spans = template.assistant_spans(messages, trained)
         ids, mask = _token_mask(tokenizer, text, spans)
     else:
-        prompt = np.asarray(tokenizer.encode(record["prompt"]), np.int32)
-        completion = np.asarray(tokenizer.encode(record["completion"]), np.int32)
-        ids = np.concatenate([prompt, completion, [tokenizer.eos_id]]).astype(np.int32)
+        prompt = tokenizer.encode(record["prompt"])
+        specials = leading_specials(tokenizer)
+        if prompt[: len(specials)] != specials:  # (a prompt that starts with BOS gets no second)
+            prompt = specials + prompt
+        completion = tokenizer.encode(record["completion"])
+        ids = np.asarray([*prompt, *completion, tokenizer.eos_id], np.int32)
         mask = np.concatenate([np.zeros(len(prompt)), np.ones(len(completion) + 1)])
     return {"tokens": ids, "loss_mask": mask.astype(np.int32)}
+
+
+def leading_specials(tokenizer: Tokenizer) -> list[int]:
+    """The ids the tokenizer puts before a text when it is called as transformers calls it
+    (`add_special_tokens=True`, what TRL does with a prompt that has no chat template): BOS
+    for Llama- and Gemma-style tokenizers, nothing for GPT-2- and Qwen-style ones or bytes.
+    A rendered chat needs none: its template writes the BOS text itself."""
+    from data.tokenizers import HfTokenizer, SentencePieceTokenizer
+
+    if isinstance(tokenizer, HfTokenizer):
+        # What the post-processor adds in front of a one-character text.
+        plain = tokenizer._tok.encode("a", add_special_tokens=False).ids
+        full = tokenizer._tok.encode("a", add_special_tokens=True).ids
+        for at in range(len(full) - len(plain) + 1):
+            if full[at : at + len(plain)] == plain:
+                return full[:at]
+        return []
+    if isinstance(tokenizer, SentencePieceTokenizer):  # transformers adds its BOS by default
+        bos = tokenizer._sp.bos_id()
+        return [bos] if bos >= 0 else []
+    return []
 
 
 class EncodeRecord:

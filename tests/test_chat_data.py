@@ -133,6 +133,30 @@ def test_prompt_completion_masks_the_completion_and_eos(tok_dir):
     assert out["loss_mask"].tolist() == [0] * (len(out["tokens"]) - n) + [1] * n
 
 
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_prompt_completion_strings_start_as_the_tokenizer_starts_a_text(tmp_path, style):
+    """BOS first where the tokenizer adds one, as transformers' tokenizer(prompt) does (and
+    TRL with a prompt that has no chat template); nothing for a BOS-less tokenizer."""
+    from _harness_helpers import STYLES, write_tokenizer
+    from tokenizers import Tokenizer as HfTok
+
+    write_tokenizer(str(tmp_path), style)
+    tokenizer = make_tokenizer(str(tmp_path))
+    reference = HfTok.from_file(str(tmp_path / "tokenizer.json"))  # what transformers calls
+    prompt, completion = "Question: Snow is usually", " white"
+    out = encode_record({"prompt": prompt, "completion": completion}, tokenizer, None)
+    want_prompt = reference.encode(prompt, add_special_tokens=True).ids
+    n = len(want_prompt)
+    assert out["tokens"][:n].tolist() == want_prompt
+    assert (want_prompt[0] == reference.token_to_id("<s>")) == (STYLES[style]["bos"] is not None)
+    assert out["tokens"][n:].tolist() == [*tokenizer.encode(completion), tokenizer.eos_id]
+    assert out["loss_mask"].tolist() == [0] * n + [1] * (len(out["tokens"]) - n)
+    # A prompt that already starts with BOS gets no second one.
+    if style == "llama":
+        again = encode_record({"prompt": "<s>" + prompt, "completion": completion}, tokenizer, None)
+        assert again["tokens"].tolist() == out["tokens"].tolist()
+
+
 def test_only_answers_differ_changes_the_loss(tmp_path, tok_dir, model):
     a = _write(tmp_path / "a.jsonl", [_chat("What is the capital?", "Paris is the capital.")])
     b = _write(tmp_path / "b.jsonl", [_chat("What is the capital?", "The sea is wide.")])
