@@ -1,13 +1,14 @@
 """Run lm-evaluation-harness tasks on this project's model and write the harness's results.
 
-    results = run_tasks(lm, ["zoo_facts"], include_path="examples/lm_eval_tasks")
+    results = run_tasks(lm, ["zoo_facts"], include_path=EXAMPLE_TASKS)
     write_results(results, "runs/a/lm_eval.json")
 
-Tasks are the harness's own names or those of local task YAML under `include_path` (see
-examples/lm_eval_tasks/). Local tasks are looked up first; the harness's ~15k built-in tasks
-are indexed (about a minute) only when a name is not among them. The hub is never asked for a
-model or a tokenizer (HF_HUB_OFFLINE), and built-in tasks whose data is not in the local
-datasets cache need the network.
+Tasks are the harness's own names or those of local task YAML under `include_path` (the
+example tasks ship inside this package, evaluation/lm_eval_tasks/, and `--include_path=
+lm_eval_tasks` names them from anywhere: `include_dir`). Local tasks are looked up first; the
+harness's ~15k built-in tasks are indexed (about a minute) only when a name is not among them.
+The hub is never asked for a model or a tokenizer (HF_HUB_OFFLINE), and built-in tasks whose
+data is not in the local datasets cache need the network.
 """
 
 from __future__ import annotations
@@ -18,6 +19,25 @@ import os
 
 INSTALL = 'pip install "nnx-zoo[eval]"  (lm-eval 0.4.13)'
 RESULTS_FILE = "lm_eval.json"
+EXAMPLE_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
+_EXAMPLES_NAME = os.path.basename(EXAMPLE_TASKS)
+
+
+def include_dir(value: str) -> str:
+    """`--include_path`: a directory as given (`~` expanded, absolute), or the example tasks
+    shipped in this package when `value` is not a directory and names them: `lm_eval_tasks`,
+    or the checkout paths `examples/lm_eval_tasks` (where they lived) and
+    `evaluation/lm_eval_tasks`. An existing directory always wins, so a user's own
+    `lm_eval_tasks/` is theirs (as configs/locate.py treats config names)."""
+    from checkpoint.workdir import expand
+
+    path = expand(value)
+    if os.path.isdir(path):
+        return path
+    name, parent = os.path.basename(os.path.normpath(value)), os.path.dirname(value.rstrip("/"))
+    if name == _EXAMPLES_NAME and parent in ("", "examples", "evaluation"):
+        return EXAMPLE_TASKS
+    return path
 
 
 def require_lm_eval() -> None:
@@ -40,7 +60,10 @@ def task_manager(names: list[str], include_path: str | None):
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not os.path.isdir(include_path):
-        raise ValueError(f"--include_path={include_path!r} is not a directory of task YAML files")
+        raise ValueError(
+            f"--include_path={include_path!r} is not a directory of task YAML files (or "
+            f"{_EXAMPLES_NAME}: the example tasks shipped with this package)"
+        )
     where = (
         f"in --include_path={include_path} or the harness's tasks"
         if include_path

@@ -175,10 +175,10 @@ def run_dir(tmp_path_factory):
     return workdir
 
 
-def _eval_main(*flags, env=None, timeout=300):
+def _eval_main(*flags, env=None, timeout=300, cwd=ROOT):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "eval_main.py"), *flags],
-        cwd=ROOT,
+        cwd=cwd,
         env=env or child_env(),
         capture_output=True,
         text=True,
@@ -221,7 +221,8 @@ def test_eval_main_tasks_on_a_trained_run(run_dir):
         ),
         (
             ["--tasks=zoo_facts", "--include_path=/no/such/dir"],
-            "error: --include_path='/no/such/dir' is not a directory of task YAML files",
+            "error: --include_path='/no/such/dir' is not a directory of task YAML files (or "
+            "lm_eval_tasks: the example tasks shipped with this package)",
         ),
     ],
     ids=["unknown_task", "missing_include_path"],
@@ -247,6 +248,20 @@ def test_bad_task_requests_are_one_line_errors(tasks, include, message):
         prepare(tasks, include, 0, None)
 
 
+def test_include_path_names_the_shipped_examples(tmp_path, monkeypatch):
+    from evaluation.harness import EXAMPLE_TASKS, include_dir
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("lm_eval_tasks", "examples/lm_eval_tasks", "evaluation/lm_eval_tasks/"):
+        assert include_dir(name) == EXAMPLE_TASKS, name
+    assert {"zoo_facts.yaml", "zoo_prose.yaml", "zoo_facts_gen.yaml"} <= set(
+        os.listdir(EXAMPLE_TASKS)
+    )
+    (tmp_path / "lm_eval_tasks").mkdir()  # a directory of the user's own wins
+    assert include_dir("lm_eval_tasks") == str(tmp_path / "lm_eval_tasks")
+    assert include_dir("other/lm_eval_tasks") == str(tmp_path / "other" / "lm_eval_tasks")
+
+
 def test_tasks_without_the_extra_name_the_install_command(tmp_path):
     # A directory that shadows `lm_eval` with a package that fails to import, as if absent.
     shadow = tmp_path / "shadow" / "lm_eval"
@@ -263,14 +278,16 @@ def test_tasks_without_the_extra_name_the_install_command(tmp_path):
 
 def test_eval_main_tasks_on_an_hf_checkpoint(hf_dir, tmp_path):
     """--hf_checkpoint: the directory's tokenizer and config, the default strategy (fsdp_tp on
-    8 devices); --seed reaches the backend (recorded in the results' config)."""
+    8 devices); --seed reaches the backend (recorded in the results' config). Run from outside
+    the checkout: --include_path=lm_eval_tasks names the example tasks shipped in the package."""
     proc = _eval_main(
         f"--workdir={tmp_path}",
         f"--hf_checkpoint={hf_dir}",
         "--tasks=zoo_facts",
-        f"--include_path={TASKS}",
+        "--include_path=lm_eval_tasks",
         "--limit=4",
         "--seed=5",
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "lm_eval.json") as f:
