@@ -4,7 +4,7 @@
         [--data=PATH] [--eval_batches=N] [--step=N]
         [--prompt="def main(" --max_new_tokens=64 --temperature=0.8 --top_k=40]
     python eval_main.py --workdir=OUT --hf_checkpoint=HF_DIR [--data=PATH] [--prompt=...]
-    python eval_main.py --workdir=DIR --tasks=zoo_facts,hellaswag [--include_path=TASK_DIR]
+    python eval_main.py --workdir=DIR --tasks=zoo_facts,hellaswag [--include_path=lm_eval_tasks]
         [--num_fewshot=0] [--limit=N]    (lm-evaluation-harness: DIR/lm_eval.json)
 
 The model config, tokenizer, sequence length, batch size and data source come from the run's
@@ -65,7 +65,7 @@ _PROMPT = flags.DEFINE_string("prompt", None, "Text to continue (greedy unless -
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0: all.")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (--prompt, and --tasks that sample).")
 _HF_CHECKPOINT = flags.DEFINE_string(
     "hf_checkpoint", None, "Evaluate a Hugging Face checkpoint directory instead of the run's."
 )
@@ -73,7 +73,9 @@ _HF_CHECKPOINT = flags.DEFINE_string(
 _TASKS = flags.DEFINE_string(
     "tasks", None, "lm-eval tasks, comma-separated: run them (not the held-out metrics)."
 )
-_INCLUDE_PATH = flags.DEFINE_string("include_path", None, "Directory of local task YAML.")
+_INCLUDE_PATH = flags.DEFINE_string(
+    "include_path", None, "Directory of local task YAML; lm_eval_tasks: the shipped examples."
+)
 _NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples; default: task's.")
 _LIMIT = flags.DEFINE_float("limit", None, "Examples per task (N, or a fraction if < 1).")
 
@@ -138,14 +140,13 @@ def main(argv):
 
 
 def _run_tasks():
-    from checkpoint.workdir import expand
     from evaluation import harness
 
-    include = expand(_INCLUDE_PATH.value) if _INCLUDE_PATH.value else None
     try:
+        include = harness.include_dir(_INCLUDE_PATH.value) if _INCLUDE_PATH.value else None
         request = _request()
         tasks = harness.prepare(_TASKS.value, include, _NUM_FEWSHOT.value, _LIMIT.value)
-        results, result = harness.evaluate(request, tasks)
+        results, result = harness.evaluate(request, tasks, seed=_SEED.value)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         cli.usage_error(cli.device_hint(e))
     try:

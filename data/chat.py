@@ -2,8 +2,10 @@
 
 Formats (`data.format`):
   chat               each record has `messages`: a list of {role, content} (OpenAI / HF style).
-  prompt_completion  each record has `prompt` and `completion`: strings (joined as they are,
-                     EOS after the completion) or lists of messages (rendered as a chat).
+  prompt_completion  each record has `prompt` and `completion`: strings (the prompt as the
+                     tokenizer encodes a text, BOS first where it adds one, as transformers
+                     and TRL do; then the completion's ids and EOS) or lists of messages
+                     (rendered as a chat).
 
 Records are JSONL lines or Parquet rows. A chat is rendered with the checkpoint's own
 `chat_template` (`chat_template.jinja`, else `chat_template` in `tokenizer_config.json`, beside
@@ -33,7 +35,6 @@ from data import sources
 from data.tokenizers import Tokenizer
 
 FORMATS = ("text", "chat", "prompt_completion")
-ROLES = ("system", "user", "assistant", "tool")
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 
 
@@ -144,14 +145,16 @@ class ChatTemplate:
         when that message ends a conversation (its end-of-turn marker).
         """
         text = self.render(messages)
+        self._check_every_message_renders(messages)
         spans, cursor = [], 0
         for i, (message, train) in enumerate(zip(messages, trained, strict=True)):
             content = message["content"]
             start, found = _find(text, content, cursor)
             if start < 0:
                 raise ValueError(
-                    f"{self.source}: message {i} (role {message['role']!r}) does not appear in "
-                    "the rendered chat; the template does not render that role"
+                    f"{self.source}: the content of message {i} (role {message['role']!r}) is "
+                    "not in the rendered chat (the template drops or rewrites it), so its tokens "
+                    "cannot be told apart"
                 )
             end = start + len(found)
             cursor = end
@@ -164,6 +167,50 @@ class ChatTemplate:
                 end += len(tail)
             spans.append((start, end))
         return text, spans
+
+    def _check_every_message_renders(self, messages: Sequence[dict]) -> None:
+        """ValueError (one line) naming the first message the template renders nothing of.
+
+        The template is the judge of roles: each content is swapped for a marker, and a
+        message whose marker is not in the text, and without which the text is the same, was
+        dropped (a role the template does not know). One whose content is left out but that
+        renders something (an assistant turn holding only a tool call) is not. The error
+        lists the roles that would render in its place.
+        """
+        marked = _with_markers(messages)
+        text = self.render(marked)
+        for i, message in enumerate(marked):
+            if message["content"] in text or not self._same_without(marked, i, text):
+                continue
+            role = message["role"]
+            known = [r for r in _COMMON_ROLES if r != role and self._renders(marked, i, r)]
+            raise ValueError(
+                f"{self.source}: message {i} has role {role!r}, which the chat template does "
+                f"not know (it renders nothing of that message); roles it renders there: "
+                f"{', '.join(known) or 'none of ' + ', '.join(_COMMON_ROLES)}"
+            )
+
+    def _same_without(self, marked: list[dict], i: int, text: str) -> bool:
+        try:
+            return self.render([*marked[:i], *marked[i + 1 :]]) == text
+        except ValueError:  # it needs that message to render at all: not dropped
+            return False
+
+    def _renders(self, marked: list[dict], i: int, role: str) -> bool:
+        trial = [*marked[:i], {**marked[i], "role": role}, *marked[i + 1 :]]
+        try:
+            return marked[i]["content"] in self.render(trial)
+        except ValueError:
+            return False
+
+
+# Only to name alternatives in an error: the template decides which roles a chat may hold.
+_COMMON_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+
+
+def _with_markers(messages: Sequence[dict]) -> list[dict]:
+    """`messages` with each content replaced by a marker that no other text contains."""
+    return [{**m, "content": f"<<zoo-message-{i}>>"} for i, m in enumerate(messages)]
 
 
 def _find(text: str, content: str, cursor: int) -> tuple[int, str]:
@@ -204,14 +251,14 @@ def _check_messages(messages, where: str) -> list[dict]:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
     out = []
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+        # Which roles a chat may hold is the template's to say (Llama 3.1 knows `ipython`,
+        # OpenAI-style templates `developer`): ChatTemplate.assistant_spans refuses a message
+        # the template raises on or renders nothing of.
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (0, 0)
+        if not (isinstance(role, str) and role and isinstance(content, str)):
             raise ValueError(
-                f"{where}: message {j} must be an object with a string 'content' and a 'role'"
-            )
-        if m.get("role") not in ROLES:
-            raise ValueError(
-                f"{where}: message {j} has role {m.get('role')!r}, which the chat template does "
-                f"not know; valid: {', '.join(ROLES)}"
+                f"{where}: message {j} must be an object with a string 'role' and a string "
+                "'content'"
             )
         out.append(dict(m))
     return out
@@ -334,11 +381,35 @@ def encode_record(record: dict, tokenizer: Tokenizer, template: ChatTemplate | N
         text, spans = template.assistant_spans(messages, trained)
         ids, mask = _token_mask(tokenizer, text, spans)
     else:
-        prompt = np.asarray(tokenizer.encode(record["prompt"]), np.int32)
-        completion = np.asarray(tokenizer.encode(record["completion"]), np.int32)
-        ids = np.concatenate([prompt, completion, [tokenizer.eos_id]]).astype(np.int32)
+        prompt = tokenizer.encode(record["prompt"])
+        specials = leading_specials(tokenizer)
+        if prompt[: len(specials)] != specials:  # (a prompt that starts with BOS gets no second)
+            prompt = specials + prompt
+        completion = tokenizer.encode(record["completion"])
+        ids = np.asarray([*prompt, *completion, tokenizer.eos_id], np.int32)
         mask = np.concatenate([np.zeros(len(prompt)), np.ones(len(completion) + 1)])
     return {"tokens": ids, "loss_mask": mask.astype(np.int32)}
+
+
+def leading_specials(tokenizer: Tokenizer) -> list[int]:
+    """The ids the tokenizer puts before a text when it is called as transformers calls it
+    (`add_special_tokens=True`, what TRL does with a prompt that has no chat template): BOS
+    for Llama- and Gemma-style tokenizers, nothing for GPT-2- and Qwen-style ones or bytes.
+    A rendered chat needs none: its template writes the BOS text itself."""
+    from data.tokenizers import HfTokenizer, SentencePieceTokenizer
+
+    if isinstance(tokenizer, HfTokenizer):
+        # What the post-processor adds in front of a one-character text.
+        plain = tokenizer._tok.encode("a", add_special_tokens=False).ids
+        full = tokenizer._tok.encode("a", add_special_tokens=True).ids
+        for at in range(len(full) - len(plain) + 1):
+            if full[at : at + len(plain)] == plain:
+                return full[:at]
+        return []
+    if isinstance(tokenizer, SentencePieceTokenizer):  # transformers adds its BOS by default
+        bos = tokenizer._sp.bos_id()
+        return [bos] if bos >= 0 else []
+    return []
 
 
 class EncodeRecord:
@@ -351,7 +422,21 @@ class EncodeRecord:
         return encode_record(record, self.tokenizer, self.template)
 
 
+def _list(record: dict, key: str) -> list:
+    value = record.get(key)
+    return value if isinstance(value, list) else []
+
+
 def check_first_record(records: grain.MapDataset, tokenizer, template) -> None:
-    """Encode the first record now, so a template that raises or drops a role fails while the
-    run is built (one line), not in a data worker."""
-    encode_record(records[0], tokenizer, template)
+    """Encode the first record now, and the first one holding each role not seen before, so
+    that a template that raises, or a role it does not know, fails while the run is built
+    (one line), not in a data worker."""
+    seen: set[str] = set()
+    for i in range(len(records)):
+        record = records[i]
+        roles = {
+            m["role"] for key in ("messages", "prompt", "completion") for m in _list(record, key)
+        }
+        if i == 0 or not roles <= seen:
+            encode_record(record, tokenizer, template)
+            seen |= roles

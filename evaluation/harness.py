@@ -1,13 +1,14 @@
 """Run lm-evaluation-harness tasks on this project's model and write the harness's results.
 
-    results = run_tasks(lm, ["zoo_facts"], include_path="examples/lm_eval_tasks")
+    results = run_tasks(lm, ["zoo_facts"], include_path=EXAMPLE_TASKS)
     write_results(results, "runs/a/lm_eval.json")
 
-Tasks are the harness's own names or those of local task YAML under `include_path` (see
-examples/lm_eval_tasks/). Local tasks are looked up first; the harness's ~15k built-in tasks
-are indexed (about a minute) only when a name is not among them. The hub is never asked for a
-model or a tokenizer (HF_HUB_OFFLINE), and built-in tasks whose data is not in the local
-datasets cache need the network.
+Tasks are the harness's own names or those of local task YAML under `include_path` (the
+example tasks ship inside this package, evaluation/lm_eval_tasks/, and `--include_path=
+lm_eval_tasks` names them from anywhere: `include_dir`). Local tasks are looked up first; the
+harness's ~15k built-in tasks are indexed (about a minute) only when a name is not among them.
+The hub is never asked for a model or a tokenizer (HF_HUB_OFFLINE), and built-in tasks whose
+data is not in the local datasets cache need the network.
 """
 
 from __future__ import annotations
@@ -18,6 +19,25 @@ import os
 
 INSTALL = 'pip install "nnx-zoo[eval]"  (lm-eval 0.4.13)'
 RESULTS_FILE = "lm_eval.json"
+EXAMPLE_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
+_EXAMPLES_NAME = os.path.basename(EXAMPLE_TASKS)
+
+
+def include_dir(value: str) -> str:
+    """`--include_path`: a directory as given (`~` expanded, absolute), or the example tasks
+    shipped in this package when `value` is not a directory and names them: `lm_eval_tasks`,
+    or the checkout paths `examples/lm_eval_tasks` (where they lived) and
+    `evaluation/lm_eval_tasks`. An existing directory always wins, so a user's own
+    `lm_eval_tasks/` is theirs (as configs/locate.py treats config names)."""
+    from checkpoint.workdir import expand
+
+    path = expand(value)
+    if os.path.isdir(path):
+        return path
+    name, parent = os.path.basename(os.path.normpath(value)), os.path.dirname(value.rstrip("/"))
+    if name == _EXAMPLES_NAME and parent in ("", "examples", "evaluation"):
+        return EXAMPLE_TASKS
+    return path
 
 
 def require_lm_eval() -> None:
@@ -40,7 +60,10 @@ def task_manager(names: list[str], include_path: str | None):
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not os.path.isdir(include_path):
-        raise ValueError(f"--include_path={include_path!r} is not a directory of task YAML files")
+        raise ValueError(
+            f"--include_path={include_path!r} is not a directory of task YAML files (or "
+            f"{_EXAMPLES_NAME}: the example tasks shipped with this package)"
+        )
     where = (
         f"in --include_path={include_path} or the harness's tasks"
         if include_path
@@ -168,20 +191,46 @@ class TaskRequest:
     limit: float | None = None  # examples per task: N, or a fraction when < 1
 
 
-def evaluate(request, tasks: TaskRequest):
+def check_strategy(tasks: TaskRequest, strategy: str) -> None:
+    """ValueError (one line) when `strategy` cannot generate (a pipeline's, a context-parallel
+    one: zoo.generate.check_can_generate) and a requested task does (output_type
+    generate_until). The tasks are built to read their type only in that case."""
+    from shardings import get_strategy
+    from zoo.generate import check_can_generate
+
+    get_strategy(strategy)  # an unknown name is its own error
+    try:
+        check_can_generate(strategy)
+    except ValueError:
+        built = tasks.manager.load(tasks.names)["tasks"]
+        generating = sorted(n for n, t in built.items() if t.OUTPUT_TYPE == "generate_until")
+        if generating:
+            shown = ", ".join(generating[:3]) + (
+                f" and {len(generating) - 3} more" if len(generating) > 3 else ""
+            )
+            check_can_generate(strategy, what=f"--tasks: {shown} (output_type generate_until)")
+
+
+def evaluate(request, tasks: TaskRequest, seed: int = 0):
     """(results, EvalResult): the harness's results for the request's model (loaded as for
-    the held-out metrics), and what eval_main prints beside them."""
+    the held-out metrics), and what eval_main prints beside them. `seed` draws the samples of
+    sampled `generate_until` tasks (the same seed, the same text)."""
     from checkpoint.workdir import check_writable_everywhere
     from evaluation import run
     from evaluation.harness_lm import ZooLM
 
+    strategy = request.overrides.get("strategy")
+    if strategy:
+        check_strategy(tasks, strategy)  # before reading the checkpoint
     check_writable_everywhere(request.workdir)  # before the work, not after it
     settings, tokenizer, model, mesh, step = run.load(request)
+    if not strategy:
+        check_strategy(tasks, settings.strategy)  # the run's own: still before any task runs
     # A run's context is the length it trained at (--seq_len overrides); an HF model's, the
     # length its config allows (the hf backend reads max_position_embeddings).
     seq_len = request.overrides.get("seq_len")
     max_length = seq_len or (None if request.hf_checkpoint else settings.seq_len)
-    lm = ZooLM(model, mesh, tokenizer, rows=settings.batch_size, max_length=max_length)
+    lm = ZooLM(model, mesh, tokenizer, rows=settings.batch_size, max_length=max_length, seed=seed)
     limit = tasks.limit
     if limit is not None and limit >= 1:
         limit = int(limit)

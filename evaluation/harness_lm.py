@@ -39,7 +39,9 @@ class ZooLM(TemplateLM):
 
     `rows`: rows per model call (rounded up to the mesh's batch split); `max_length`: the
     context the harness may use (default: the model's `max_seq_len`, as the hf backend reads
-    `max_position_embeddings`); `pack=False` gives every request a padded row of its own.
+    `max_position_embeddings`); `pack=False` gives every request a padded row of its own;
+    `seed`: the draws of sampled `generate_until` requests (`top_k`, `top_p` and
+    `temperature` as the task's generation kwargs give them).
     """
 
     def __init__(
@@ -97,6 +99,8 @@ class ZooLM(TemplateLM):
             "model_type": type(cfg).__name__,
             "model_num_parameters": int(cfg.num_params()) if hasattr(cfg, "num_params") else None,
             "mesh_shape": dict(self.mesh.shape),
+            # Which draws the sampled generate_until tasks made: the same seed, the same text.
+            "sampling_seed": self.seed,
         }
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs):
@@ -177,6 +181,7 @@ class ZooLM(TemplateLM):
             if not kwargs.pop("do_sample", False):
                 temperature = 0.0
             top_k = kwargs.pop("top_k", None)
+            top_p = kwargs.pop("top_p", None)
             if kwargs:
                 _log.warning("generate_until: ignoring generation kwargs %s", sorted(kwargs))
             max_ctx = self.max_length - budget
@@ -205,6 +210,7 @@ class ZooLM(TemplateLM):
                     max_new_tokens=budget,
                     temperature=temperature,
                     top_k=int(top_k) if top_k else None,
+                    top_p=float(top_p) if top_p is not None else None,
                     eos_id=self.eot_token_id,
                     # Draws depend on the seed and the batch, not on earlier calls.
                     seed=self.seed + start,

@@ -19,7 +19,11 @@ def export_run(workdir: str, out: str, fmt: str, step: int | None = None) -> int
     from evaluation.settings import from_run_info, run_config
 
     if fmt not in FORMATS:
-        raise ValueError(f"--format={fmt!r}; valid: {', '.join(FORMATS)}")
+        raise ValueError(f"unknown --format={fmt!r}; valid: {', '.join(FORMATS)}")
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(
+            f"--workdir={workdir} is not a directory; it names a train_main run (its checkpoints/)"
+        )
     step, meta = read_meta(workdir, step)
     run_info = meta.get("run_info") or {}
     run = run_config(run_info)

@@ -133,6 +133,30 @@ def test_prompt_completion_masks_the_completion_and_eos(tok_dir):
     assert out["loss_mask"].tolist() == [0] * (len(out["tokens"]) - n) + [1] * n
 
 
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_prompt_completion_strings_start_as_the_tokenizer_starts_a_text(tmp_path, style):
+    """BOS first where the tokenizer adds one, as transformers' tokenizer(prompt) does (and
+    TRL with a prompt that has no chat template); nothing for a BOS-less tokenizer."""
+    from _harness_helpers import STYLES, write_tokenizer
+    from tokenizers import Tokenizer as HfTok
+
+    write_tokenizer(str(tmp_path), style)
+    tokenizer = make_tokenizer(str(tmp_path))
+    reference = HfTok.from_file(str(tmp_path / "tokenizer.json"))  # what transformers calls
+    prompt, completion = "Question: Snow is usually", " white"
+    out = encode_record({"prompt": prompt, "completion": completion}, tokenizer, None)
+    want_prompt = reference.encode(prompt, add_special_tokens=True).ids
+    n = len(want_prompt)
+    assert out["tokens"][:n].tolist() == want_prompt
+    assert (want_prompt[0] == reference.token_to_id("<s>")) == (STYLES[style]["bos"] is not None)
+    assert out["tokens"][n:].tolist() == [*tokenizer.encode(completion), tokenizer.eos_id]
+    assert out["loss_mask"].tolist() == [0] * n + [1] * (len(out["tokens"]) - n)
+    # A prompt that already starts with BOS gets no second one.
+    if style == "llama":
+        again = encode_record({"prompt": "<s>" + prompt, "completion": completion}, tokenizer, None)
+        assert again["tokens"].tolist() == out["tokens"].tolist()
+
+
 def test_only_answers_differ_changes_the_loss(tmp_path, tok_dir, model):
     a = _write(tmp_path / "a.jsonl", [_chat("What is the capital?", "Paris is the capital.")])
     b = _write(tmp_path / "b.jsonl", [_chat("What is the capital?", "The sea is wide.")])
@@ -184,3 +208,43 @@ def test_a_template_reaching_outside_its_sandbox_is_one_line(template):
     message = str(err.value)
     assert "\n" not in message and message.startswith("evil/tokenizer_config.json: "), message
     assert "sandbox" in message or "raised" in message, message
+
+
+def test_a_role_the_template_knows_trains_and_one_it_does_not_is_one_line(tmp_path, tok_dir):
+    """The template judges roles: Llama 3's writes any role (Llama 3.1's `ipython` included,
+    refused by a fixed list before); Qwen3's renders nothing for `ipython`, so it is refused,
+    naming the roles it does render there."""
+    from chat_fixtures import chat_template
+
+    chat = {
+        "messages": [
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "ipython", "content": '{"result": 5}'},
+            {"role": "assistant", "content": "It is 5."},
+        ]
+    }
+    tokenizer = make_tokenizer(tok_dir)
+    out = encode_record(chat, tokenizer, ChatTemplate.from_dir(tok_dir))
+    trained = out["tokens"][out["loss_mask"] == 1].tolist()
+    assert tokenizer.decode(trained) == "It is 5."  # the tool output is context, not a target
+    qwen = ChatTemplate(chat_template("qwen3"), {"eos_token": "<|im_end|>"}, source="qwen3")
+    with pytest.raises(ValueError) as err:
+        encode_record(chat, tokenizer, qwen)
+    assert str(err.value) == (
+        "qwen3: message 1 has role 'ipython', which the chat template does not know (it renders "
+        "nothing of that message); roles it renders there: system, user, assistant, tool"
+    )
+    # A later record bringing a new role is encoded while the run is built, not in a worker.
+    source = _write(tmp_path / "chats.jsonl", [_chat("Hi?", "Hello."), chat])
+    with pytest.raises(ValueError, match="role 'ipython'"):
+        data.build_dataset(
+            source,
+            "all",
+            tokenizer,
+            SEQ,
+            2,
+            shuffle=False,
+            repeat=False,
+            data_format="chat",
+            chat_template=qwen,
+        )

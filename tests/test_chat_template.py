@@ -38,3 +38,21 @@ def test_text_and_ids_equal_transformers(family_dir, with_system, add_generation
         text = template.render(messages, add_generation_prompt=add_generation_prompt)
         assert text == want_text, family
         assert tokenizer.encode(text) == list(want_ids), family
+
+
+def test_a_role_beyond_the_usual_four_renders_as_transformers_renders_it(tmp_path):
+    """Llama 3.1's tool-output role `ipython` (and OpenAI's `developer`): the template, not a
+    list of roles, decides; the Llama 3 template writes any role's header."""
+    path = write_tokenizer_dir(str(tmp_path / "llama3"), "llama3")
+    reference = transformers.AutoTokenizer.from_pretrained(path)
+    messages = [
+        {"role": "developer", "content": "Answer with a number."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "ipython", "content": '{"result": 5}'},
+        {"role": "assistant", "content": "5"},
+    ]
+    text = ChatTemplate.from_dir(path).render(messages)
+    assert text == reference.apply_chat_template(messages, tokenize=False)
+    assert "<|start_header_id|>ipython<|end_header_id|>" in text
+    want_ids = reference.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert make_tokenizer(path).encode(text) == list(want_ids)

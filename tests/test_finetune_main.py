@@ -5,6 +5,7 @@ merged export, give this project's logits (checks 4 and 6)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _train_helpers import ROOT, child_env, run_train_main
-from chat_fixtures import write_chats_jsonl, write_tiny_checkpoint
+from _train_helpers import ROOT, child_env, run_train_main, train_losses
+from chat_fixtures import chat_template, write_chats_jsonl, write_tiny_checkpoint
+from flax import nnx
 
 TRAIN = [
     "--config.data.format=chat",
@@ -78,12 +80,35 @@ def _write(path, lines):
     return str(path)
 
 
+def _with_template(base: str, path: str, template: str) -> str:
+    """A copy of checkpoint `base` at `path` whose tokenizer_config.json has `template`."""
+    shutil.copytree(base, path)
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    config["chat_template"] = template
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+# A role the template does not know: Qwen3's renders nothing for `narrator` (Llama 3's writes
+# any role's header, so the template, not a list, is the judge). Line 4 brings the role, after
+# chats that are fine (lines 3 and 4 fall in the training split), and is still refused before
+# training.
+HELLO = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+STORY = [
+    {"role": "user", "content": "Tell me a story"},
+    {"role": "narrator", "content": "Once"},
+    {"role": "assistant", "content": "upon a time"},
+]
+NARRATOR = [HELLO, HELLO, HELLO, {"messages": STORY}, HELLO, HELLO]
 BAD = {
     "no_messages": ([{"text": "hello"}], [], "no 'messages' field"),
     "unknown_role": (
-        [{"messages": [{"role": "narrator", "content": "Once"}]}],
+        NARRATOR,
         [],
-        "role 'narrator'",
+        "message 1 has role 'narrator', which the chat template does not know (it renders "
+        "nothing of that message); roles it renders there: system, user, assistant, tool",
     ),
     "rank_0": (None, ["--config.lora.rank=0"], "lora.rank=0"),
     "unknown_target": (None, ["--config.lora.targets=q_proj,qproj"], "unknown qproj"),
@@ -94,9 +119,12 @@ BAD = {
 def test_bad_input_exits_2_with_one_line(case, files, tmp_path):
     records, extra, needle = BAD[case]
     source = _write(tmp_path / "bad.jsonl", records) if records else files["chats"]
+    base = files["llama"]
+    if case == "unknown_role":
+        base = _with_template(base, str(tmp_path / "qwen_template"), chat_template("qwen3"))
     args = [
         f"--workdir={tmp_path / 'run'}",
-        f"--init_from={files['llama']}",
+        f"--init_from={base}",
         f"--config.data.source={source}",
         *TRAIN,
         *extra,
@@ -121,17 +149,8 @@ def test_a_target_this_model_lacks_exits_2(files, tmp_path):
 
 
 def test_a_template_that_raises_exits_2(files, tmp_path):
-    base = str(tmp_path / "copy")
-    os.makedirs(base)
-    for name in os.listdir(files["llama"]):
-        src = os.path.join(files["llama"], name)
-        with open(src, "rb") as f, open(os.path.join(base, name), "wb") as g:
-            g.write(f.read())
-    with open(os.path.join(base, "tokenizer_config.json")) as f:
-        config = json.load(f)
-    config["chat_template"] = "{{ raise_exception('System role not supported') }}"
-    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f)
+    template = "{{ raise_exception('System role not supported') }}"
+    base = _with_template(files["llama"], str(tmp_path / "copy"), template)
     args = [f"--workdir={tmp_path / 'run'}", f"--init_from={base}"]
     result = run_train_main(
         [*args, f"--config.data.source={files['chats']}", *TRAIN], num_devices=1, timeout=300
@@ -208,3 +227,45 @@ def test_peft_round_trip(family, files, tmp_path):
     # float32 on both sides; the issue's bound.
     np.testing.assert_allclose(peft_logits, ours, atol=1e-4, rtol=0)
     np.testing.assert_allclose(merged_logits, ours, atol=1e-4, rtol=0)
+
+
+def test_lora_on_a_bfloat16_base_with_a_tool_role_trains_and_evaluates(files, tmp_path):
+    """`--config.model.dtype=bfloat16`: the frozen base stored in bf16, the adapters in f32;
+    train_main trains, eval_main evaluates. The chats hold Llama 3.1's tool-output role
+    `ipython`, which Llama 3's template renders (a fixed role list refused it before)."""
+    from checkpoint.manager import read_meta
+    from evaluation import model as eval_model
+    from evaluation.settings import from_run_info
+    from zoo.layers.lora import LoraParam
+
+    tool = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "ipython", "content": '{"capital": "Paris"}'},
+        {"role": "assistant", "content": "Paris is the capital."},
+    ]
+    with open(files["chats"], encoding="utf-8") as f:
+        chats = [json.loads(line) for line in f]
+    source = _write(tmp_path / "tool_chats.jsonl", [{"messages": tool}, *chats])
+    workdir = str(tmp_path / "run")
+    args = [
+        f"--workdir={workdir}",
+        f"--init_from={files['llama']}",
+        f"--config.data.source={source}",
+    ]
+    result = run_train_main(
+        [*args, *TRAIN, "--config.model.dtype=bfloat16"], num_devices=1, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert all(np.isfinite(train_losses(workdir))) and len(train_losses(workdir)) == 3
+    evaluated = _main("eval_main.py", [f"--workdir={workdir}", "--sharding_strategy=dp"])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    with open(os.path.join(workdir, "eval.json")) as f:
+        assert np.isfinite(json.load(f)["loss"])
+    _, meta = read_meta(workdir, None)
+    settings = from_run_info(meta["run_info"], strategy="dp")
+    model, _, _ = eval_model.load_from_checkpoint(workdir, meta["run_info"], settings, None)
+    dtypes = {
+        isinstance(var, LoraParam): var[...].dtype
+        for _, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, LoraParam)))
+    }
+    assert dtypes == {False: jnp.bfloat16, True: jnp.float32}, dtypes

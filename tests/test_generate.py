@@ -110,3 +110,46 @@ def test_bad_arguments_fail_clearly(models):
         generate(model, [[CFG.vocab_size]], max_new_tokens=2)
     with pytest.raises(ValueError, match="max_seq_len"):
         generate(model, [[1]], max_new_tokens=CFG.max_seq_len)
+
+
+def nucleus_reference(logits_BV: np.ndarray, top_p: float) -> np.ndarray:
+    """One token at a time, most likely first, until their probability reaches top_p
+    (float64): the definition of nucleus sampling's candidate set."""
+    out = np.full_like(logits_BV, -np.inf)
+    for row, logits in enumerate(logits_BV.astype(np.float64)):
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        total = 0.0
+        for token in np.argsort(-logits, kind="stable"):
+            out[row, token] = logits_BV[row, token]
+            total += probs[token]
+            if total >= top_p:
+                break
+    return out
+
+
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.9, 0.999])
+def test_nucleus_keeps_what_the_naive_definition_keeps(top_p):
+    from zoo.generate import nucleus
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0.0, 3.0, (6, 50)).astype(np.float32)
+    logits[1, :40] = -np.inf  # what top-k leaves: only 10 candidates
+    logits[2, 7] = 30.0  # one token holds nearly all the mass: it alone is the nucleus
+    got = np.asarray(nucleus(jax.numpy.asarray(logits), top_p))
+    want = nucleus_reference(logits, top_p)
+    # The same candidates and untouched logits. The float32 cumulative sum can differ from
+    # float64 only where a prefix's mass lies within ~1e-6 of top_p; these seeded rows have
+    # no such prefix (the masks are compared exactly).
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got[2]).sum() == 1 and np.isfinite(got[2, 7])
+
+
+def test_top_p_sampling_through_the_cache(models):
+    model = models["fsdp_tp"]
+    greedy = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
+    # A nucleus too small for any second token leaves the argmax: sampling becomes greedy.
+    tight = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=1e-6)
+    assert tight == greedy
+    with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
+        generate(model, PROMPTS, max_new_tokens=2, temperature=1.0, top_p=0)

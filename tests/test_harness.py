@@ -1,6 +1,8 @@
 """The lm-eval backend without torch: BOS/EOS conventions where tokenizers differ, packed rows
 score like one request per row, dp on 1 device equals fsdp_tp on 8, and eval_main --tasks on
-a run trained by train_main (results JSON in the harness's schema; bad input exits 2)."""
+a run trained by train_main and on a Hugging Face directory (results JSON in the harness's
+schema; bad input, and generation under a strategy that cannot generate, exit 2). The same
+trained run (no LoRA) is exported by export_main (issue 30: any run, any step)."""
 
 from __future__ import annotations
 
@@ -159,7 +161,7 @@ def test_sharding_and_packing_change_nothing(hf_dir):
 def run_dir(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("run"))
     overrides = {**SMALL_RUN, "training.steps": 50, "checkpoint.enabled": True}
-    overrides["checkpoint.every"] = 50
+    overrides["checkpoint.every"] = 25  # two steps to choose from (export_main --step)
     proc = subprocess.run(
         [sys.executable, TRAIN_MAIN, "--sharding_strategy=dp", f"--workdir={workdir}"]
         + cli_flags(overrides),
@@ -173,10 +175,10 @@ def run_dir(tmp_path_factory):
     return workdir
 
 
-def _eval_main(*flags, env=None, timeout=300):
+def _eval_main(*flags, env=None, timeout=300, cwd=ROOT):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "eval_main.py"), *flags],
-        cwd=ROOT,
+        cwd=cwd,
         env=env or child_env(),
         capture_output=True,
         text=True,
@@ -219,7 +221,8 @@ def test_eval_main_tasks_on_a_trained_run(run_dir):
         ),
         (
             ["--tasks=zoo_facts", "--include_path=/no/such/dir"],
-            "error: --include_path='/no/such/dir' is not a directory of task YAML files",
+            "error: --include_path='/no/such/dir' is not a directory of task YAML files (or "
+            "lm_eval_tasks: the example tasks shipped with this package)",
         ),
     ],
     ids=["unknown_task", "missing_include_path"],
@@ -245,6 +248,20 @@ def test_bad_task_requests_are_one_line_errors(tasks, include, message):
         prepare(tasks, include, 0, None)
 
 
+def test_include_path_names_the_shipped_examples(tmp_path, monkeypatch):
+    from evaluation.harness import EXAMPLE_TASKS, include_dir
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("lm_eval_tasks", "examples/lm_eval_tasks", "evaluation/lm_eval_tasks/"):
+        assert include_dir(name) == EXAMPLE_TASKS, name
+    assert {"zoo_facts.yaml", "zoo_prose.yaml", "zoo_facts_gen.yaml"} <= set(
+        os.listdir(EXAMPLE_TASKS)
+    )
+    (tmp_path / "lm_eval_tasks").mkdir()  # a directory of the user's own wins
+    assert include_dir("lm_eval_tasks") == str(tmp_path / "lm_eval_tasks")
+    assert include_dir("other/lm_eval_tasks") == str(tmp_path / "other" / "lm_eval_tasks")
+
+
 def test_tasks_without_the_extra_name_the_install_command(tmp_path):
     # A directory that shadows `lm_eval` with a package that fails to import, as if absent.
     shadow = tmp_path / "shadow" / "lm_eval"
@@ -257,6 +274,59 @@ def test_tasks_without_the_extra_name_the_install_command(tmp_path):
     assert proc.stderr.strip() == (
         'error: --tasks needs lm-evaluation-harness: pip install "nnx-zoo[eval]" (lm-eval 0.4.13)'
     ), proc.stderr
+
+
+def test_eval_main_tasks_on_an_hf_checkpoint(hf_dir, tmp_path):
+    """--hf_checkpoint: the directory's tokenizer and config, the default strategy (fsdp_tp on
+    8 devices); --seed reaches the backend (recorded in the results' config). Run from outside
+    the checkout: --include_path=lm_eval_tasks names the example tasks shipped in the package."""
+    proc = _eval_main(
+        f"--workdir={tmp_path}",
+        f"--hf_checkpoint={hf_dir}",
+        "--tasks=zoo_facts",
+        "--include_path=lm_eval_tasks",
+        "--limit=4",
+        "--seed=5",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "lm_eval.json") as f:
+        results = json.load(f)
+    assert results["n-samples"]["zoo_facts"] == {"original": 36, "effective": 4}
+    assert results["results"]["zoo_facts"]["acc,none"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert results["config"]["sampling_seed"] == 5
+    assert results["config"]["mesh_shape"] == {"data": 4, "model": 2}
+    assert f"hf checkpoint {hf_dir}: zoo_facts: acc " in proc.stdout
+
+
+def test_generate_until_under_a_strategy_that_cannot_generate_exits_2(tmp_path):
+    """A pipeline's or a context-parallel strategy cannot generate: a generate_until task is
+    refused before any checkpoint is read (the workdir here holds none)."""
+    proc = _eval_main(
+        f"--workdir={tmp_path}",
+        "--tasks=zoo_facts,zoo_facts_gen",
+        f"--include_path={TASKS}",
+        "--sharding_strategy=fsdp_pp",
+        timeout=180,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --tasks: zoo_facts_gen (output_type generate_until): generation (KV-cache "
+        "decoding) does not run under the pipeline strategy fsdp_pp; add "
+        "--sharding_strategy=fsdp (or another without a `stage` axis): checkpoints load under "
+        "any strategy"
+    ], proc.stderr[-2000:]
+
+
+def test_which_tasks_a_strategy_refuses():
+    from evaluation.harness import check_strategy, prepare
+
+    generating = prepare("zoo_facts_gen", TASKS, 0, None)
+    with pytest.raises(ValueError, match=r"^--tasks: zoo_facts_gen .*over 'context' .*fsdp_tp_cp"):
+        check_strategy(generating, "fsdp_tp_cp")
+    check_strategy(generating, "fsdp_tp")  # it can generate
+    # Log-likelihood tasks run under any strategy.
+    check_strategy(prepare("zoo_facts,zoo_prose", TASKS, 0, None), "fsdp_pp")
 
 
 def test_generate_until_greedy_and_sampled(hf_dir):
@@ -276,3 +346,78 @@ def test_generate_until_greedy_and_sampled(hf_dir):
     sampled = run(do_sample=True, temperature=5.0)
     assert run(do_sample=True, temperature=5.0) == sampled  # the same seed, the same draws
     assert sampled != greedy
+    lm.seed = 8
+    assert run(do_sample=True, temperature=5.0) != sampled  # another seed, other draws
+    # top_p reaches the sampler: a nucleus too small for a second token is greedy.
+    assert run(do_sample=True, temperature=5.0, top_p=1e-6) == greedy
+
+
+# -- export_main on the same run (no LoRA) ---------------------------------------------------
+
+
+def _export_main(*flags):
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "export_main.py"), *flags],
+        cwd=ROOT,
+        env=child_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_export_main_hf_of_a_run_without_lora_at_a_step(run_dir, tmp_path):
+    """--format=hf is for any run; --step=25 writes that step's weights (not the latest)."""
+    from flax import nnx
+
+    from checkpoint.manager import read_meta
+    from evaluation import model as eval_model
+    from evaluation.settings import from_run_info
+    from zoo import from_pretrained
+
+    out = str(tmp_path / "hf")
+    proc = _export_main(f"--workdir={run_dir}", "--format=hf", f"--out={out}", "--step=25")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"wrote step 25 as hf to {out}" in proc.stdout
+
+    def weights(model):
+        return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+    from shardings import get_strategy
+
+    with jax.set_mesh(get_strategy("dp").make_mesh(devices=jax.devices()[:1])):
+        exported = weights(from_pretrained(out, "dp"))
+    _, meta = read_meta(run_dir, None)
+    settings = from_run_info(meta["run_info"], strategy="dp")
+    for step in (25, 50):
+        model, _, _ = eval_model.load_from_checkpoint(run_dir, meta["run_info"], settings, step)
+        saved = weights(model)
+        assert exported.keys() == saved.keys()
+        # f32 written as f32 safetensors: bit for bit at step 25, and trained on by step 50.
+        same = all(np.array_equal(exported[k], saved[k]) for k in saved)
+        assert same == (step == 25), step
+
+
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (
+            ["--format=peft"],
+            "error: --format=peft exports LoRA adapters, and this run has none (lora.rank "
+            "unset); use --format=hf",
+        ),
+        (["--format=onnx"], "error: unknown --format='onnx'; valid: hf, peft"),
+        (
+            ["--format=hf", "--workdir=/no/such/run"],
+            "error: --workdir=/no/such/run is not a directory; it names a train_main run (its "
+            "checkpoints/)",
+        ),
+    ],
+    ids=["peft_without_lora", "unknown_format", "missing_workdir"],
+)
+def test_export_main_bad_input_exits_2_with_one_line(run_dir, tmp_path, flags, line):
+    out = tmp_path / "out"
+    proc = _export_main(f"--workdir={run_dir}", f"--out={out}", *flags)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [line], proc.stderr[-2000:]
+    assert not out.exists()

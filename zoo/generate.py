@@ -22,9 +22,10 @@ How a batch of prompts of different lengths runs:
     reading the weights) do not copy every layer's slice out of the stack at every step.
 
 Sampling: `temperature == 0` is greedy (argmax); otherwise softmax(logits / temperature),
-optionally restricted to the `top_k` largest logits. Logits are gathered over the vocab dim
-first (`V/model` under tensor parallelism) -- one [B, V] array per step -- so argmax/top-k
-run on whole rows, and the random draws are the same on every mesh.
+optionally restricted to the `top_k` largest logits, then to the nucleus of `top_p` (the most
+likely tokens holding that much probability), in transformers' order. Logits are gathered
+over the vocab dim first (`V/model` under tensor parallelism) -- one [B, V] array per step --
+so argmax/top-k/top-p run on whole rows, and the random draws are the same on every mesh.
 
 tests/test_generate.py's `greedy_reference` recomputes the whole sequence without the cache
 at every step; it is the oracle the KV-cache path is tested against.
@@ -48,14 +49,33 @@ from shardings import get_strategy
 from shardings.specs import split_size
 
 
-def check_can_generate(strategy_name: str) -> None:
-    """ValueError (one line) for a strategy generation cannot run under: a pipeline's."""
-    if get_strategy(strategy_name).lm_sharding().stage_axis is not None:
+def check_can_generate(strategy_name: str, what: str = "--prompt") -> None:
+    """ValueError (one line, starting with `what`) for a strategy generation cannot run under:
+    a pipeline's, or one that splits the sequence (context parallelism), checked by name
+    before any model is built."""
+    sharding = get_strategy(strategy_name).lm_sharding()
+    if sharding.stage_axis is not None:
         raise ValueError(
-            f"--prompt: generation (KV-cache decoding) does not run under the pipeline "
+            f"{what}: generation (KV-cache decoding) does not run under the pipeline "
             f"strategy {strategy_name}; add --sharding_strategy=fsdp (or another without a "
             "`stage` axis): checkpoints load under any strategy"
         )
+    split_T = _sequence_axis(sharding.tokens)
+    if split_T is not None:
+        raise ValueError(
+            f"{what}: {_no_context_split(split_T)} (the context-parallel strategy "
+            f"{strategy_name}); add --sharding_strategy=fsdp (or another without a `context` "
+            "axis): checkpoints load under any strategy"
+        )
+
+
+def _sequence_axis(tokens_spec: P):
+    """The mesh axis the tokens' sequence dim is split over (None: not split)."""
+    return tokens_spec[1] if len(tokens_spec) > 1 else None
+
+
+def _no_context_split(axis) -> str:
+    return f"generation does not split the sequence over {axis!r}"
 
 
 def model_mesh(model):
@@ -86,14 +106,29 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int):
     return tokens, segment_ids, positions
 
 
-def _sample(logits_BV, key, temperature: float, top_k: int | None):
+def _sample(logits_BV, key, temperature: float, top_k: int | None, top_p: float | None = None):
     if temperature == 0.0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits_BV = logits_BV / temperature
     if top_k is not None and top_k < logits_BV.shape[-1]:
         kth_BV = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
         logits_BV = jnp.where(logits_BV < kth_BV, -jnp.inf, logits_BV)
+    if top_p is not None and top_p < 1.0:
+        logits_BV = nucleus(logits_BV, top_p)
     return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+def nucleus(logits_BV, top_p: float):
+    """`logits_BV` with -inf outside each row's nucleus: the most likely tokens whose
+    probabilities first reach `top_p` in total (at least one). As transformers'
+    TopPLogitsWarper, applied after temperature and top-k: a token stays when the mass of the
+    tokens more likely than it is below `top_p` (a tie at the edge keeps every tied token)."""
+    sorted_BV = jnp.sort(logits_BV, axis=-1, descending=True)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    above_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # the mass ranked above each token
+    kept_B1 = jnp.maximum(jnp.sum(above_BV < top_p, axis=-1, keepdims=True), 1)
+    edge_B1 = jnp.take_along_axis(sorted_BV, kept_B1 - 1, axis=-1)
+    return jnp.where(logits_BV < edge_B1, -jnp.inf, logits_BV)
 
 
 def _last_logits(logits_BTV, batch_spec: P):
@@ -129,7 +164,7 @@ def _layer_list(model):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id"),
+    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id"),
 )
 def _generate(
     graphdef,
@@ -142,6 +177,7 @@ def _generate(
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
+    top_p: float | None,
     eos_id: int | None,
 ):
     model = nnx.merge(graphdef, state)
@@ -152,7 +188,7 @@ def _generate(
         tokens_BP, segment_ids=segment_ids_BP, positions=positions_BP, cache=cache
     )
     key, sub = jax.random.split(key)
-    token_B = _sample(_last_logits(logits_BPV, spec), sub, temperature, top_k)
+    token_B = _sample(_last_logits(logits_BPV, spec), sub, temperature, top_k, top_p)
     # The prefill above keeps the layer scan (one compiled block; its weight copies are shared
     # by P tokens); the one-token steps below run the layers as a list.
     graphdef, state = _layer_list(model)
@@ -185,7 +221,7 @@ def _generate(
             cache=cache,
         )
         key, sub = jax.random.split(key)
-        token_B = _sample(_last_logits(logits_B1V, spec), sub, temperature, top_k)
+        token_B = _sample(_last_logits(logits_B1V, spec), sub, temperature, top_k, top_p)
         return i + 1, token_B, cache, position_B + 1, done_B, out_BO, key, state
 
     carry = (jnp.int32(0), token_B, cache, position_B, done_B, out_BO, key, state)
@@ -201,6 +237,7 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     eos_id: int | None = None,
     seed: int = 0,
     prompt_len: int | None = None,
@@ -219,6 +256,8 @@ def generate(
         raise ValueError(f"temperature={temperature} must be a number >= 0 (0: greedy)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1 (or None: the whole vocabulary)")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None: the whole vocabulary)")
     cfg = model.cfg
     vocab = cfg.vocab_size
     bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
@@ -231,11 +270,11 @@ def generate(
             f"model's max_seq_len={cfg.max_seq_len}"
         )
     mesh = model_mesh(model)
-    split_T = model.sharding.tokens[1] if len(model.sharding.tokens) > 1 else None
+    split_T = _sequence_axis(model.sharding.tokens)
     if split_T is not None:
         raise ValueError(
-            f"generation does not split the sequence over {split_T!r} (a context-parallel "
-            "strategy): generate with a strategy without context, e.g. --sharding_strategy=fsdp"
+            f"{_no_context_split(split_T)} (a context-parallel strategy): generate with a "
+            "strategy without context, e.g. --sharding_strategy=fsdp"
         )
     rows = _pad_rows([list(p) for p in prompts], batch_multiple(model, mesh))
     sharding = NamedSharding(mesh, model.sharding.tokens)
@@ -250,6 +289,8 @@ def generate(
             max_new_tokens=max_new_tokens,
             temperature=float(temperature),
             top_k=top_k,
+            # 1 keeps every token; greedy ignores it: neither compiles a variant of its own.
+            top_p=None if top_p is None or top_p >= 1.0 or temperature == 0 else float(top_p),
             eos_id=eos_id,
         )
     out_BO = np.asarray(jax.device_get(out_BO))[: len(prompts)]
