@@ -8,14 +8,16 @@ the smoke run on a one-document source; the tests that need a checkpoint use its
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
-from _train_helpers import ROOT, SMALL_RUN, child_env, cli_flags, run_train_main
+from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags, run_train_main
 
 EVAL_MAIN = os.path.join(ROOT, "eval_main.py")
 PLAN_MAIN = os.path.join(ROOT, "plan_main.py")
@@ -225,6 +227,69 @@ def test_config_files_that_are_not_python_configs(tmp_path, case):
 )
 def test_mesh_axes_and_values_that_would_be_ignored(tmp_path, flags, expected):
     _one_line_exit_2(run_train_main([f"--workdir={tmp_path}", *flags], timeout=120), expected)
+
+
+NON_FINITE = {
+    # Each passed a `> 0` check before (NaN compares False, inf > 0), or overflowed later.
+    "train --peak_tflops=nan": (
+        TRAIN_MAIN,
+        ["--peak_tflops=nan"],
+        "peak_tflops=nan: must be a finite",
+    ),
+    "train --peak_tflops=inf": (
+        TRAIN_MAIN,
+        ["--peak_tflops=inf"],
+        "peak_tflops=inf: must be a finite",
+    ),
+    "eval --limit=nan": (
+        EVAL_MAIN,
+        ["--workdir=unused", "--tasks=some_task", "--limit=nan"],
+        "--limit=nan must be a finite number > 0",
+    ),
+    "plan --memory_gib=inf": (
+        PLAN_MAIN,
+        ["--memory_gib=inf"],
+        "--memory_gib=inf: must be a finite",
+    ),
+    "plan --memory_gib=nan": (
+        PLAN_MAIN,
+        ["--memory_gib=nan"],
+        "--memory_gib=nan: must be a finite",
+    ),
+}
+PLAN_ARGS = ["--model=tiny", "--topology=cpu:8", "--sharding_strategy=dp", "--batch_size=8"]
+
+
+@pytest.mark.parametrize("case", list(NON_FINITE))
+def test_non_finite_numbers_are_refused_at_every_entry_point(tmp_path, case):
+    script, flags, expected = NON_FINITE[case]
+    if script == EVAL_MAIN and importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("--limit belongs to the [eval] extra (lm-eval), not installed here")
+    if script == TRAIN_MAIN:
+        flags = [f"--workdir={tmp_path}", *flags]
+    if script == PLAN_MAIN:
+        flags = [*PLAN_ARGS, *flags]
+    _one_line_exit_2(_run(script, flags, timeout=120), expected)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_every_float_field_refuses_non_finite_values():
+    # The class at its root: a section built in code or by dataclasses.replace (as a run flag
+    # is applied) gets the same check as a config file's value.
+    import dataclasses
+
+    from training import config
+
+    floats = 0
+    for section, kind in config._SECTION_TYPES.items():
+        for field in dataclasses.fields(kind):
+            if field.type.replace(" ", "").removesuffix("|None") != "float":
+                continue
+            floats += 1
+            for bad in (math.nan, math.inf, -math.inf):
+                with pytest.raises(ValueError, match=f"{section}.{field.name}=.*finite number"):
+                    kind(**{field.name: bad})
+    assert floats >= 10  # learning rate, betas, eps, ..., peak_tflops, lora alpha / dropout
 
 
 def test_object_store_workdirs_are_refused_not_made_local():
