@@ -22,9 +22,15 @@ from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags, ru
 EVAL_MAIN = os.path.join(ROOT, "eval_main.py")
 PLAN_MAIN = os.path.join(ROOT, "plan_main.py")
 EXPLAIN_MAIN = os.path.join(ROOT, "explain_main.py")
+# SMALL_RUN's shapes on GPT-2, whose learned position table (max_seq_len rows) is what
+# finding 4 is about; 8 heads (the preset's 12 do not split over the model axis), all of them
+# key/value heads as in GPT-2, and a vocab the byte tokenizer fits.
+GPT2 = {"model.preset": "gpt2", "model.vocab_size": 512, "model.max_seq_len": 64}
+GPT2 |= {"model.num_heads": 8, "model.num_kv_heads": 8}
+ONE_STEP = {**SMALL_RUN, "training.steps": 1, "checkpoint.enabled": True, "checkpoint.every": 1}
 # SMALL_RUN's warmup is 5: one step clamps it (finding 11).
-SMOKE = {**SMALL_RUN, "training.steps": 1, "checkpoint.enabled": True, "checkpoint.every": 1}
-QUICK = {**SMOKE, "optimizer.warmup_steps": 0}  # the bad-input runs: no warning line
+SMOKE = {**ONE_STEP, **GPT2}
+QUICK = {**ONE_STEP, "optimizer.warmup_steps": 0}  # the bad-input runs: no warning line
 
 
 def _run(script: str, args: list[str], *, env=None, timeout: int = 240):
@@ -81,7 +87,7 @@ def test_disabled_checkpoints_never_overwrite_a_runs_history(smoke_run, tmp_path
     copy = tmp_path / "copy"
     shutil.copytree(workdir, copy)
     before = {n: (copy / n).read_bytes() for n in ("metrics.jsonl", "run_info.json")}
-    flags = cli_flags({**QUICK, "checkpoint.enabled": False, "training.steps": 3})
+    flags = cli_flags({**QUICK, **GPT2, "checkpoint.enabled": False, "training.steps": 3})
     result = run_train_main([f"--workdir={copy}", f"--config.data.source={source}", *flags])
     _one_line_exit_2(result, "holds an earlier run (checkpoint steps 1)")
     assert {n: (copy / n).read_bytes() for n in before} == before
@@ -123,12 +129,24 @@ def test_all_empty_documents_are_no_data(tmp_path):
 
 def test_rows_longer_than_learned_positions_are_refused(tmp_path):
     # Finding 4: GPT-2's position table is max_seq_len rows; SMALL_RUN's rows are 64 tokens.
-    gpt2 = {"model.preset": "gpt2", "model.vocab_size": 512, "model.max_seq_len": 32}
-    gpt2 |= {"model.num_heads": 8, "model.num_kv_heads": 8}
-    result = run_train_main([f"--workdir={tmp_path}", *cli_flags({**QUICK, **gpt2})])
+    flags = cli_flags({**QUICK, **GPT2, "model.max_seq_len": 32})
+    result = run_train_main([f"--workdir={tmp_path}", *flags])
     _one_line_exit_2(
         result, "data.seq_len=64 is longer than the model's learned position table (max_seq_len"
     )
+
+
+def test_evaluating_rows_longer_than_learned_positions_is_refused(smoke_run, tmp_path):
+    # Finding 4 at evaluation: before, --seq_len=128 on this 64-row table scored rows whose
+    # positions 64..127 all read row 63, and wrote eval.json.
+    workdir, _ = smoke_run
+    result = _run(EVAL_MAIN, [f"--workdir={workdir}", "--seq_len=128"])
+    _one_line_exit_2(
+        result,
+        "--seq_len=128 is longer than the model's learned position table (max_seq_len=64); "
+        "use --seq_len <= 64",
+    )
+    assert not (workdir / "eval.json").exists()
 
 
 def test_parquet_column_of_integers_is_named(tmp_path):
