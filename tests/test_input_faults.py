@@ -342,6 +342,31 @@ def test_explain_errors_are_one_line():
     _one_line_exit_2(_run(EXPLAIN_MAIN, ["--strategies=nope"]), "unknown sharding strategy")
 
 
+def test_auto_with_nothing_fitting_advises_past_what_it_compiled():
+    # Finding 10 through plan_main: before, `auto` advised --remat=full after compiling it.
+    # Full remat is the only policy offered, so it is compiled and fails; the advice must go
+    # past it (more micro-batches than any compiled, a smaller batch, or more chips). One
+    # compile (SMALL_RUN's shapes; ~13 s of CPU): 1.5 MiB holds the state, not the step.
+    shapes = {k: v for k, v in SMALL_RUN.items() if k.startswith("model.")}
+    args = ["--config=configs/tiny.py", *cli_flags(shapes), "--topology=cpu:8"]
+    args += ["--sharding_strategy=auto", "--batch_size=32", "--seq_len=64", "--remat=full"]
+    args += ["--micro_batches=1,2,4", "--memory_gib=0.0015", "--max_compiles=1", "--json"]
+    result = _run(PLAN_MAIN, args)
+    _one_line_exit_2(result, "nothing fits in")
+    compiled = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert compiled and all(not row["fits"] for row in compiled), result.stdout[-2000:]
+    advice = result.stderr.strip().split("; ")[-1]
+    tried_remat = {row["remat"] for row in compiled}
+    tried_k = {row["micro_batches"] for row in compiled}
+    assert tried_remat == {"full"} and "--remat=" not in advice, advice
+    if "--micro_batches=" in advice:
+        assert int(advice.rsplit("=", 1)[1]) > max(tried_k), advice
+    elif "--batch_size=" in advice:
+        assert int(advice.rsplit("=", 1)[1].split()[0]) < 32, advice
+    else:
+        assert "more chips" in advice, advice
+
+
 def test_no_fit_advice_never_repeats_what_was_tried():
     # Finding 10: full remat was compiled and did not fit; the advice must go past it.
     from types import SimpleNamespace
