@@ -81,6 +81,32 @@ def test_smoke_run_on_one_document_trains_and_saves(smoke_run):
     assert (workdir / "checkpoints" / "1" / "checksums.json").is_file()
 
 
+def test_resume_with_another_data_section_warns_and_trains_on(smoke_run, tmp_path):
+    # The saved position belongs to the 64-token stream: with 32-token rows the stream starts
+    # afresh, said once, and the model and optimizer still resume.
+    workdir, source = smoke_run
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy)
+    changed = {**SMOKE, "training.steps": 3, "optimizer.warmup_steps": 0}
+    changed |= {"optimizer.decay_steps": 3, "data.seq_len": 32}
+    result = run_train_main(
+        [f"--workdir={copy}", f"--config.data.source={source}", *cli_flags(changed)]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr == "", result.stderr[-3000:]
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: the data differs from checkpoint step 1's (data.seq_len 64 -> 32): its "
+        "iterator state is not restored, the data stream starts from its beginning"
+    ], result.stdout[-3000:]
+    assert "resumed from step 1" in result.stdout
+    with open(copy / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
+    assert (copy / "checkpoints" / "3" / "checksums.json").is_file()
+
+
 def test_disabled_checkpoints_never_overwrite_a_runs_history(smoke_run, tmp_path):
     # Finding 2: the old records stay exactly as they were.
     workdir, source = smoke_run
