@@ -223,7 +223,8 @@ class TrainingSection:
     # (runtime/peers.py); a killed or crashed one is noticed at once. 60: well above any pause
     # of a live process's heartbeat thread, well below the minutes a dead host would bill.
     # JAX's own heartbeat and shutdown timeouts are derived from it. 0: no watch of our own
-    # (JAX's defaults: ends the others by SIGABRT after about 100 s).
+    # (JAX's defaults: its 100 s heartbeat timeout ends the others by SIGABRT, 51-99 s after
+    # a death in the kills measured; README).
     peer_timeout_seconds: float = 60.0
 
     def __post_init__(self):
