@@ -3,13 +3,17 @@ run), one SIGKILLed while the other compiles, trains or saves; how long the surv
 exit, its exit status, and what it printed on stderr.
 
     python bench/process_faults.py [--phases=compile,step,save] [--victim=1] \
-        [--peer_timeout=60] [--workdir=/tmp/process_faults]
+        [--peer_timeout=60] [--repeat=1] [--compile_delay=8] [--workdir=/tmp/process_faults]
 
 `--victim=0` kills process 0 (the coordinator, which also relays the watch). With
 `--peer_timeout=0` the peer watch is off and JAX's runtime alone decides (its 100 s heartbeat,
 then SIGABRT): the figures before runtime/peers.py. "detected" runs from the SIGKILL to the
 survivor's exit. The survivor's line names the newest complete checkpoint; the bench checks
-it against the files (a save cut short stays Orbax's temporary directory).
+it against the files (a save cut short stays Orbax's temporary directory), and what the
+survivor was doing, which is what each row is filed under: the compile kill comes
+`--compile_delay` seconds after the line printed before the first batch, and on a loaded host
+the survivor may still be starting then (raise the delay). `--repeat` runs each phase again;
+a table of every kill ends the output.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -85,7 +90,7 @@ def _metrics_lines(workdir: str) -> int:
         return 0
 
 
-def _ready(phase: str, workdir: str, since: dict) -> bool:
+def _ready(phase: str, workdir: str, since: dict, compile_delay: float) -> bool:
     """Whether the survivor is now in `phase`; the step and save kills come after a first
     complete checkpoint (step 20), which the survivor's line should name."""
     if phase == "compile":
@@ -93,15 +98,23 @@ def _ready(phase: str, workdir: str, since: dict) -> bool:
             announced = "processes); batch" in f.read()  # printed just before the compile
         if announced:
             since.setdefault("announced", time.monotonic())
-        # The first batch (seconds under load), then a compile of 10-30 s: 8 s in, it has begun.
-        return announced and time.monotonic() - since["announced"] > 8
+        # The first batch (seconds, more under load), then a compile of 10-30 s.
+        return announced and time.monotonic() - since["announced"] > compile_delay
     complete = complete_steps(checkpoint_dir(f"{workdir}/run"), warn=False)
     if phase == "step":
         return bool(complete) and _metrics_lines(workdir) >= RUN["checkpoint.every"] + 5
     return bool(complete) and bool(glob.glob(f"{workdir}/run/checkpoints/*orbax-checkpoint-tmp*"))
 
 
-def one(phase: str, victim: int, peer_timeout: float, root: str, port: int) -> None:
+def _doing(line: str) -> str:
+    """What the survivor's one line says it was doing ('while compiling the train step')."""
+    match = re.search(r"\) ((?:while|during) [^;]*?)(?:;|$)", line)
+    return match.group(1) if match else "-"
+
+
+def one(
+    phase: str, victim: int, peer_timeout: float, root: str, port: int, compile_delay: float
+) -> dict | None:
     workdir = os.path.join(root, f"{phase}_victim{victim}")
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
@@ -109,19 +122,20 @@ def one(phase: str, victim: int, peer_timeout: float, root: str, port: int) -> N
     survivor = procs[1 - victim]
     since: dict = {}
     try:
-        while not _ready(phase, workdir, since):
+        while not _ready(phase, workdir, since, compile_delay):
             if any(p.poll() is not None for p in procs):
                 print(f"{phase}: a process ended before the kill: {[p.poll() for p in procs]}")
-                return
+                return None
             time.sleep(0.02)
         steps_logged = _metrics_lines(workdir)
         procs[victim].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         try:
             survivor.wait(timeout=600)
-            detected = f"{time.monotonic() - killed:.2f} s"
+            seconds = time.monotonic() - killed
+            detected = f"{seconds:.2f} s"
         except subprocess.TimeoutExpired:
-            detected = "over 600 s"
+            seconds, detected = None, "over 600 s"
     finally:
         for p in procs:
             if p.poll() is None:
@@ -138,6 +152,14 @@ def one(phase: str, victim: int, peer_timeout: float, root: str, port: int) -> N
         flush=True,
     )
     print(f"         last stderr line: {err[-1] if err else '(none)'}", flush=True)
+    return dict(
+        phase=phase,
+        victim=victim,
+        seconds=seconds,
+        exit=survivor.returncode,
+        lines=len(err),
+        doing=_doing(err[-1]) if err else "-",
+    )
 
 
 def main() -> None:
@@ -145,13 +167,27 @@ def main() -> None:
     parser.add_argument("--phases", default="compile,step,save")
     parser.add_argument("--victim", type=int, default=1, choices=(0, 1))
     parser.add_argument("--peer_timeout", type=float, default=60.0)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--compile_delay", type=float, default=8.0)
     parser.add_argument("--workdir", default="/tmp/process_faults")
     args = parser.parse_args()
     import portpicker
 
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
-    for phase in args.phases.split(","):
-        one(phase, args.victim, args.peer_timeout, args.workdir, portpicker.pick_unused_port())
+    rows = []
+    for _ in range(args.repeat):
+        for phase in args.phases.split(","):
+            port = portpicker.pick_unused_port()
+            row = one(phase, args.victim, args.peer_timeout, args.workdir, port, args.compile_delay)
+            if row is not None:
+                rows.append(row)
+    print("\n| killed in | victim | survivor was | detected (s) | exit | stderr lines |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        took = "-" if r["seconds"] is None else f"{r['seconds']:.2f}"
+        print(
+            f"| {r['phase']} | {r['victim']} | {r['doing']} | {took} | {r['exit']} | {r['lines']} |"
+        )
 
 
 if __name__ == "__main__":

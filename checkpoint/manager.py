@@ -486,6 +486,7 @@ class Checkpointer:
                 "the checkpoint directory disappeared while the run was going",
                 None,
                 self.directory,
+                kept=f"its checkpoints (the last was step {self._last_saved}) went with it",
             )
         if step in self._manager.all_steps():
             return False

@@ -29,7 +29,9 @@ def expand(path: str) -> str:
     of run_info.json / checksums.json (rename), metrics.jsonl (append + fsync), the
     checksums (os.walk) and the setting aside of damaged checkpoints are POSIX calls. An
     object-store URL (gs://, s3://) is refused in one line rather than taken for a relative
-    path (it would quietly become ./gs:/bucket/...); mount the bucket (gcsfuse, s3fs) instead.
+    path (it would quietly become ./gs:/bucket/...); mount the bucket (gcsfuse, s3fs) instead,
+    minding what such a mount does not give (the README's list: the lock holds on one host
+    only, directory renames are not atomic).
     """
     if "://" in path:
         raise ValueError(

@@ -6,8 +6,9 @@ that went away while a save was being written (the policy, documented in the REA
 - Before each save, the free space of a local checkpoint directory is compared with the
   size of the last save (its manifest), or of the arrays before the first: a save that will
   not fit is never started, and the run stops with the one line below and nothing else.
-  A write that fails anyway (a quota statvfs does not show, another writer, EIO) stops the
-  run the same way; Orbax's own error logs then come before that line.
+  A write that fails anyway (a quota statvfs does not show, another writer, too few
+  inodes, EIO) stops the run the same way, when the background write's error reaches the
+  training thread (the next save, or the end of the run).
 - The run stops with exit status 1 and one line naming the step that could not be saved, the
   reason, and the newest complete checkpoint (which a run with the same --workdir resumes).
   Not a warning and a retry at the next interval: a full disk seldom frees itself, and
@@ -34,6 +35,27 @@ import re
 # CheckpointWriteError; the per-array copies are noise.
 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
+# Orbax's background threads also log each failure with its stack trace (absl, ERROR; ~600
+# lines for one full disk at the tiny model) before storing it, and `wait_until_finished`
+# raises the stored error in the caller, where it becomes the one line. Only these messages
+# are dropped: each names an exception that is raised again.
+_RERAISED = re.compile(
+    r"_SignalingThread\.run\(\) raised an exception"
+    r"|Failed to run \d+ Handler Commit operations"
+    r"|Save Finalize thread \(\w+\) failed"
+)
+
+
+def _not_reraised(record: logging.LogRecord) -> bool:
+    return not (
+        record.levelno >= logging.ERROR
+        and "orbax" in record.pathname
+        and _RERAISED.search(record.getMessage())
+    )
+
+
+logging.getLogger("absl").addFilter(_not_reraised)
+
 _REASONS = (
     (re.compile(r"RESOURCE_EXHAUSTED|No space left", re.I), os.strerror(errno.ENOSPC)),
     (re.compile(r"quota", re.I), os.strerror(errno.EDQUOT)),
@@ -46,9 +68,11 @@ _REASONS = (
 class CheckpointWriteError(RuntimeError):
     """A save failed while being written; the message is one line (see the module doc)."""
 
-    def __init__(self, step: int, reason: str, last_good: int | None, directory: str):
+    def __init__(
+        self, step: int, reason: str, last_good: int | None, directory: str, kept: str = ""
+    ):
         self.step, self.reason, self.last_good = step, reason, last_good
-        kept = (
+        kept = kept or (
             f"the last complete checkpoint is step {last_good}"
             if last_good is not None
             else "no checkpoint was completed"
@@ -84,12 +108,10 @@ SPACE_MARGIN = 1.1
 
 
 def lacks_space(directory: str, needed: int) -> str | None:
-    """Why a save of `needed` bytes would not fit in `directory`'s filesystem, or None. Only
-    for local paths (statvfs); a remote store (gs://...) is not asked, and its errors arrive
-    from the write itself. The check is a forecast: a quota statvfs does not see, or another
-    writer filling the disk meanwhile, still fails the write (then: `reason`)."""
-    if "://" in directory:
-        return None
+    """Why a save of `needed` bytes would not fit in `directory`'s filesystem, or None.
+    `directory` is a local or mounted path (checkpoint/workdir.py refuses object-store URLs).
+    The check is a forecast of bytes: a quota statvfs does not see, too few inodes, or
+    another writer filling the disk meanwhile, still fails the write (then: `reason`)."""
     path = directory
     while not os.path.isdir(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)

@@ -117,8 +117,10 @@ def prepare(
     names = parse_tasks(tasks)
     if num_fewshot is not None and num_fewshot < 0:
         raise ValueError(f"--num_fewshot={num_fewshot} must be >= 0")
-    if limit is not None and limit <= 0:
-        raise ValueError(f"--limit={limit} must be > 0 (N examples, or a fraction below 1)")
+    if limit is not None and not 0 < limit < float("inf"):  # NaN fails both comparisons
+        raise ValueError(
+            f"--limit={limit} must be a finite number > 0 (N examples, or a fraction below 1)"
+        )
     return TaskRequest(names, task_manager(names, include_path), num_fewshot, limit)
 
 

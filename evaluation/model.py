@@ -11,7 +11,7 @@ from flax import nnx
 
 from checkpoint.manager import restore_params
 from evaluation.settings import EvalSettings, run_config
-from launch.build import abstract_model, check_attention
+from launch.build import abstract_model, check_attention, check_positions
 from shardings import get_strategy
 from training import finetune
 from zoo import create_model, from_pretrained
@@ -69,6 +69,9 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     # The run's attention backend must run here (a TPU run's splash on a CPU host does not):
     # one line now, not an error deep in the compile.
     check_attention(cfg, mesh, settings.seq_len)
+    # Training refused rows past a learned position table (GPT-2's), where every later
+    # position would read the table's last row; an eval --seq_len could ask for them here.
+    check_positions(cfg, settings.seq_len, "--seq_len")
     # The run's padded vocab (if any) where it divides this mesh's split, else padded anew
     # (restore_params then pads or cuts the rows that hold no token).
     cfg = fit_vocab(cfg, strategy, mesh)
@@ -101,6 +104,7 @@ def load_adapted(workdir: str, run_info: dict, settings: EvalSettings, step: int
     cfg = read_config(base, **overrides)
     mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
     check_attention(cfg, mesh, settings.seq_len)
+    check_positions(cfg, settings.seq_len, "--seq_len")
     with jax.set_mesh(mesh):
         model = from_pretrained(base, strategy, **overrides)
         # Dropout only trains; the adapters' values come from the checkpoint.

@@ -168,8 +168,11 @@ def chip_for(topology: str, memory_gib: float | None = None) -> Chip:
             memory_bytes=int(chip.memory_bytes * fraction),
         )
     if memory_gib is not None:
-        if memory_gib <= 0:
-            raise ValueError(f"--memory_gib must be > 0, got {memory_gib}")
+        if not 0 < memory_gib < float("inf"):  # NaN fails both comparisons
+            raise ValueError(
+                f"--memory_gib={memory_gib}: must be a finite number of GiB > 0 (the chip's "
+                "memory the plan should assume)"
+            )
         chip = dataclasses.replace(
             chip, name=f"{chip.name} ({memory_gib:g} GiB)", memory_bytes=int(memory_gib * GiB)
         )

@@ -5,11 +5,12 @@ What JAX's runtime does alone (measured before this module: tiny fsdp run, 2 pro
 CPU devices, one SIGKILLed): a collective the dead process was part of fails at once on CPU
 (gloo: "Connection reset by peer"; NCCL would block); a process exiting after that waits in
 JAX's shutdown barrier for the dead one; the coordination service notices the silence after
-its heartbeat timeout and then every other process LOG(FATAL)s: SIGABRT (exit -6) 60-86 s
-after the death, with a fatal-error dump of 74-154 lines on stderr. JAX has no public hook on
-that failure (its client's missed-heartbeat callback is not exposed), so this module watches
-the peers itself and leaves before JAX aborts; runtime/distributed.py sets JAX's heartbeat
-and shutdown timeouts to twice the bound, as the backstop.
+its heartbeat timeout (`heartbeat_timeout_seconds`, 100 s by default) and then every other
+process LOG(FATAL)s: SIGABRT (exit -6) 51-99 s after the death in the kills measured, with a
+fatal-error dump of 74-154 lines on stderr (the README gives each figure's source). JAX has
+no public hook on that failure (its client's missed-heartbeat callback is not exposed), so
+this module watches the peers itself and leaves before JAX aborts; runtime/distributed.py
+sets JAX's heartbeat and shutdown timeouts to twice the bound, as the backstop.
 
 The watch: every process keeps a TCP connection to process 0 (a star: process 0 relays what
 it sees) and sends a heartbeat on it every `timeout / 10` seconds from a daemon thread (XLA's
@@ -25,8 +26,10 @@ save cut short stays Orbax's temporary directory, never taken as a checkpoint.
 
 What it cannot stop: native code that sees the same closed socket at the same instant and
 writes before aborting. When process 0, the host of JAX's coordination service, is lost,
-JAX's client in every survivor LOG(FATAL)s at once (4 lines, then its stack trace and the
-abort); the exit here usually comes first (exit 1, the one line after those 4).
+JAX's client in every survivor fails its poll of the service at once and LOG(FATAL)s (an E
+line, then an F line with two lines of gRPC detail, then the abort). The exit here has come
+first in every kill measured (exit 1), but those 4 lines may already be out, before the one
+line or around it (3 of 8 kills in the README).
 
 Messages, one per line: `hello <id>` (a process joins), `beat`, `done` (its run finished; a
 connection closed after it is no loss), `quit` (it stops on an error of its own and says

@@ -1,22 +1,41 @@
-"""A full disk at a save (issue 31): one line, exit 1, and the previous checkpoint intact.
+"""Disk faults at a save (issue 31): one line, exit 1, the previous checkpoint intact.
 
-The workdir is a small tmpfs (mounting needs root with CAP_SYS_ADMIN, as on the CI runner and
-the development machines); the test fills it after the first save, so the next save does not
-fit. checkpoint/write_errors.py documents the behaviour: the save is not started, the run
-stops with one line naming the step, the reason and the last complete checkpoint.
+checkpoint/write_errors.py documents the behaviour. Three ways a save fails, each through
+train_main:
+  - the disk is full before the save: the free-space check refuses to start it;
+  - the free-space check passes but the write itself fails with ENOSPC (a tmpfs with bytes
+    to spare and no inodes left: Orbax/TensorStore cannot create the files); the partial
+    save is never taken as a checkpoint, and a run started again once there is room resumes
+    from the previous one with the losses of an uninterrupted run, bit for bit;
+  - the checkpoint directory is removed while the run is going.
+
+The small filesystems are tmpfs mounts (root with CAP_SYS_ADMIN, as on the CI runner and the
+development machines). Every run is SMALL_RUN for STEPS steps, saving every 2. The reference
+run's workdir, less its last checkpoint, is where the disk tests start: the state of a run
+that trained to step 4 and stopped before that step's save (resuming drops the metrics lines
+past step 2).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
-from _train_helpers import SMALL_RUN, cli_flags, run_train_main
+from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags, run_train_main
 
+from checkpoint import integrity
+from checkpoint.manager import checkpoint_dir, complete_steps
+from training.metrics import read_metrics
+
+STEPS = 4
 RUN = {
     **SMALL_RUN,
-    "training.steps": 2,
+    "training.steps": STEPS,
     "training.eval_every": 0,
     "training.eval_batches": 1,
     "optimizer.warmup_steps": 0,
@@ -25,61 +44,138 @@ RUN = {
 }
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
+def _mount_tmpfs(path, options: str) -> None:
+    path.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)])
 
 
-def test_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_disk):
-    from checkpoint import integrity
-    from checkpoint.manager import complete_steps
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of STEPS steps, with its checkpoints at 2 and 4."""
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    result = run_train_main([f"--workdir={workdir}", *cli_flags(RUN)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert complete_steps(checkpoint_dir(str(workdir))) == [2, STEPS]
+    return workdir
 
-    workdir = small_disk / "run"
-    first = run_train_main([f"--workdir={workdir}", *cli_flags(RUN)])
-    assert first.returncode == 0, first.stderr[-3000:]
-    checkpoints = str(workdir / "checkpoints")
-    assert complete_steps(checkpoints) == [2]
+
+def _stopped_before_the_last_save(reference, workdir) -> str:
+    shutil.copytree(reference, workdir)
+    shutil.rmtree(os.path.join(checkpoint_dir(str(workdir)), str(STEPS)))
+    return checkpoint_dir(str(workdir))
+
+
+def _one_line_exit_1(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.fixture
+def disk(tmp_path):
+    yield tmp_path / "disk"
+    subprocess.run(["umount", "-l", str(tmp_path / "disk")], capture_output=True)
+
+
+def test_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(reference, disk):
+    _mount_tmpfs(disk, "size=4m")
+    checkpoints = _stopped_before_the_last_save(reference, disk / "run")
     # Leave 100 KiB: metrics lines fit, a ~1.4 MiB checkpoint does not.
-    stats = os.statvfs(small_disk)
-    with open(small_disk / "filler", "wb") as f:
+    stats = os.statvfs(disk)
+    with open(disk / "filler", "wb") as f:
         f.write(b"\0" * (stats.f_bavail * stats.f_frsize - 100 * 1024))
-    second = run_train_main([f"--workdir={workdir}", *cli_flags({**RUN, "training.steps": 4})])
-    lines = second.stderr.strip().splitlines()
-    assert second.returncode == 1, second.stderr[-3000:]
-    assert len(lines) == 1, second.stderr[-3000:]
-    assert lines[0].startswith("error: checkpoint step 4 could not be written to ")
-    assert "No space left on device" in lines[0]
-    assert "the last complete checkpoint is step 2" in lines[0]
+    line = _one_line_exit_1(run_train_main([f"--workdir={disk / 'run'}", *cli_flags(RUN)]))
+    assert line.startswith(f"error: checkpoint step {STEPS} could not be written to "), line
+    assert "No space left on device: a save needs about" in line, line
+    assert "the last complete checkpoint is step 2" in line, line
     # No partial save left under a step's name; the previous one matches its checksums
     # byte for byte, so it restores exactly what was saved.
     assert sorted(os.listdir(checkpoints)) == ["2"]
     assert integrity.verify(os.path.join(checkpoints, "2")) is None
 
 
-def test_a_vanished_checkpoint_directory_fails_the_next_save(tmp_path):
-    import shutil
+def _fill_inodes(directory, leave: int) -> None:
+    """Create empty files under `directory` until its filesystem has no inode left, then
+    remove `leave` of them."""
+    directory.mkdir()
+    made = 0
+    while True:
+        try:
+            (directory / str(made)).touch()
+        except OSError:
+            break
+        made += 1
+    for i in range(leave):
+        (directory / str(made - 1 - i)).unlink()
 
-    from test_checkpoint import build, data_iter
 
-    from checkpoint.manager import Checkpointer, checkpoint_dir
-    from checkpoint.write_errors import CheckpointWriteError
+def test_enospc_during_the_write_keeps_the_last_checkpoint_and_resumes_exactly(reference, disk):
+    # Bytes to spare (the free-space check passes), 16 inodes: enough to start the run (a
+    # TensorBoard file, run_info.json's temporary), not for a save's ~60 files.
+    _mount_tmpfs(disk, "size=16m,nr_inodes=400")
+    checkpoints = _stopped_before_the_last_save(reference, disk / "run")
+    _fill_inodes(disk / "filler", leave=16)
+    failed = run_train_main([f"--workdir={disk / 'run'}", *cli_flags(RUN)])
+    line = _one_line_exit_1(failed)  # not Orbax's ~600 lines of background-thread traces
+    assert line.startswith(f"error: checkpoint step {STEPS} could not be written to "), line
+    # The write failed, not the forecast (whose reason says how much a save needs).
+    assert "(No space left on device);" in line, line
+    assert "the last complete checkpoint is step 2" in line, line
+    # The partial save is still in Orbax's temporary directory, never under a step's name.
+    assert complete_steps(checkpoints) == [2]
+    assert [n for n in os.listdir(checkpoints) if n.isdigit()] == ["2"]
+    assert integrity.verify(os.path.join(checkpoints, "2")) is None
 
-    _, model, optimizer = build("dp", (8,))
-    it = data_iter()
-    ckpt = Checkpointer(str(tmp_path), save_every=1, keep=2, run_info={})
-    assert ckpt.save(1, model=model, optimizer=optimizer, data_iter=it)
-    ckpt.wait()
-    shutil.rmtree(checkpoint_dir(str(tmp_path)))  # a cleanup job, an unmounted volume
-    with pytest.raises(CheckpointWriteError, match="disappeared while the run was going") as info:
-        ckpt.save(2, model=model, optimizer=optimizer, data_iter=it)
-    assert "\n" not in str(info.value) and str(info.value).startswith("checkpoint step 2 ")
+    shutil.rmtree(disk / "filler")  # room again
+    resumed = run_train_main([f"--workdir={disk / 'run'}", *cli_flags(RUN)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 2" in resumed.stdout, resumed.stdout[-2000:]
+    assert sorted(os.listdir(checkpoints)) == ["2", str(STEPS)]  # the leftover is cleaned up
+    want = read_metrics(os.path.join(reference, "metrics.jsonl"))
+    got = read_metrics(os.path.join(disk / "run", "metrics.jsonl"))
+    assert [r["step"] for r in got if "loss" in r] == list(range(1, STEPS + 1))
+    assert len(got) == len(want)
+    for w, g in zip(want, got, strict=True):
+        for key in ("step", "loss", "grad_norm", "learning_rate", "val_loss", "tokens_seen"):
+            assert g.get(key) == w.get(key), (key, w["step"], g.get(key), w.get(key))
+
+
+def test_a_vanished_checkpoint_directory_stops_the_run_in_one_line(tmp_path):
+    # Saves every 10 of 60 steps; the directory goes (a cleanup job, an unmounted volume) as
+    # soon as step 10's save is complete, nine steps before the next save.
+    workdir = tmp_path / "run"
+    run = {**RUN, "training.steps": 60, "checkpoint.every": 10}
+    checkpoints = checkpoint_dir(str(workdir))
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN_MAIN, f"--workdir={workdir}", *cli_flags(run)],
+        env=child_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        manifest = os.path.join(checkpoints, "10", integrity.MANIFEST)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(manifest):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 10"
+            time.sleep(0.02)
+        shutil.rmtree(checkpoints)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    line = _one_line_exit_1(subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr))
+    assert line.startswith("error: checkpoint step 20 could not be written to "), line
+    assert "the checkpoint directory disappeared while the run was going" in line, line
+    assert "its checkpoints (the last was step 10) went with it" in line, line
     # Not quietly recreated: an empty directory would look like a run with no history.
-    assert not os.path.exists(checkpoint_dir(str(tmp_path)))
+    assert not os.path.exists(checkpoints)
+    assert max(r["step"] for r in read_metrics(workdir / "metrics.jsonl") if "loss" in r) == 20

@@ -49,3 +49,30 @@ def test_divergence_exits_1_in_one_line_and_saves_no_nan(tmp_path):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records if "loss" in r] == [1]
+
+
+def test_non_finite_val_loss_exits_1_before_the_save(tmp_path):
+    # The same 1e30 step: step 1's training loss is the untrained one (finite), but the
+    # validation after it runs on the moved parameters and overflows. Before the guard looked
+    # at val_loss, step 1 was saved and the run went on to fail a step later.
+    workdir = str(tmp_path / "run")
+    run = {**RUN, "training.steps": 2, "training.eval_every": 1, "training.eval_batches": 1}
+    flags = ["--sharding_strategy=dp", f"--workdir={workdir}", *cli_flags(run)]
+    result = subprocess.run(
+        [sys.executable, TRAIN_MAIN, *flags],
+        env=child_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: training diverged: val_loss is nan at step 1; "), lines[0]
+    assert "nothing was saved" in lines[0], lines[0]
+    assert complete_steps(checkpoint_dir(workdir)) == []
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert records[0]["step"] == 1 and records[0]["loss"] > 0
+    # NaN over counted tokens (JSON null): a diverged model, not a split with no tokens.
+    assert records[1]["val_loss"] is None and records[1]["val_tokens"] > 0

@@ -8,21 +8,29 @@ the smoke run on a one-document source; the tests that need a checkpoint use its
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
-from _train_helpers import ROOT, SMALL_RUN, child_env, cli_flags, run_train_main
+from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags, run_train_main
 
 EVAL_MAIN = os.path.join(ROOT, "eval_main.py")
 PLAN_MAIN = os.path.join(ROOT, "plan_main.py")
 EXPLAIN_MAIN = os.path.join(ROOT, "explain_main.py")
+# SMALL_RUN's shapes on GPT-2, whose learned position table (max_seq_len rows) is what
+# finding 4 is about; 8 heads (the preset's 12 do not split over the model axis), all of them
+# key/value heads as in GPT-2, and a vocab the byte tokenizer fits.
+GPT2 = {"model.preset": "gpt2", "model.vocab_size": 512, "model.max_seq_len": 64}
+GPT2 |= {"model.num_heads": 8, "model.num_kv_heads": 8}
+ONE_STEP = {**SMALL_RUN, "training.steps": 1, "checkpoint.enabled": True, "checkpoint.every": 1}
 # SMALL_RUN's warmup is 5: one step clamps it (finding 11).
-SMOKE = {**SMALL_RUN, "training.steps": 1, "checkpoint.enabled": True, "checkpoint.every": 1}
-QUICK = {**SMOKE, "optimizer.warmup_steps": 0}  # the bad-input runs: no warning line
+SMOKE = {**ONE_STEP, **GPT2}
+QUICK = {**ONE_STEP, "optimizer.warmup_steps": 0}  # the bad-input runs: no warning line
 
 
 def _run(script: str, args: list[str], *, env=None, timeout: int = 240):
@@ -73,13 +81,39 @@ def test_smoke_run_on_one_document_trains_and_saves(smoke_run):
     assert (workdir / "checkpoints" / "1" / "checksums.json").is_file()
 
 
+def test_resume_with_another_data_section_warns_and_trains_on(smoke_run, tmp_path):
+    # The saved position belongs to the 64-token stream: with 32-token rows the stream starts
+    # afresh, said once, and the model and optimizer still resume.
+    workdir, source = smoke_run
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy)
+    changed = {**SMOKE, "training.steps": 3, "optimizer.warmup_steps": 0}
+    changed |= {"optimizer.decay_steps": 3, "data.seq_len": 32}
+    result = run_train_main(
+        [f"--workdir={copy}", f"--config.data.source={source}", *cli_flags(changed)]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr == "", result.stderr[-3000:]
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: the data differs from checkpoint step 1's (data.seq_len 64 -> 32): its "
+        "iterator state is not restored, the data stream starts from its beginning"
+    ], result.stdout[-3000:]
+    assert "resumed from step 1" in result.stdout
+    with open(copy / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
+    assert (copy / "checkpoints" / "3" / "checksums.json").is_file()
+
+
 def test_disabled_checkpoints_never_overwrite_a_runs_history(smoke_run, tmp_path):
     # Finding 2: the old records stay exactly as they were.
     workdir, source = smoke_run
     copy = tmp_path / "copy"
     shutil.copytree(workdir, copy)
     before = {n: (copy / n).read_bytes() for n in ("metrics.jsonl", "run_info.json")}
-    flags = cli_flags({**QUICK, "checkpoint.enabled": False, "training.steps": 3})
+    flags = cli_flags({**QUICK, **GPT2, "checkpoint.enabled": False, "training.steps": 3})
     result = run_train_main([f"--workdir={copy}", f"--config.data.source={source}", *flags])
     _one_line_exit_2(result, "holds an earlier run (checkpoint steps 1)")
     assert {n: (copy / n).read_bytes() for n in before} == before
@@ -121,12 +155,24 @@ def test_all_empty_documents_are_no_data(tmp_path):
 
 def test_rows_longer_than_learned_positions_are_refused(tmp_path):
     # Finding 4: GPT-2's position table is max_seq_len rows; SMALL_RUN's rows are 64 tokens.
-    gpt2 = {"model.preset": "gpt2", "model.vocab_size": 512, "model.max_seq_len": 32}
-    gpt2 |= {"model.num_heads": 8, "model.num_kv_heads": 8}
-    result = run_train_main([f"--workdir={tmp_path}", *cli_flags({**QUICK, **gpt2})])
+    flags = cli_flags({**QUICK, **GPT2, "model.max_seq_len": 32})
+    result = run_train_main([f"--workdir={tmp_path}", *flags])
     _one_line_exit_2(
         result, "data.seq_len=64 is longer than the model's learned position table (max_seq_len"
     )
+
+
+def test_evaluating_rows_longer_than_learned_positions_is_refused(smoke_run, tmp_path):
+    # Finding 4 at evaluation: before, --seq_len=128 on this 64-row table scored rows whose
+    # positions 64..127 all read row 63, and wrote eval.json.
+    workdir, _ = smoke_run
+    result = _run(EVAL_MAIN, [f"--workdir={workdir}", "--seq_len=128"])
+    _one_line_exit_2(
+        result,
+        "--seq_len=128 is longer than the model's learned position table (max_seq_len=64); "
+        "use --seq_len <= 64",
+    )
+    assert not (workdir / "eval.json").exists()
 
 
 def test_parquet_column_of_integers_is_named(tmp_path):
@@ -227,6 +273,69 @@ def test_mesh_axes_and_values_that_would_be_ignored(tmp_path, flags, expected):
     _one_line_exit_2(run_train_main([f"--workdir={tmp_path}", *flags], timeout=120), expected)
 
 
+NON_FINITE = {
+    # Each passed a `> 0` check before (NaN compares False, inf > 0), or overflowed later.
+    "train --peak_tflops=nan": (
+        TRAIN_MAIN,
+        ["--peak_tflops=nan"],
+        "peak_tflops=nan: must be a finite",
+    ),
+    "train --peak_tflops=inf": (
+        TRAIN_MAIN,
+        ["--peak_tflops=inf"],
+        "peak_tflops=inf: must be a finite",
+    ),
+    "eval --limit=nan": (
+        EVAL_MAIN,
+        ["--workdir=unused", "--tasks=some_task", "--limit=nan"],
+        "--limit=nan must be a finite number > 0",
+    ),
+    "plan --memory_gib=inf": (
+        PLAN_MAIN,
+        ["--memory_gib=inf"],
+        "--memory_gib=inf: must be a finite",
+    ),
+    "plan --memory_gib=nan": (
+        PLAN_MAIN,
+        ["--memory_gib=nan"],
+        "--memory_gib=nan: must be a finite",
+    ),
+}
+PLAN_ARGS = ["--model=tiny", "--topology=cpu:8", "--sharding_strategy=dp", "--batch_size=8"]
+
+
+@pytest.mark.parametrize("case", list(NON_FINITE))
+def test_non_finite_numbers_are_refused_at_every_entry_point(tmp_path, case):
+    script, flags, expected = NON_FINITE[case]
+    if script == EVAL_MAIN and importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("--limit belongs to the [eval] extra (lm-eval), not installed here")
+    if script == TRAIN_MAIN:
+        flags = [f"--workdir={tmp_path}", *flags]
+    if script == PLAN_MAIN:
+        flags = [*PLAN_ARGS, *flags]
+    _one_line_exit_2(_run(script, flags, timeout=120), expected)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_every_float_field_refuses_non_finite_values():
+    # The class at its root: a section built in code or by dataclasses.replace (as a run flag
+    # is applied) gets the same check as a config file's value.
+    import dataclasses
+
+    from training import config
+
+    floats = 0
+    for section, kind in config._SECTION_TYPES.items():
+        for field in dataclasses.fields(kind):
+            if field.type.replace(" ", "").removesuffix("|None") != "float":
+                continue
+            floats += 1
+            for bad in (math.nan, math.inf, -math.inf):
+                with pytest.raises(ValueError, match=f"{section}.{field.name}=.*finite number"):
+                    kind(**{field.name: bad})
+    assert floats >= 10  # learning rate, betas, eps, ..., peak_tflops, lora alpha / dropout
+
+
 def test_object_store_workdirs_are_refused_not_made_local():
     # Before: gs://bucket/run became ./gs:/bucket/run, a local directory.
     result = run_train_main(["--workdir=gs://bucket/run"], timeout=120)
@@ -257,6 +366,31 @@ def test_plan_for_a_tpu_target_keeps_stderr_clean():
 def test_explain_errors_are_one_line():
     # Finding 8: before, six CUDA-stub lines came first.
     _one_line_exit_2(_run(EXPLAIN_MAIN, ["--strategies=nope"]), "unknown sharding strategy")
+
+
+def test_auto_with_nothing_fitting_advises_past_what_it_compiled():
+    # Finding 10 through plan_main: before, `auto` advised --remat=full after compiling it.
+    # Full remat is the only policy offered, so it is compiled and fails; the advice must go
+    # past it (more micro-batches than any compiled, a smaller batch, or more chips). One
+    # compile (SMALL_RUN's shapes; ~13 s of CPU): 1.5 MiB holds the state, not the step.
+    shapes = {k: v for k, v in SMALL_RUN.items() if k.startswith("model.")}
+    args = ["--config=configs/tiny.py", *cli_flags(shapes), "--topology=cpu:8"]
+    args += ["--sharding_strategy=auto", "--batch_size=32", "--seq_len=64", "--remat=full"]
+    args += ["--micro_batches=1,2,4", "--memory_gib=0.0015", "--max_compiles=1", "--json"]
+    result = _run(PLAN_MAIN, args)
+    _one_line_exit_2(result, "nothing fits in")
+    compiled = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert compiled and all(not row["fits"] for row in compiled), result.stdout[-2000:]
+    advice = result.stderr.strip().split("; ")[-1]
+    tried_remat = {row["remat"] for row in compiled}
+    tried_k = {row["micro_batches"] for row in compiled}
+    assert tried_remat == {"full"} and "--remat=" not in advice, advice
+    if "--micro_batches=" in advice:
+        assert int(advice.rsplit("=", 1)[1]) > max(tried_k), advice
+    elif "--batch_size=" in advice:
+        assert int(advice.rsplit("=", 1)[1].split()[0]) < 32, advice
+    else:
+        assert "more chips" in advice, advice
 
 
 def test_no_fit_advice_never_repeats_what_was_tried():

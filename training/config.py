@@ -29,8 +29,24 @@ def _fail(section: str, field: str, value: Any, why: str) -> None:
 def _positive(section: str, obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if value is not None and value <= 0:
+        # `not value > 0` also refuses NaN, which every comparison calls False.
+        if value is not None and not value > 0:
             _fail(section, name, value, "must be > 0")
+
+
+def _finite(section: str, obj) -> None:
+    """Every float field of a section is a finite number. _coerce checks a config file's
+    values, but a section is also built by `dataclasses.replace` from a run flag
+    (`--peak_tflops=inf`) or in code, and an inf or NaN that passes a range check (`inf > 0`)
+    would reach the step as a silent nonsense figure."""
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if field.type.replace(" ", "").removesuffix("|None") != "float" or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(section, field.name, value, "must be a number")
+        if not math.isfinite(value):
+            _fail(section, field.name, value, "must be a finite number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +100,7 @@ class ModelSection:
     )
 
     def __post_init__(self):
+        _finite("model", self)
         _positive("model", self, *self.SHAPE_FIELDS)
         if self.scan_unroll < 0:
             _fail("model", "scan_unroll", self.scan_unroll, "valid: 0 (auto), 1 (rolled), or more")
@@ -143,6 +160,7 @@ class DataSection:
     format: str = "text"
 
     def __post_init__(self):
+        _finite("data", self)
         _positive("data", self, "seq_len", "global_batch_size")
         if self.format not in DATA_FORMATS:
             _fail("data", "format", self.format, f"valid: {', '.join(DATA_FORMATS)}")
@@ -169,6 +187,7 @@ class OptimizerSection:
     decay_norms_and_embeddings: bool = False  # True: decay every parameter
 
     def __post_init__(self):
+        _finite("optimizer", self)
         _positive("optimizer", self, "learning_rate", "micro_batches", "eps", "decay_steps")
         if self.warmup_steps < 0:
             _fail("optimizer", "warmup_steps", self.warmup_steps, "must be >= 0")
@@ -204,10 +223,12 @@ class TrainingSection:
     # (runtime/peers.py); a killed or crashed one is noticed at once. 60: well above any pause
     # of a live process's heartbeat thread, well below the minutes a dead host would bill.
     # JAX's own heartbeat and shutdown timeouts are derived from it. 0: no watch of our own
-    # (JAX's defaults: ends the others by SIGABRT after about 100 s).
+    # (JAX's defaults: its 100 s heartbeat timeout ends the others by SIGABRT, 51-99 s after
+    # a death in the kills measured; README).
     peer_timeout_seconds: float = 60.0
 
     def __post_init__(self):
+        _finite("training", self)
         _positive("training", self, "steps", "eval_batches")
         if not 0 <= self.peer_timeout_seconds < math.inf:
             _fail(
@@ -248,6 +269,7 @@ class LoggingSection:
     profile_steps: str = ""
 
     def __post_init__(self):
+        _finite("logging", self)
         _positive("logging", self, "log_every", "peak_tflops")
         from training.profile import parse_steps
 
@@ -263,6 +285,7 @@ class LoraSection:
     targets: str = "q_proj,k_proj,v_proj,o_proj"
 
     def __post_init__(self):
+        _finite("lora", self)
         if self.rank is not None:
             self.lora_config()  # one-line ValueError for a bad rank, alpha, dropout or target
 
@@ -418,9 +441,7 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
     if base == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(section, field.name, value, "must be a number")
-        if not math.isfinite(value):
-            _fail(section, field.name, value, "must be a finite number")
-        return float(value)
+        return float(value)  # finite or not: the section's _finite says
     if base == "str" and not isinstance(value, str):
         _fail(section, field.name, value, "must be a string")
     return value
