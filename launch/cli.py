@@ -41,6 +41,20 @@ def preamble(*, huge_pages: bool = True, cpu_flags: bool = True, cpu_only: bool 
     import_jax_quietly()
 
 
+def simulate_cpu_devices(flag: str, count_of=lambda value: value, default=None) -> None:
+    """Before jax starts (XLA creates its host devices then, and a --config file may import
+    jax while the flags are parsed): ask XLA for the CPU devices that `--<flag>=VALUE` on the
+    command line names, `count_of(VALUE)` of them (None: none asked for). A value that is no
+    count is left for the flag parser to refuse."""
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(f"--{flag}=")]
+    value = given[-1] if given else default  # absl's rule: the last one wins
+    count = count_of(value) if value is not None else None
+    if count is not None and str(count).isdigit():
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+        )
+
+
 def usage_error(message) -> None:
     """One line on stderr, exit status 2: for every mistake in what the user gave us."""
     print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
@@ -99,36 +113,114 @@ def parse_flags(argv):
 
 @dataclasses.dataclass(frozen=True)
 class RunFlags:
+    """train_main's command line, which plan_main takes as well (absl flag holders)."""
+
     config: object  # the config_flags holder of the ConfigDict
     sharding_strategy: object
     mesh_shape: object
     attention_impl: object
+    workdir: object
+    init_from: object
+    peak_tflops: object
+    coordinator_address: object
+    num_processes: object
+    process_id: object
 
 
-def define_run_flags(strategy_extra: str = "") -> RunFlags:
-    """The flags that describe a run, for train_main and plan_main alike."""
+# What plan_main says of the flags that describe where and how train_main runs, not the step.
+_PLAN_ACCEPTS = " plan_main: accepted, so a train_main command line plans as is; no effect."
+
+
+def define_run_flags(strategy_extra: str = "", *, planning: bool = False) -> RunFlags:
+    """The flags that describe a run, for train_main and plan_main alike (`planning`: the help
+    says what each flag does to a plan)."""
+    from absl import flags
+
+    _attribute_flags_to_caller()
+    plan_note = _PLAN_ACCEPTS if planning else ""
+    config = _define_config_flag()
+    strategy = strategy_flag(f"{strategy_extra}; default: config.training.sharding_strategy.")
+    mesh_shape = mesh_shape_flag("config.training.mesh_shape or the strategy's rule")
+    attention = attention_flag("config.model.attention_impl")
+    workdir = flags.DEFINE_string(
+        "workdir", None, "Run directory; default ./runs/<config name>." + plan_note
+    )
+    init_from = flags.DEFINE_string(
+        "init_from",
+        None,
+        "A Hugging Face checkpoint directory to start from (zoo.from_pretrained): its "
+        "config.json sets the model's architecture, the config's model section how it runs."
+        + (" plan_main plans that model." if planning else ""),
+    )
+    peak = flags.DEFINE_float(
+        "peak_tflops",
+        None,
+        "Peak TFLOP/s per device for MFU; default: table, or measured on CPU."
+        + (
+            " plan_main: accepted, no effect: a plan's MFU is against the target chip's "
+            "peak (planning/chips.py)."
+            if planning
+            else ""
+        ),
+    )
+    coordinator = flags.DEFINE_string(
+        "coordinator_address", None, "host:port of process 0, for several processes." + plan_note
+    )
+    num_processes = flags.DEFINE_integer("num_processes", None, "Processes in the run." + plan_note)
+    process_id = flags.DEFINE_integer("process_id", None, "This process's index." + plan_note)
+    return RunFlags(
+        config,
+        strategy,
+        mesh_shape,
+        attention,
+        workdir,
+        init_from,
+        peak,
+        coordinator,
+        num_processes,
+        process_id,
+    )
+
+
+def strategy_flag(tail: str):
+    """--sharding_strategy, its help listing shardings.STRATEGIES, then `tail`."""
     from absl import flags
 
     from shardings import STRATEGIES
+
+    _attribute_flags_to_caller()
+    return flags.DEFINE_string("sharding_strategy", None, f"{' | '.join(STRATEGIES)}{tail}")
+
+
+def mesh_shape_flag(default: str):
+    from absl import flags
+
+    _attribute_flags_to_caller()
+    return flags.DEFINE_string("mesh_shape", None, f"e.g. data:4,model:2; default: {default}.")
+
+
+def attention_flag(default: str):
+    """--attention_impl: one of the implementations the attention registry serves."""
+    from absl import flags
+
     from zoo.layers.attention import IMPLEMENTATIONS
 
-    config = _define_config_flag()
-    strategy = flags.DEFINE_string(
-        "sharding_strategy",
-        None,
-        f"{' | '.join(STRATEGIES)}{strategy_extra}; default: config.training.sharding_strategy.",
-    )
-    mesh_shape = flags.DEFINE_string(
-        "mesh_shape", None, "e.g. data:4,model:2; default: config.training.mesh_shape or the rule."
-    )
-    attention = flags.DEFINE_enum(
+    _attribute_flags_to_caller()
+    return flags.DEFINE_enum(
         "attention_impl",
         None,
         list(IMPLEMENTATIONS),
-        "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); "
-        "default: config.model.attention_impl.",
+        "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); default: "
+        f"{default}. A backend that cannot run here is an error.",
     )
-    return RunFlags(config, strategy, mesh_shape, attention)
+
+
+def _attribute_flags_to_caller() -> None:
+    # absl files a flag under the module that defined it, and an entry point's --help lists
+    # only its own: disclaimed here, the shared flags are listed under the entry point.
+    from absl import flags
+
+    flags.disclaim_key_flags()
 
 
 def explicit_config_overrides() -> dict[str, object]:

@@ -83,6 +83,40 @@ def test_short_flags_are_aliases_of_the_config_fields(trained_memory):
     assert len(errors) == 1 and "--batch_size=8 disagrees with" in errors[0], result.stderr
 
 
+def test_a_full_train_main_command_line_plans_the_same(trained_memory, tmp_path):
+    """train_main's flags that say where and how it runs, not what step (--workdir, the
+    process flags, --peak_tflops), are accepted and change nothing: the pasted command line
+    plans byte for byte what the run recorded."""
+    where = [
+        f"--workdir={tmp_path / 'run'}",
+        "--peak_tflops=100",
+        "--coordinator_address=localhost:1234",
+        "--num_processes=1",
+        "--process_id=0",
+    ]
+    plan = _plan([*RUN_FLAGS, *TRAIN_ONLY, *where])
+    for key, value in trained_memory.items():
+        assert plan[key] == value, (key, plan[key], value)
+
+
+def test_init_from_plans_the_checkpoints_model(trained_memory, tmp_path):
+    """--init_from=HF_DIR plans the architecture in HF_DIR's config.json (as train_main builds
+    it), not the config's: a checkpoint of configs/tiny.py's model with 2 layers plans exactly
+    as the config describing that model, and not as the config's own model."""
+    from chat_fixtures import write_tiny_checkpoint
+
+    # configs/tiny.py's model section but for its layers (and the fixture's vocab of 384).
+    shapes = dict(hidden_dim=128, num_heads=8, num_kv_heads=4, head_dim=16, ffn_dim=384)
+    checkpoint = str(tmp_path / "hf")
+    write_tiny_checkpoint(checkpoint, **shapes, max_seq_len=256, num_layers=2)
+    started = _plan([*RUN_FLAGS, f"--init_from={checkpoint}", f"--workdir={tmp_path / 'run'}"])
+    described = _plan([*RUN_FLAGS, "--config.model.num_layers=2", "--config.model.vocab_size=384"])
+    for key, value in described.items():
+        if key != "compile_seconds":
+            assert started[key] == value, (key, started[key], value)
+    assert started["argument_bytes"] < trained_memory["argument_bytes"]
+
+
 def test_abstract_and_concrete_builds_compile_the_same_program():
     """In process: the planner's abstract build and train_main's concrete one, lowered on a
     batch from the data pipeline, give the same optimized HLO."""
