@@ -138,7 +138,7 @@ def define_run_flags(strategy_extra: str = "", *, planning: bool = False) -> Run
 
     _attribute_flags_to_caller()
     plan_note = _PLAN_ACCEPTS if planning else ""
-    config = _define_config_flag()
+    config = define_config_flag()
     strategy = strategy_flag(f"{strategy_extra}; default: config.training.sharding_strategy.")
     mesh_shape = mesh_shape_flag("config.training.mesh_shape or the strategy's rule")
     attention = attention_flag("config.model.attention_impl")
@@ -245,23 +245,21 @@ def config_file_given() -> bool:
     return any(a.startswith("--config=") for a in sys.argv[1:])
 
 
-def load_run_config(run_flags: RunFlags, raw: dict | None = None, *, notes: list | None = None):
-    """The typed run config: the config file (or `raw`, a config dict the caller built, with
-    the command line's `--config.*` overrides applied), with the run flags folded in.
+def load_config(config_flag, *, notes: list | None = None):
+    """The typed run config of a `define_config_flag` holder: the config file with the
+    command line's `--config.*` overrides (a file that does not load: one line, exit 2).
 
     Its warnings are printed (process 0), or appended to `notes` for the caller to `warn`
     later: a run of several processes reads its config before `jax.distributed.initialize`
-    (which takes the config's timeouts), and nothing may ask for the process index before."""
+    (which takes the config's timeouts), and nothing may ask for the process index before.
+    A bad field raises ValueError (one line)."""
     from training.config import RunConfig
 
     try:
-        if raw is None:
-            # config_flags defers a failed load of the file to the first use of the config.
-            raw = run_flags.config.value
-            if hasattr(raw, "to_dict"):  # a get_config() returning another type is named
-                raw = raw.to_dict()
-        else:
-            raw = _with_overrides(raw, explicit_config_overrides())
+        # config_flags defers a failed load of the file to the first use of the config.
+        raw = config_flag.value
+        if hasattr(raw, "to_dict"):  # a get_config() returning another type is named
+            raw = raw.to_dict()
     except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
         usage_error(config_file_message(e))
     found: list[str] = []
@@ -270,6 +268,13 @@ def load_run_config(run_flags: RunFlags, raw: dict | None = None, *, notes: list
         warn(found)
     else:
         notes += found
+    return run
+
+
+def load_run_config(run_flags: RunFlags, *, notes: list | None = None):
+    """`load_config` with the run flags (--sharding_strategy, --mesh_shape, --attention_impl)
+    folded in."""
+    run = load_config(run_flags.config, notes=notes)
     replace = dataclasses.replace
     if run_flags.sharding_strategy.value is not None:
         run = replace(
@@ -283,17 +288,6 @@ def load_run_config(run_flags: RunFlags, raw: dict | None = None, *, notes: list
     return run
 
 
-def _with_overrides(raw: dict, overrides: dict[str, object]) -> dict:
-    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for path, value in overrides.items():
-        *sections, field = path.split(".")
-        node = raw
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[field] = value
-    return raw
-
-
 def _resolve_config_path(value: str) -> str:
     """`~` expanded (the shell does not, after `=`); a shipped config found by name (`tiny`,
     `llama3_8b`) or by the checkout path the docs use (`configs/tiny.py`) from any directory,
@@ -303,10 +297,18 @@ def _resolve_config_path(value: str) -> str:
     return config_path(value)
 
 
-def _define_config_flag():
+_CONFIG_HELP = (
+    "Run config: a configs/*.py file (a get_config() module), or a shipped config's name "
+    "(tiny, small, llama3_1b, llama3_8b)."
+)
+
+
+def define_config_flag(default: str | None = DEFAULT_CONFIG, help_text: str = _CONFIG_HELP):
+    """--config, and its `--config.<section>.<field>=value` overrides (ml_collections)."""
     from absl import flags
     from ml_collections import config_flags
 
+    _attribute_flags_to_caller()
     # config_flags applies `--config.<path>=value` overrides while defining the flag (it reads
     # sys.argv), so a misspelt field raises here, before absl parses anything.
     sys.argv[1:] = [
@@ -316,13 +318,7 @@ def _define_config_flag():
     if "config" in flags.FLAGS:
         return flags.FLAGS["config"]
     try:
-        return config_flags.DEFINE_config_file(
-            "config",
-            DEFAULT_CONFIG,
-            "Run config: a configs/*.py file (a get_config() module), or a shipped config's "
-            "name (tiny, small, llama3_1b, llama3_8b).",
-            lock_config=True,
-        )
+        return config_flags.DEFINE_config_file("config", default, help_text, lock_config=True)
     except Exception as e:  # noqa: BLE001 -- a misspelt override, or any error in the file
         usage_error(_unknown_field_message(e) or config_file_message(e))
 
