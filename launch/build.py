@@ -185,14 +185,6 @@ def check_attention(model_cfg, mesh, seq_len: int) -> str:
     )
 
 
-def abstract_model(model_cfg, strategy, mesh):
-    """The model as shapes in `strategy`'s layout on `mesh` (nothing allocated); `model_cfg`
-    as given (callers fit the vocab first when they need it padded)."""
-    cls = model_class(model_cfg)
-    with jax.set_mesh(mesh):
-        return nnx.eval_shape(lambda: cls(model_cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0)))
-
-
 def on_mesh(tree, mesh):
     """Abstract leaves (typed on the abstract mesh of the trace) -> ShapeDtypeStructs with
     `NamedSharding`s on `mesh`, which is what `.lower` needs to compile for its devices."""
