@@ -1,10 +1,13 @@
-"""The command line every entry point shares, written once: the start-up preamble, the run
-config flags (`--config`, `--config.<section>.<field>=value`, `--sharding_strategy`,
-`--mesh_shape`, `--attention_impl`), flag parsing, and the one-line usage error (exit 2).
+"""The command line every entry point shares, written once: the start-up preamble (with the
+simulated CPU devices a flag asks for), the run flags (`--config`,
+`--config.<section>.<field>=value`, `--sharding_strategy`, `--mesh_shape`, `--attention_impl`,
+`--workdir`, `--init_from`, `--peak_tflops`, the process flags), flag parsing, and the
+one-line usage error (exit 2).
 
-train_main and plan_main define the same run flags here, so plan_main plans exactly the run
-train_main would start from the same command line. Import this module, and call `preamble()`,
-before anything imports jax.
+train_main and plan_main define the same run flags here (`define_run_flags`), so a train_main
+command line, pasted into plan_main, plans exactly the run it would start; eval_main and
+explain_main take the flags they share from here too. Import this module, and call
+`preamble()`, before anything imports jax.
 """
 
 from __future__ import annotations
