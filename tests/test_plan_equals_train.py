@@ -100,21 +100,25 @@ def test_a_full_train_main_command_line_plans_the_same(trained_memory, tmp_path)
 
 
 def test_init_from_plans_the_checkpoints_model(trained_memory, tmp_path):
-    """--init_from=HF_DIR plans the architecture in HF_DIR's config.json (as train_main builds
-    it), not the config's: a checkpoint of configs/tiny.py's model with 2 layers plans exactly
-    as the config describing that model, and not as the config's own model."""
-    from chat_fixtures import write_tiny_checkpoint
+    """--init_from=HF_DIR plans the architecture in HF_DIR's config.json, as train_main builds
+    it, over the config's model section: a save_pretrained checkpoint of configs/tiny.py's
+    model, given with a config that says 2 layers instead of its 4, plans byte for byte what
+    the 4-layer run recorded."""
+    from _train_helpers import run_config
+    from flax import nnx
 
-    # configs/tiny.py's model section but for its layers (and the fixture's vocab of 384).
-    shapes = dict(hidden_dim=128, num_heads=8, num_kv_heads=4, head_dim=16, ffn_dim=384)
-    checkpoint = str(tmp_path / "hf")
-    write_tiny_checkpoint(checkpoint, **shapes, max_seq_len=256, num_layers=2)
-    started = _plan([*RUN_FLAGS, f"--init_from={checkpoint}", f"--workdir={tmp_path / 'run'}"])
-    described = _plan([*RUN_FLAGS, "--config.model.num_layers=2", "--config.model.vocab_size=384"])
-    for key, value in described.items():
-        if key != "compile_seconds":
-            assert started[key] == value, (key, started[key], value)
-    assert started["argument_bytes"] < trained_memory["argument_bytes"]
+    from shardings import get_strategy
+    from zoo import create_model, save_pretrained
+
+    strategy = get_strategy("dp")
+    mesh = strategy.make_mesh(devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        model = create_model(run_config({}).model.decoder_config(), strategy, rngs=nnx.Rngs(0))
+        save_pretrained(model, str(tmp_path / "hf"))
+    flags = [*RUN_FLAGS, "--config.model.num_layers=2", f"--init_from={tmp_path / 'hf'}"]
+    plan = _plan([*flags, f"--workdir={tmp_path / 'run'}"])
+    for key, value in trained_memory.items():
+        assert plan[key] == value, (key, plan[key], value)
 
 
 def test_abstract_and_concrete_builds_compile_the_same_program():
