@@ -34,14 +34,9 @@ cli.preamble()
 
 from absl import flags  # noqa: E402
 
-from shardings import STRATEGIES  # noqa: E402
-from zoo.layers.attention import IMPLEMENTATIONS  # noqa: E402
-
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints/ and eval.json).")
-_STRATEGY = flags.DEFINE_string(
-    "sharding_strategy", None, f"{' | '.join(STRATEGIES)}; default: the run's."
-)
-_MESH_SHAPE = flags.DEFINE_string("mesh_shape", None, "e.g. data:8; default: the strategy's rule.")
+_STRATEGY = cli.strategy_flag("; default: the run's.")
+_MESH_SHAPE = cli.mesh_shape_flag("the strategy's rule")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest complete one.")
 _DATA = flags.DEFINE_string(
     "data", None, "Held-out data (path / dir / glob; all of it); default: the run's validation."
@@ -52,12 +47,7 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per row; default: the r
 _TOKENIZER = flags.DEFINE_string(
     "tokenizer", None, "'byte', tokenizer.json or .model; default: the run's (or the HF dir's)."
 )
-_ATTENTION = flags.DEFINE_enum(
-    "attention_impl",
-    None,
-    list(IMPLEMENTATIONS),
-    "Attention backend; default: the run's. A backend that cannot run here is an error.",
-)
+_ATTENTION = cli.attention_flag("the run's")
 _LOSS_CHUNK = flags.DEFINE_integer(
     "loss_chunk_size", None, "Tokens per device per LM-head+loss chunk (0: full logits)."
 )

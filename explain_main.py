@@ -10,43 +10,26 @@
 preset's sizes (configs/tiny.py trains a larger model than the `tiny` preset).
 
 Layouts come from the declarations alone (nothing is allocated), so real sizes are fine on a
-laptop; `--collectives` also compiles one forward+backward pass on the simulated devices
-(small models only).
+laptop; `--collectives` also compiles train_main's step (launch.build, from abstract state) on
+the simulated devices and counts the collectives in it (a large model compiles slowly).
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import pathlib
-import sys
 
 from launch import cli
 
-
-def _simulate_devices() -> None:
-    # Simulated devices must be requested before jax starts, and a --config file imports jax
-    # while the flags are parsed: read --devices from the command line first.
-    count = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--devices=")), "8")
-    if count.isdigit():
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-        )
-
-
-_simulate_devices()
+# Simulated devices must be asked for before jax starts.
+cli.simulate_cpu_devices("devices", default="8")
 cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
 
 from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-from configs.locate import resolve_argv  # noqa: E402
-
-# config_flags loads the file while defining the flag: a shipped config by name (`tiny`) or
-# by its checkout path from any directory (configs/locate.py), as train_main takes it.
-sys.argv[1:] = resolve_argv(sys.argv[1:])
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "A run config file (as train_main.py's); its model section wins over --model."
+_CONFIG = cli.define_config_flag(
+    None, "A run config file (as train_main.py's); its model section wins over --model."
 )
 _STRATEGIES = flags.DEFINE_list("strategies", None, "strategies; default: all of them")
 _DEVICES = flags.DEFINE_integer("devices", 8, "simulated devices, when running on CPU")
@@ -57,14 +40,16 @@ _SLICES = flags.DEFINE_integer(
     "slices", 1, "slices the devices stand for (the default `replica` size of hsdp / hsdp_tp)"
 )
 _COLLECTIVES = flags.DEFINE_bool(
-    "collectives", False, "also compile forward+backward and count collectives"
+    "collectives", False, "also compile train_main's step and count its collectives"
 )
 
 
 def main(argv):
     cli.no_arguments(argv)
+    cli.quiet_logging()
     import jax
 
+    from launch.build import model_config
     from shardings import STRATEGIES, get_strategy
     from shardings.explain import (
         count_collectives,
@@ -73,21 +58,15 @@ def main(argv):
         layout_table,
     )
     from shardings.hlo import dot_dtypes
+    from training.config import RunConfig
     from zoo import get_config, param_layouts
 
-    config = None
-    if _CONFIG.value is not None:
-        try:
-            config = _CONFIG.value
-            hasattr(config, "to_dict")  # a file that failed to load raises at the first use
-        except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
-            cli.usage_error(cli.config_file_message(e))
     try:
-        if config is not None:
-            from training.config import RunConfig
-
-            cfg = RunConfig.from_config_dict(config).model.decoder_config()
+        if _CONFIG.value is not None:
+            run = cli.load_config(_CONFIG, notes=[])  # its notes are about training
+            cfg = model_config(run)
         else:
+            run = RunConfig.from_config_dict({})
             cfg = get_config(_MODEL.value)
         strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]
     except (ValueError, OSError) as e:
@@ -112,9 +91,9 @@ def main(argv):
     print(layout_table({s.name: param_layouts(cfg, s) for s in strategies}))
     if _COLLECTIVES.value:
         print()
-        print("collectives of one forward+backward pass (dcn: crosses slices)")
+        print("collectives of one train step (dcn: crosses slices)")
         for s in strategies:
-            text, slice_of = _compiled_text(cfg, s)
+            text, slice_of = _compiled_text(run, cfg, s)
             by_link = count_collectives_by_link(text, slice_of)
             dcn = {op: n for (op, link), n in by_link.items() if link == "dcn"}
             total = {k: v for k, v in count_collectives(text).items() if v}
@@ -122,30 +101,28 @@ def main(argv):
             print(f"  matmuls by operand dtypes: {dict(sorted(dot_dtypes(text).items()))}")
 
 
-def _compiled_text(cfg, strategy):
+def _compiled_text(run, cfg, strategy):
+    """(optimized HLO, slice of each device) of train_main's step (launch.build, abstract:
+    nothing allocated) for `cfg` under `strategy` on its default mesh, two rows per batch
+    shard of 64 tokens, no micro-batches."""
     import jax
-    import numpy as np
-    from flax import nnx
 
+    from launch.build import build
     from shardings.hybrid import partition_slices
     from shardings.specs import split_size
-    from zoo import create_model
-    from zoo.loss import lm_loss
 
     shape = strategy.default_mesh_shape(jax.device_count(), cfg, num_slices=_SLICES.value)
     mesh = strategy.make_mesh(shape=shape, config=cfg)
-    with jax.set_mesh(mesh):
-        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
-        B = split_size(strategy.batch_spec(), 0, mesh.shape) * 2
-        tokens = jax.device_put(np.zeros((B, 64), np.int32), strategy.batch_spec())
-
-        def loss(model, tokens):
-            logits = model(tokens, segment_ids=tokens + 1, positions=tokens)
-            return lm_loss(logits, tokens, tokens + 1)[0]
-
-        graphdef, state = nnx.split(model)
-        fn = jax.jit(lambda s, t: jax.grad(lambda s: loss(nnx.merge(graphdef, s), t))(s))
-        return fn.lower(state, tokens).compile().as_text(), partition_slices(mesh)
+    rows = split_size(strategy.batch_spec(), 0, mesh.shape) * 2
+    replace = dataclasses.replace
+    run = replace(
+        run,
+        training=replace(run.training, sharding_strategy=strategy.name, mesh_shape=""),
+        data=replace(run.data, global_batch_size=rows, seq_len=64),
+        optimizer=replace(run.optimizer, micro_batches=1),
+    )
+    compiled, _ = build(run, mesh, abstract=True, model_cfg=cfg).compile()
+    return compiled.as_text(), partition_slices(mesh)
 
 
 if __name__ == "__main__":

@@ -18,35 +18,25 @@ fits. Bad input, or a model that fits nowhere, exits 2 with one line on stderr.
 
 from __future__ import annotations
 
-import os
-import sys
-
 from launch import cli
 
-
-def _simulate_cpu_devices() -> None:
-    # `--topology=cpu:N` needs N host devices, which XLA creates when jax starts.
-    for arg in sys.argv[1:]:
-        if arg.startswith("--topology=cpu:") and arg.split(":", 1)[1].isdigit():
-            count = arg.split(":", 1)[1]
-            os.environ["XLA_FLAGS"] = (
-                os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-            )
-
-
-_simulate_cpu_devices()
+# `--topology=cpu:N` needs N host devices, which XLA creates when jax starts.
+cli.simulate_cpu_devices(
+    "topology", lambda t: t.partition(":")[2] if t.startswith("cpu:") else None
+)
 # Plans never run on this host's accelerator; the CPU flags are train_main's, so a `cpu:N`
 # plan compiles the very program train_main runs.
 cli.preamble(huge_pages=False, cpu_only=True)
 
 from absl import flags  # noqa: E402
 
+from planning.targets import EXAMPLES  # noqa: E402
 from zoo.layers.remat import POLICIES  # noqa: E402
 
-RUN = cli.define_run_flags(" | a comma list | all | auto (pick the best)")
+RUN = cli.define_run_flags(" | a comma list | all | auto (pick the best)", planning=True)
 _MODEL = flags.DEFINE_string("model", None, "A model preset (zoo.get_config), instead of --config.")
 _TOPOLOGY = flags.DEFINE_string(
-    "topology", None, "Target: v5p:2x2x2, v5p:4x4x4, v6e:4x4, v5e:2x4, h100:8, h100:2x8, cpu:8."
+    "topology", None, f"Target: {', '.join(EXAMPLES)}, or cpu:N (this host's CPU devices)."
 )
 _BATCH = flags.DEFINE_integer("batch_size", None, "Alias of --config.data.global_batch_size.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Alias of --config.data.seq_len.")
@@ -76,12 +66,16 @@ def main(argv):
     cli.quiet_logging()
     if not _TOPOLOGY.value:
         cli.usage_error("--topology is required, e.g. --topology=v5p:2x2x2 or --topology=h100:8")
+    from checkpoint.workdir import expand
     from planning import cli as planner
 
-    try:
-        config = None
-        if not _MODEL.value or cli.config_file_given():
+    config = None
+    if not _MODEL.value or cli.config_file_given():
+        try:  # config_flags defers a failed load of the file to the first use of the config
             config = RUN.config.value.to_dict()
+        except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
+            cli.usage_error(cli.config_file_message(e))
+    try:
         request = planner.Request(
             topology=_TOPOLOGY.value,
             config=config,
@@ -98,11 +92,10 @@ def main(argv):
             memory_gib=_MEMORY.value,
             max_compiles=_MAX_COMPILES.value,
             moe_load_from=_MOE_LOAD.value,
+            init_from=expand(RUN.init_from.value) if RUN.init_from.value else None,
         )
         output = planner.plan(request, as_json=_JSON.value)
-    except OSError as e:  # the config file
-        cli.usage_error(cli.config_file_message(e))
-    except ValueError as e:  # bad input, or nothing fits (planning.search.NoFit)
+    except (ValueError, OSError) as e:  # bad input (--init_from's too), or nothing fits
         cli.usage_error(cli.device_hint(e))
     print(output, flush=True)
 

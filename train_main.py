@@ -11,6 +11,7 @@ mesh, data path or config ends with exit status 2 and one line on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -18,21 +19,7 @@ from launch import cli
 
 cli.preamble()
 
-from absl import flags  # noqa: E402
-
 RUN = cli.define_run_flags(" | auto (the fastest that fits, planning/)")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default ./runs/<config name>.")
-_PEAK_TFLOPS = flags.DEFINE_float(
-    "peak_tflops", None, "Peak TFLOP/s per device for MFU; default: table, or measured on CPU."
-)
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0, for several processes."
-)
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
-_INIT_FROM = flags.DEFINE_string(
-    "init_from", None, "A Hugging Face checkpoint directory to start from (zoo.from_pretrained)."
-)
 
 
 def main(argv):
@@ -51,8 +38,8 @@ def main(argv):
 
 
 def _train():
-    import dataclasses
-
+    # Orbax, Grain and the model load once the flags are good: --help and a bad flag answer
+    # without them.
     from checkpoint import write_errors
     from checkpoint.workdir import expand, hold
     from launch import session
@@ -66,25 +53,27 @@ def _train():
         notes = []
         run = cli.load_run_config(RUN, notes=notes)
         timeout = run.training.peer_timeout_seconds
+        address = RUN.coordinator_address.value
         distributed.initialize(
-            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, peer_timeout_s=timeout
+            address, RUN.num_processes.value, RUN.process_id.value, peer_timeout_s=timeout
         )
         cli.warn(notes)
-        coordinator = _COORDINATOR.value.rsplit(":", 1)[0] if _COORDINATOR.value else None
+        coordinator = address.rsplit(":", 1)[0] if address else None
         watch = peers.start(timeout, coordinator)
-        if _PEAK_TFLOPS.value is not None:
-            logging = dataclasses.replace(run.logging, peak_tflops=_PEAK_TFLOPS.value)
+        if RUN.peak_tflops.value is not None:
+            logging = dataclasses.replace(run.logging, peak_tflops=RUN.peak_tflops.value)
             run = dataclasses.replace(run, logging=logging)
+        init_from = expand(RUN.init_from.value) if RUN.init_from.value else None
         if run.training.sharding_strategy == "auto":
             from planning.cli import resolve_auto
 
-            run = resolve_auto(run)  # compiles candidates on these devices; picks, says why
-        workdir = expand(_WORKDIR.value or os.path.join("runs", run.name))
+            # Compiles candidates of the model it starts from on these devices; says why.
+            run = resolve_auto(run, init_from=init_from)
+        workdir = expand(RUN.workdir.value or os.path.join("runs", run.name))
         if watch is not None:
             watch.describe = session.saved_note(workdir, run.checkpoint.enabled)
         # Checked writable (checkpoints/ too), no history to overwrite, held until exit.
         lock = hold(workdir, checkpoints=run.checkpoint.enabled)
-        init_from = expand(_INIT_FROM.value) if _INIT_FROM.value else None
         prepared = session.prepare(run, workdir, init_from=init_from)
         session.resume(prepared)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:

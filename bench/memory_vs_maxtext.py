@@ -12,10 +12,11 @@ not fit").
 
 MaxText's figures (`MAXTEXT`): maxtext 0.2.5 `train_compile`, jax 0.12 with libtpu 0.0.52,
 model_name=llama3.1-8b compile_topology=v5p-16 (8 chips) per_device_batch_size=N
-max_target_length=2048 remat_policy=full attention=flash (the command in
-/work/shared/JAX_NOTES.md, "Newer versions and peers"), as issue 26 records them; 52 rows was
-the largest that fit there. The libtpu under test is printed with the table: the same step
-takes less HBM on newer libtpu (JAX_NOTES), so compare rows from the same version.
+max_target_length=2048 remat_policy=full attention=flash (the command the project's JAX notes,
+kept outside this repository, record under "Newer versions and peers"), as issue 26 records
+them; 52 rows was the largest that fit there. The libtpu under test is printed with the table:
+the same step takes less HBM on newer libtpu (issue 26's table), so compare rows from the same
+version.
 """
 
 from __future__ import annotations

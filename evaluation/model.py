@@ -11,11 +11,11 @@ from flax import nnx
 
 from checkpoint.manager import restore_params
 from evaluation.settings import EvalSettings, run_config
-from launch.build import abstract_model, check_attention, check_positions
+from launch.build import check_attention, check_positions
 from shardings import get_strategy
 from training import finetune
 from zoo import create_model, from_pretrained
-from zoo.build import check_model_fits, fit_vocab
+from zoo.build import abstract_model
 from zoo.hf_io import read_config
 from zoo.registry import config_types
 
@@ -74,8 +74,6 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     check_positions(cfg, settings.seq_len, "--seq_len")
     # The run's padded vocab (if any) where it divides this mesh's split, else padded anew
     # (restore_params then pads or cuts the rows that hold no token).
-    cfg = fit_vocab(cfg, strategy, mesh)
-    check_model_fits(cfg, strategy, mesh)
     with jax.set_mesh(mesh):
         # Shapes only: the checkpoint's arrays are read straight into the layout, so the model
         # is never initialised (and never held twice).

@@ -128,8 +128,38 @@ def runtime_overrides(model: ModelSection) -> dict:
         remat=model.remat,
         attention_impl=model.attention_impl,
         attention_interpret=model.attention_interpret,
+        moe_exchange=model.moe_exchange,
+        moe_capacity_factor=model.moe_capacity_factor,
+        pipeline_microbatches=model.pipeline_microbatches,
+        pipeline_repeats=model.pipeline_repeats,
         quantization=model.quantization,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointModelSection(ModelSection):
+    """A model section whose architecture is a Hugging Face checkpoint's (`init_from`, its
+    config.json): `decoder_config()` builds that, with this section's runtime choices
+    (`runtime_overrides`) on top; the section's preset and shape fields are not used."""
+
+    init_from: str = ""
+
+    def decoder_config(self):
+        return read_config(self.init_from, **runtime_overrides(self))
+
+
+def starting_from(run: RunConfig, init_from: str | None) -> RunConfig:
+    """`run` as it starts from the checkpoint directory `init_from` (None: `run`): its model
+    section builds the checkpoint's architecture, so code that reads the model from the run
+    config (the planner, `auto`) sees the model train_main builds."""
+    if init_from is None:
+        return run
+    if not os.path.isdir(init_from):
+        raise FileNotFoundError(f"--init_from={init_from!r} is not a directory")
+    section = {f.name: getattr(run.model, f.name) for f in dataclasses.fields(ModelSection)}
+    model = CheckpointModelSection(**section, init_from=init_from)
+    model.decoder_config()  # an unreadable config.json fails here, in one line
+    return dataclasses.replace(run, model=model)
 
 
 def check_positions(model_cfg, length: int, what: str) -> None:
@@ -155,14 +185,6 @@ def check_attention(model_cfg, mesh, seq_len: int) -> str:
     )
 
 
-def abstract_model(model_cfg, strategy, mesh):
-    """The model as shapes in `strategy`'s layout on `mesh` (nothing allocated); `model_cfg`
-    as given (callers fit the vocab first when they need it padded)."""
-    cls = model_class(model_cfg)
-    with jax.set_mesh(mesh):
-        return nnx.eval_shape(lambda: cls(model_cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0)))
-
-
 def on_mesh(tree, mesh):
     """Abstract leaves (typed on the abstract mesh of the trace) -> ShapeDtypeStructs with
     `NamedSharding`s on `mesh`, which is what `.lower` needs to compile for its devices."""
@@ -180,11 +202,7 @@ def model_config(run: RunConfig, init_from: str | None = None, model_cfg=None):
     `init_from` (the run's runtime choices on top), else the run's model section."""
     if model_cfg is not None:
         return model_cfg
-    if init_from is None:
-        return run.model.decoder_config()
-    if not os.path.isdir(init_from):
-        raise FileNotFoundError(f"--init_from={init_from!r} is not a directory")
-    return read_config(init_from, **runtime_overrides(run.model))
+    return starting_from(run, init_from).model.decoder_config()
 
 
 def build(

@@ -1,10 +1,13 @@
-"""The command line every entry point shares, written once: the start-up preamble, the run
-config flags (`--config`, `--config.<section>.<field>=value`, `--sharding_strategy`,
-`--mesh_shape`, `--attention_impl`), flag parsing, and the one-line usage error (exit 2).
+"""The command line every entry point shares, written once: the start-up preamble (with the
+simulated CPU devices a flag asks for), the run flags (`--config`,
+`--config.<section>.<field>=value`, `--sharding_strategy`, `--mesh_shape`, `--attention_impl`,
+`--workdir`, `--init_from`, `--peak_tflops`, the process flags), flag parsing, and the
+one-line usage error (exit 2).
 
-train_main and plan_main define the same run flags here, so plan_main plans exactly the run
-train_main would start from the same command line. Import this module, and call `preamble()`,
-before anything imports jax.
+train_main and plan_main define the same run flags here (`define_run_flags`), so a train_main
+command line, pasted into plan_main, plans exactly the run it would start; eval_main and
+explain_main take the flags they share from here too. Import this module, and call
+`preamble()`, before anything imports jax.
 """
 
 from __future__ import annotations
@@ -39,6 +42,20 @@ def preamble(*, huge_pages: bool = True, cpu_flags: bool = True, cpu_only: bool 
     from runtime.host import import_jax_quietly
 
     import_jax_quietly()
+
+
+def simulate_cpu_devices(flag: str, count_of=lambda value: value, default=None) -> None:
+    """Before jax starts (XLA creates its host devices then, and a --config file may import
+    jax while the flags are parsed): ask XLA for the CPU devices that `--<flag>=VALUE` on the
+    command line names, `count_of(VALUE)` of them (None: none asked for). A value that is no
+    count is left for the flag parser to refuse."""
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(f"--{flag}=")]
+    value = given[-1] if given else default  # absl's rule: the last one wins
+    count = count_of(value) if value is not None else None
+    if count is not None and str(count).isdigit():
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+        )
 
 
 def usage_error(message) -> None:
@@ -99,36 +116,114 @@ def parse_flags(argv):
 
 @dataclasses.dataclass(frozen=True)
 class RunFlags:
+    """train_main's command line, which plan_main takes as well (absl flag holders)."""
+
     config: object  # the config_flags holder of the ConfigDict
     sharding_strategy: object
     mesh_shape: object
     attention_impl: object
+    workdir: object
+    init_from: object
+    peak_tflops: object
+    coordinator_address: object
+    num_processes: object
+    process_id: object
 
 
-def define_run_flags(strategy_extra: str = "") -> RunFlags:
-    """The flags that describe a run, for train_main and plan_main alike."""
+# What plan_main says of the flags that describe where and how train_main runs, not the step.
+_PLAN_ACCEPTS = " plan_main: accepted, so a train_main command line plans as is; no effect."
+
+
+def define_run_flags(strategy_extra: str = "", *, planning: bool = False) -> RunFlags:
+    """The flags that describe a run, for train_main and plan_main alike (`planning`: the help
+    says what each flag does to a plan)."""
+    from absl import flags
+
+    _attribute_flags_to_caller()
+    plan_note = _PLAN_ACCEPTS if planning else ""
+    config = define_config_flag()
+    strategy = strategy_flag(f"{strategy_extra}; default: config.training.sharding_strategy.")
+    mesh_shape = mesh_shape_flag("config.training.mesh_shape or the strategy's rule")
+    attention = attention_flag("config.model.attention_impl")
+    workdir = flags.DEFINE_string(
+        "workdir", None, "Run directory; default ./runs/<config name>." + plan_note
+    )
+    init_from = flags.DEFINE_string(
+        "init_from",
+        None,
+        "A Hugging Face checkpoint directory to start from (zoo.from_pretrained): its "
+        "config.json sets the model's architecture, the config's model section how it runs."
+        + (" plan_main plans that model." if planning else ""),
+    )
+    peak = flags.DEFINE_float(
+        "peak_tflops",
+        None,
+        "Peak TFLOP/s per device for MFU; default: table, or measured on CPU."
+        + (
+            " plan_main: accepted, no effect: a plan's MFU is against the target chip's "
+            "peak (planning/chips.py)."
+            if planning
+            else ""
+        ),
+    )
+    coordinator = flags.DEFINE_string(
+        "coordinator_address", None, "host:port of process 0, for several processes." + plan_note
+    )
+    num_processes = flags.DEFINE_integer("num_processes", None, "Processes in the run." + plan_note)
+    process_id = flags.DEFINE_integer("process_id", None, "This process's index." + plan_note)
+    return RunFlags(
+        config,
+        strategy,
+        mesh_shape,
+        attention,
+        workdir,
+        init_from,
+        peak,
+        coordinator,
+        num_processes,
+        process_id,
+    )
+
+
+def strategy_flag(tail: str):
+    """--sharding_strategy, its help listing shardings.STRATEGIES, then `tail`."""
     from absl import flags
 
     from shardings import STRATEGIES
+
+    _attribute_flags_to_caller()
+    return flags.DEFINE_string("sharding_strategy", None, f"{' | '.join(STRATEGIES)}{tail}")
+
+
+def mesh_shape_flag(default: str):
+    from absl import flags
+
+    _attribute_flags_to_caller()
+    return flags.DEFINE_string("mesh_shape", None, f"e.g. data:4,model:2; default: {default}.")
+
+
+def attention_flag(default: str):
+    """--attention_impl: one of the implementations the attention registry serves."""
+    from absl import flags
+
     from zoo.layers.attention import IMPLEMENTATIONS
 
-    config = _define_config_flag()
-    strategy = flags.DEFINE_string(
-        "sharding_strategy",
-        None,
-        f"{' | '.join(STRATEGIES)}{strategy_extra}; default: config.training.sharding_strategy.",
-    )
-    mesh_shape = flags.DEFINE_string(
-        "mesh_shape", None, "e.g. data:4,model:2; default: config.training.mesh_shape or the rule."
-    )
-    attention = flags.DEFINE_enum(
+    _attribute_flags_to_caller()
+    return flags.DEFINE_enum(
         "attention_impl",
         None,
         list(IMPLEMENTATIONS),
-        "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); "
-        "default: config.model.attention_impl.",
+        "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); default: "
+        f"{default}. A backend that cannot run here is an error.",
     )
-    return RunFlags(config, strategy, mesh_shape, attention)
+
+
+def _attribute_flags_to_caller() -> None:
+    # absl files a flag under the module that defined it, and an entry point's --help lists
+    # only its own: disclaimed here, the shared flags are listed under the entry point.
+    from absl import flags
+
+    flags.disclaim_key_flags()
 
 
 def explicit_config_overrides() -> dict[str, object]:
@@ -153,23 +248,21 @@ def config_file_given() -> bool:
     return any(a.startswith("--config=") for a in sys.argv[1:])
 
 
-def load_run_config(run_flags: RunFlags, raw: dict | None = None, *, notes: list | None = None):
-    """The typed run config: the config file (or `raw`, a config dict the caller built, with
-    the command line's `--config.*` overrides applied), with the run flags folded in.
+def load_config(config_flag, *, notes: list | None = None):
+    """The typed run config of a `define_config_flag` holder: the config file with the
+    command line's `--config.*` overrides (a file that does not load: one line, exit 2).
 
     Its warnings are printed (process 0), or appended to `notes` for the caller to `warn`
     later: a run of several processes reads its config before `jax.distributed.initialize`
-    (which takes the config's timeouts), and nothing may ask for the process index before."""
+    (which takes the config's timeouts), and nothing may ask for the process index before.
+    A bad field raises ValueError (one line)."""
     from training.config import RunConfig
 
     try:
-        if raw is None:
-            # config_flags defers a failed load of the file to the first use of the config.
-            raw = run_flags.config.value
-            if hasattr(raw, "to_dict"):  # a get_config() returning another type is named
-                raw = raw.to_dict()
-        else:
-            raw = _with_overrides(raw, explicit_config_overrides())
+        # config_flags defers a failed load of the file to the first use of the config.
+        raw = config_flag.value
+        if hasattr(raw, "to_dict"):  # a get_config() returning another type is named
+            raw = raw.to_dict()
     except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
         usage_error(config_file_message(e))
     found: list[str] = []
@@ -178,6 +271,13 @@ def load_run_config(run_flags: RunFlags, raw: dict | None = None, *, notes: list
         warn(found)
     else:
         notes += found
+    return run
+
+
+def load_run_config(run_flags: RunFlags, *, notes: list | None = None):
+    """`load_config` with the run flags (--sharding_strategy, --mesh_shape, --attention_impl)
+    folded in."""
+    run = load_config(run_flags.config, notes=notes)
     replace = dataclasses.replace
     if run_flags.sharding_strategy.value is not None:
         run = replace(
@@ -191,17 +291,6 @@ def load_run_config(run_flags: RunFlags, raw: dict | None = None, *, notes: list
     return run
 
 
-def _with_overrides(raw: dict, overrides: dict[str, object]) -> dict:
-    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for path, value in overrides.items():
-        *sections, field = path.split(".")
-        node = raw
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[field] = value
-    return raw
-
-
 def _resolve_config_path(value: str) -> str:
     """`~` expanded (the shell does not, after `=`); a shipped config found by name (`tiny`,
     `llama3_8b`) or by the checkout path the docs use (`configs/tiny.py`) from any directory,
@@ -211,10 +300,18 @@ def _resolve_config_path(value: str) -> str:
     return config_path(value)
 
 
-def _define_config_flag():
+_CONFIG_HELP = (
+    "Run config: a configs/*.py file (a get_config() module), or a shipped config's name "
+    "(tiny, small, llama3_1b, llama3_8b)."
+)
+
+
+def define_config_flag(default: str | None = DEFAULT_CONFIG, help_text: str = _CONFIG_HELP):
+    """--config, and its `--config.<section>.<field>=value` overrides (ml_collections)."""
     from absl import flags
     from ml_collections import config_flags
 
+    _attribute_flags_to_caller()
     # config_flags applies `--config.<path>=value` overrides while defining the flag (it reads
     # sys.argv), so a misspelt field raises here, before absl parses anything.
     sys.argv[1:] = [
@@ -224,13 +321,7 @@ def _define_config_flag():
     if "config" in flags.FLAGS:
         return flags.FLAGS["config"]
     try:
-        return config_flags.DEFINE_config_file(
-            "config",
-            DEFAULT_CONFIG,
-            "Run config: a configs/*.py file (a get_config() module), or a shipped config's "
-            "name (tiny, small, llama3_1b, llama3_8b).",
-            lock_config=True,
-        )
+        return config_flags.DEFINE_config_file("config", default, help_text, lock_config=True)
     except Exception as e:  # noqa: BLE001 -- a misspelt override, or any error in the file
         usage_error(_unknown_field_message(e) or config_file_message(e))
 

@@ -10,6 +10,7 @@ import json
 
 import jax
 
+from launch.build import starting_from
 from planning.chips import chip_for, chip_name_for
 from planning.compile import Target, make_target, run_for
 from planning.moe import load_from_run, load_summary
@@ -53,6 +54,8 @@ class Request:
     memory_gib: float | None = None
     max_compiles: int = 16
     moe_load_from: str | None = None  # a run's workdir: its router load (planning.moe)
+    # train_main's --init_from: the model is this Hugging Face checkpoint's architecture.
+    init_from: str | None = None
 
 
 # Short flag -> the config field it stands for.
@@ -108,7 +111,12 @@ def load_run(request: Request, num_devices: int):
         _set(raw, path, value)
     config_k = int((raw.get("optimizer") or {}).get("micro_batches", 1))
     _set(raw, "optimizer.micro_batches", 1)
-    run = RunConfig.from_config_dict(raw)
+    if request.model and request.init_from:
+        raise ValueError(
+            "--init_from sets the model, and so does --model: give one of them (with "
+            "--init_from, give train_main's --config)"
+        )
+    run = starting_from(RunConfig.from_config_dict(raw), request.init_from)
     run.model.decoder_config()  # an unknown preset fails here, with the valid ones
     return run, config_k
 
@@ -236,16 +244,18 @@ def plan(request: Request, as_json: bool = False) -> str:
     return text.strip("\n")
 
 
-def resolve_auto(run, log=print):
+def resolve_auto(run, log=print, init_from: str | None = None):
     """`train_main --sharding_strategy=auto`: the run config with the pick's strategy, mesh,
-    remat and micro-batches, for this process's view of the run's devices (all of them).
-    Logs the one-line why; raises NoFitError (a ValueError) when nothing fits."""
+    remat and micro-batches, for this process's view of the run's devices (all of them), and
+    the model the run starts from (`init_from`'s architecture where given). Logs the one-line
+    why; raises NoFitError (a ValueError) when nothing fits."""
 
     if run.training.mesh_shape:  # it would be silently replaced by the pick's mesh
         raise ValueError(
             f"mesh shape {run.training.mesh_shape!r} cannot be combined with "
             "--sharding_strategy=auto, which chooses the mesh; name a strategy to set one"
         )
+    given, run = run, starting_from(run, init_from)
     devices = jax.devices()
     chip = chip_for(chip_name_for(devices[0]))
     target = Target(
@@ -265,4 +275,4 @@ def resolve_auto(run, log=print):
     if result.best is None:
         raise NoFitError(result.reason)
     log(result.reason)
-    return run_for(run, result.best.candidate)
+    return run_for(given, result.best.candidate)

@@ -28,7 +28,18 @@ _MAX_GPUS_PER_HOST = 8
 
 _TPU_NAME = re.compile(r"^(v\w+):(\d+(?:x\d+){1,2})$")
 _GPU_NAME = re.compile(r"^([a-z]\w*):(?:(\d+)x)?(\d+)$")
-_EXAMPLES = "v5p:2x2x2, v5p:4x4x4, v6e:4x4, v6e:2x4, v5e:2x4, h100:8, h200:8, h100:2x8"
+# Target names to show a user (plan_main's --topology help, these errors).
+EXAMPLES = (
+    "v5p:2x2x2",
+    "v5p:4x4x4",
+    "v6e:4x4",
+    "v6e:2x4",
+    "v5e:2x4",
+    "h100:8",
+    "h200:8",
+    "h100:2x8",
+)
+_EXAMPLES = ", ".join(EXAMPLES)
 _TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 
 

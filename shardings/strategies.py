@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from jax.sharding import PartitionSpec as P
 
 from shardings.hybrid import REPLICA
+from shardings.mesh import make_mesh
 from shardings.specs import (
     AttentionSharding,
     BlockSharding,
@@ -152,8 +153,6 @@ class Strategy:
     def make_mesh(self, shape=None, devices=None, config=None):
         """An explicit mesh over `devices` (default: all). Without `shape`, the default rule
         above, for `config` when given."""
-        from shardings.mesh import make_mesh
-
         return make_mesh(self, shape=shape, devices=devices, config=config)
 
 

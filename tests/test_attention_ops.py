@@ -255,6 +255,17 @@ def test_auto_picks_splash_on_tpu_cudnn_on_gpu_and_xla_elsewhere():
     assert resolve_implementation("splash", _call("cpu", interpret=True)) == "splash"
 
 
+def test_the_config_names_exactly_the_registered_backends_and_auto():
+    """ATTENTION_IMPLEMENTATIONS (what a config and --attention_impl accept) and the registry
+    (what runs) name the same backends: one registered but not nameable, or nameable but not
+    registered, fails here. `auto` picks registered backends only."""
+    from zoo.layers.config import ATTENTION_IMPLEMENTATIONS
+
+    assert len(set(ATTENTION_IMPLEMENTATIONS)) == len(ATTENTION_IMPLEMENTATIONS)
+    assert set(ATTENTION_IMPLEMENTATIONS) == {*registry.backend_names(), "auto"}
+    assert set(registry._AUTO.values()) <= set(registry.backend_names())
+
+
 def test_explicit_backend_that_cannot_run_says_why():
     msg = (
         "attention implementation 'cudnn' needs an NVIDIA GPU with cuDNN; "

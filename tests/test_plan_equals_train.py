@@ -83,6 +83,44 @@ def test_short_flags_are_aliases_of_the_config_fields(trained_memory):
     assert len(errors) == 1 and "--batch_size=8 disagrees with" in errors[0], result.stderr
 
 
+def test_a_full_train_main_command_line_plans_the_same(trained_memory, tmp_path):
+    """train_main's flags that say where and how it runs, not what step (--workdir, the
+    process flags, --peak_tflops), are accepted and change nothing: the pasted command line
+    plans byte for byte what the run recorded."""
+    where = [
+        f"--workdir={tmp_path / 'run'}",
+        "--peak_tflops=100",
+        "--coordinator_address=localhost:1234",
+        "--num_processes=1",
+        "--process_id=0",
+    ]
+    plan = _plan([*RUN_FLAGS, *TRAIN_ONLY, *where])
+    for key, value in trained_memory.items():
+        assert plan[key] == value, (key, plan[key], value)
+
+
+def test_init_from_plans_the_checkpoints_model(trained_memory, tmp_path):
+    """--init_from=HF_DIR plans the architecture in HF_DIR's config.json, as train_main builds
+    it, over the config's model section: a save_pretrained checkpoint of configs/tiny.py's
+    model, given with a config that says 2 layers instead of its 4, plans byte for byte what
+    the 4-layer run recorded."""
+    from _train_helpers import run_config
+    from flax import nnx
+
+    from shardings import get_strategy
+    from zoo import create_model, save_pretrained
+
+    strategy = get_strategy("dp")
+    mesh = strategy.make_mesh(devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        model = create_model(run_config({}).model.decoder_config(), strategy, rngs=nnx.Rngs(0))
+        save_pretrained(model, str(tmp_path / "hf"))
+    flags = [*RUN_FLAGS, "--config.model.num_layers=2", f"--init_from={tmp_path / 'hf'}"]
+    plan = _plan([*flags, f"--workdir={tmp_path / 'run'}"])
+    for key, value in trained_memory.items():
+        assert plan[key] == value, (key, plan[key], value)
+
+
 def test_abstract_and_concrete_builds_compile_the_same_program():
     """In process: the planner's abstract build and train_main's concrete one, lowered on a
     batch from the data pipeline, give the same optimized HLO."""

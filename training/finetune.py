@@ -12,7 +12,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax.numpy as jnp
 from flax import nnx
+
+from data.chat import ChatTemplate
+from zoo.layers.lora import add_lora, has_lora
+from zoo.layers.lora import trainable as trainable_kind
 
 
 def with_data_tokenizer(run, init_from: str | None):
@@ -29,8 +34,6 @@ def chat_template(run, tokenizer_spec: str):
     prompt/completion strings need none, a message-list record finds out when encoded)."""
     if run.data.format == "text":
         return None
-    from data.chat import ChatTemplate
-
     if tokenizer_spec == "byte":
         if run.data.format == "chat":
             raise ValueError(
@@ -52,8 +55,6 @@ def adapt(model, lora_section, seed: int = 0) -> list[str]:
     config = lora_section.lora_config()
     if config is None:
         return []
-    from zoo.layers.lora import add_lora
-
     return add_lora(model, config, nnx.Rngs(params=seed + 1, dropout=seed + 2))
 
 
@@ -67,18 +68,13 @@ def check_lora_run(run, init_from: str | None) -> None:
 
 
 def trainable(model):
-    from zoo.layers.lora import trainable as kind
-
-    return kind(model)
+    """The variable type the optimizer trains: the adapters' with LoRA, else nnx.Param."""
+    return trainable_kind(model)
 
 
 def freeze_base(model, dtype: str) -> None:
     """With adapters, the frozen base may be stored in bfloat16 (model.dtype=bfloat16):
     half the bytes, and no gradient or optimizer state of its own either way."""
-    import jax.numpy as jnp
-
-    from zoo.layers.lora import has_lora
-
     if dtype != "bfloat16" or not has_lora(model):
         return
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):

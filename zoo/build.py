@@ -21,6 +21,7 @@ __all__ = [
     "param_layouts",
     "fit_vocab",
     "check_model_fits",
+    "abstract_model",
     "create_model",
 ]
 
@@ -134,6 +135,19 @@ def check_model_fits(cfg: DecoderConfig, strategy, mesh) -> None:
     check_divisible(param_layouts(cfg, strategy), mesh, strategy.name)
     check_divisible(activation_layouts(cfg, strategy), mesh, strategy.name)
     pipeline.plan_for(cfg, strategy.lm_sharding(), mesh)  # stages, repeats, micro-batches
+
+
+def abstract_model(cfg: DecoderConfig, strategy, mesh):
+    """The model as shapes in `strategy`'s layout on `mesh`, nothing allocated: the vocab
+    padded where its split needs it (`fit_vocab`; the model's `cfg` then says so) and every
+    split checked (`check_model_fits`). For filling from files (a checkpoint, Hugging Face
+    tensors) straight into the layout, so the model is never initialised nor held twice."""
+    cfg = fit_vocab(cfg, strategy, mesh)
+    check_model_fits(cfg, strategy, mesh)
+    cls = model_class(cfg)
+    sharding = strategy.lm_sharding()
+    with jax.set_mesh(mesh):
+        return nnx.eval_shape(lambda: cls(cfg, sharding, rngs=nnx.Rngs(0)))
 
 
 def create_model(cfg: DecoderConfig, strategy, *, rngs: nnx.Rngs, mesh=None):

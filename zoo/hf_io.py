@@ -36,6 +36,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardings.strategies import get_strategy
+from zoo.build import abstract_model
 from zoo.hf_mapping import (
     CONFIG_FILE,
     Rule,
@@ -282,20 +284,13 @@ def from_pretrained(path: str, strategy, *, mesh=None, **overrides):
     Raises ValueError (one line) for an unsupported architecture or a checkpoint whose
     tensors are missing, misshapen or unexpected, before any device memory is used.
     """
-    from shardings.strategies import get_strategy
-    from zoo.build import check_model_fits, fit_vocab
-
     if isinstance(strategy, str):
         strategy = get_strategy(strategy)
     fam, cfg = family_and_config(path, overrides)
     mesh = _concrete_mesh(mesh)
-    cfg = fit_vocab(cfg, strategy, mesh)
-    check_model_fits(cfg, strategy, mesh)
+    abstract = abstract_model(cfg, strategy, mesh)
+    cfg = abstract.cfg  # the vocab padded for the split, where it needs that
     reader = CheckpointReader(path)
-    cls = fam.model_cls
-    sharding = strategy.lm_sharding()
-    with jax.set_mesh(mesh):
-        abstract = nnx.eval_shape(lambda: cls(cfg, sharding, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     for var_path, var in flat:

@@ -245,9 +245,6 @@ def check_field_types(config_cls, fields: dict, where: str) -> None:
     """ValueError (one line) for a config.json value of the wrong kind for our Config field it
     fills ("64" for an integer, null for a number, a non-finite float): the checks a
     dataclass does not make, so such values fail here and not deep in a layer's init."""
-    import dataclasses
-    import math
-
     kinds = {f.name: str(f.type).replace(" ", "") for f in dataclasses.fields(config_cls)}
     for name, value in fields.items():
         kind = kinds.get(name, "")

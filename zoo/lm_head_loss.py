@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardings.specs import axes_of, entry_size, normalize
+from shardings.specs import axes_of, entry_size, normalize, split_size
 
 
 def head_logits(
@@ -79,8 +79,8 @@ def drop_vocab_padding(logits_BTV, vocab_size: int):
         return logits_BTV
     sharding = jax.typeof(logits_BTV).sharding
     if not sharding.mesh.empty:
-        spec = (*tuple(sharding.spec), *(None,) * logits_BTV.ndim)[: logits_BTV.ndim - 1]
-        logits_BTV = jax.sharding.reshard(logits_BTV, P(*spec, None))
+        *leading, _ = normalize(sharding.spec, logits_BTV.ndim)
+        logits_BTV = jax.sharding.reshard(logits_BTV, P(*leading, None))
     return logits_BTV[..., :vocab_size]
 
 
@@ -95,13 +95,7 @@ def chunk_nll(logits_BCV, targets_BC):
 def rows_per_device(x_BTM) -> int:
     """Rows of `x_BTM` each device holds: B over the mesh axes B is split on."""
     sharding = jax.typeof(x_BTM).sharding
-    spec = tuple(sharding.spec) + (None,)
-    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-    shards = 1
-    for axis in axes:
-        if axis is not None:
-            shards *= sharding.mesh.shape[axis]
-    return max(1, x_BTM.shape[0] // shards)
+    return max(1, x_BTM.shape[0] // split_size(sharding.spec, 0, sharding.mesh.shape))
 
 
 def seq_shards(x_BTM) -> tuple[tuple[str, ...], int]:

@@ -99,8 +99,7 @@ class DecoderConfig:
     # time) and with remat (unrolled, XLA CPU's schedule keeps every layer's activations
     # live, so remat would save nothing; bench/memory.py's docstring shows it).
     scan_unroll: int = 0
-    # What the backward pass recomputes, by policy name (zoo/layers/remat.py): 'none' |
-    # 'full' | 'dots' | 'save_qkv_proj' | 'save_out_proj' | 'offload'.
+    # What the backward pass recomputes: a name in zoo/layers/remat.py's POLICIES.
     remat: str = "none"
     # 'xla' | 'splash' (TPU) | 'cudnn' (NVIDIA GPU) | 'auto' (splash on TPU, cudnn on GPU,
     # xla elsewhere); see zoo/layers/attention/.

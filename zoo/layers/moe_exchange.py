@@ -16,9 +16,9 @@ to move them, chosen by `DecoderConfig.moe_exchange`:
   smaller C drops the rows past C of each destination (Switch / GShard: those assignments add
   nothing to their token's output), and the count of dropped assignments comes back.
 
-`emulate_ragged_all_to_all()` swaps in an emulation of `ragged_all_to_all` with its documented
-semantics (built from dense all_to_alls), so that the ragged path's offset arithmetic runs
-and is tested on CPU; it moves the padded bytes, so it is for tests only.
+`override_ragged_all_to_all(fn)` swaps in another implementation of `ragged_all_to_all` for a
+block: the tests' emulation from dense all_to_alls (tests/ragged_emulation.py), so that the
+ragged path's offset arithmetic runs and is tested on CPU.
 """
 
 from __future__ import annotations
@@ -31,15 +31,17 @@ import jax.numpy as jnp
 
 EXCHANGES = ("auto", "ragged", "padded")
 
-_RAGGED = {"emulated": False, "packet_rows": 0}
+# The ragged_all_to_all the exchange calls (None: jax.lax's), and rows per packet (0: as
+# `packet_rows()` says), while `override_ragged_all_to_all` is in force.
+_RAGGED = {"override": None, "packet_rows": 0}
 
 
 @contextlib.contextmanager
-def emulate_ragged_all_to_all(packet_rows: int = 0):
-    """Inside the block, the ragged exchange uses `_emulated_ragged_all_to_all` (any backend),
-    sending `packet_rows` rows per unit when given (else as `packet_rows()` says)."""
+def override_ragged_all_to_all(fn, packet_rows: int = 0):
+    """Inside the block, the ragged exchange calls `fn` (`jax.lax.ragged_all_to_all`'s
+    arguments) in its place, on any backend, sending `packet_rows` rows per unit when given."""
     before = dict(_RAGGED)
-    _RAGGED.update(emulated=True, packet_rows=packet_rows)
+    _RAGGED.update(override=fn, packet_rows=packet_rows)
     try:
         yield
     finally:
@@ -51,7 +53,7 @@ def resolve_exchange(name: str, platform: str) -> str:
     An explicit 'ragged' where it cannot lower raises ValueError (one line)."""
     if name not in EXCHANGES:
         raise ValueError(f"moe_exchange={name!r}; valid: {', '.join(EXCHANGES)}")
-    lowers = platform != "cpu" or _RAGGED["emulated"]
+    lowers = platform != "cpu" or _RAGGED["override"] is not None
     if name == "auto":
         return "ragged" if lowers else "padded"
     if name == "ragged" and not lowers:
@@ -66,28 +68,9 @@ def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _emulated_ragged_all_to_all(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
-):
-    """`jax.lax.ragged_all_to_all`'s documented semantics (one slice per peer) from dense
-    all_to_alls: each slice padded to the operand's rows, sent, and written at its offset."""
-    N = operand.shape[0]
-    rows = jnp.arange(N)
-    take_dN = jnp.minimum(input_offsets[:, None] + rows[None, :], N - 1)
-    valid_dN = rows[None, :] < send_sizes[:, None]
-    mask = valid_dN.reshape(valid_dN.shape + (1,) * (operand.ndim - 1))
-    slices = jnp.where(mask, operand[take_dN], 0)
-    got = jax.lax.all_to_all(slices, axis_name, 0, 0, tiled=True)  # [source, N, ...]
-    at_s = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    target_sN = jnp.where(
-        rows[None, :] < recv_sizes[:, None], at_s[:, None] + rows[None, :], output.shape[0]
-    )
-    return output.at[target_sN.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
-
-
 def _ragged_all_to_all(*args, axis_name):
-    if _RAGGED["emulated"]:
-        return _emulated_ragged_all_to_all(*args, axis_name=axis_name)
+    if _RAGGED["override"] is not None:
+        return _RAGGED["override"](*args, axis_name=axis_name)
     return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
 
 

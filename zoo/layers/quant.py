@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardings.specs import normalize
+
 QUANTIZATIONS = ("none", "fp8", "int8")
 FP8_FORWARD = jnp.float8_e4m3fn  # 3 mantissa bits, max 448: weights and activations
 FP8_BACKWARD = jnp.float8_e5m2  # 2 mantissa bits, max 57344: gradients need the range
@@ -94,10 +96,6 @@ def quantize(x, dtype, contract_axes: tuple[int, ...] = ()) -> Quantized:
     return Quantized(scaled.astype(dtype), scale)
 
 
-def dequantize(x: Quantized, dtype):
-    return x.q.astype(dtype) * x.scale.astype(dtype)
-
-
 def _letters(eq: str) -> tuple[str, str, str]:
     ins, out = eq.replace(" ", "").split("->")
     a, b = ins.split(",")
@@ -125,7 +123,7 @@ def _scale_to_out(scale, operand: str, out: str, out_spec: P | None):
     s = jnp.transpose(s, [kept.index(c) for c in out if c in kept])
     s = jnp.expand_dims(s, [i for i, c in enumerate(out) if c not in kept])
     if out_spec is not None:
-        parts = tuple(out_spec) + (None,) * (len(out) - len(tuple(out_spec)))
+        parts = normalize(out_spec, len(out))
         spec = P(*(p if c in kept else None for p, c in zip(parts, out, strict=True)))
         s = jax.sharding.reshard(s, spec)
     return s

@@ -8,6 +8,10 @@ projection outputs `dots` keeps). `save_out_proj` and `offload` sit beside that 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -18,18 +22,58 @@ MLP_GATE, MLP_UP = "mlp_gate", "mlp_up"
 RESIDUAL = "residual"  # the residual stream entering each sub-block
 NAMES = (Q_PROJ, K_PROJ, V_PROJ, OUT_PROJ, MLP_GATE, MLP_UP, RESIDUAL)
 
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """One remat policy: what it keeps, and the `jax.checkpoint` policy that does it."""
+
+    description: str
+    # () -> the jax.checkpoint policy; None: no rematerialisation at all.
+    make: Callable[[], Any] | None
+    # Moves activations to host memory, which some backends do not have (NO_HOST_MEMORY).
+    offloads: bool = False
+
+
+def _offload_residual():
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[RESIDUAL],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+# The one table of policies: the config, the flags and the planner read its names.
 POLICIES = {
-    "none": "no rematerialisation: keep every activation the backward pass reads",
-    "full": "keep nothing inside a block: recompute it in the backward pass",
-    "dots": "keep every matmul output without batch dims (projections); recompute the rest, "
-    "attention scores included, so their O(T^2) memory is never kept",
-    "save_qkv_proj": "keep the q/k/v projections; recompute the rest",
-    "save_out_proj": "keep the attention output projection; recompute the rest",
-    "offload": "move the residual stream to host memory (TPU/GPU), recompute the rest",
+    "none": Policy(
+        "no rematerialisation: keep every activation the backward pass reads", make=None
+    ),
+    "full": Policy(
+        "keep nothing inside a block: recompute it in the backward pass",
+        make=lambda: jax.checkpoint_policies.nothing_saveable,
+    ),
+    "dots": Policy(
+        "keep every matmul output without batch dims (projections); recompute the rest, "
+        "attention scores included, so their O(T^2) memory is never kept",
+        make=lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    ),
+    "save_qkv_proj": Policy(
+        "keep the q/k/v projections; recompute the rest",
+        make=lambda: jax.checkpoint_policies.save_only_these_names(Q_PROJ, K_PROJ, V_PROJ),
+    ),
+    "save_out_proj": Policy(
+        "keep the attention output projection; recompute the rest",
+        make=lambda: jax.checkpoint_policies.save_only_these_names(OUT_PROJ),
+    ),
+    "offload": Policy(
+        "move the residual stream to host memory (TPU/GPU), recompute the rest",
+        make=_offload_residual,
+        offloads=True,
+    ),
 }
 
 # Backends without a host memory space that XLA can offload to.
-_NO_OFFLOAD_PLATFORMS = ("cpu",)
+NO_HOST_MEMORY = ("cpu",)
 
 
 def tag(x, name: str):
@@ -42,32 +86,25 @@ def check_name(name: str) -> None:
         raise ValueError(f"remat={name!r}; valid: {', '.join(POLICIES)}")
 
 
+def runs_on(name: str, platform: str) -> bool:
+    """Whether `platform` can run policy `name`."""
+    return not (POLICIES[name].offloads and platform in NO_HOST_MEMORY)
+
+
 def check_platform(name: str, platform: str) -> None:
     """Raise a one-line ValueError when `platform` cannot run policy `name`."""
-    if name == "offload" and platform in _NO_OFFLOAD_PLATFORMS:
+    if not runs_on(name, platform):
+        here = ", ".join(n for n in POLICIES if runs_on(n, platform))
         raise ValueError(
-            f"remat='offload' moves activations to host memory, which the {platform} backend "
-            "does not have; on cpu use none, full, dots, save_qkv_proj or save_out_proj"
+            f"remat={name!r} moves activations to host memory, which the {platform} backend "
+            f"does not have; on {platform} use {here}"
         )
 
 
 def policy(name: str):
     """The `jax.checkpoint` policy for a name other than 'none'."""
     check_name(name)
-    cp = jax.checkpoint_policies
-    if name == "full":
-        return cp.nothing_saveable
-    if name == "dots":
-        return cp.dots_with_no_batch_dims_saveable
-    if name == "save_qkv_proj":
-        return cp.save_only_these_names(Q_PROJ, K_PROJ, V_PROJ)
-    if name == "save_out_proj":
-        return cp.save_only_these_names(OUT_PROJ)
-    if name == "offload":
-        return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
-            names_which_can_be_offloaded=[RESIDUAL],
-            offload_src="device",
-            offload_dst="pinned_host",
-        )
-    raise ValueError(f"remat={name!r} has no policy (it means no rematerialisation)")
+    make = POLICIES[name].make
+    if make is None:
+        raise ValueError(f"remat={name!r} has no policy (it means no rematerialisation)")
+    return make()
