@@ -38,19 +38,24 @@ def model_config_from_run_info(run_info: dict):
     return run_config(run_info).model.decoder_config()
 
 
-def load_from_hf(hf_dir: str, settings: EvalSettings):
-    """(model, mesh) read from a Hugging Face checkpoint directory."""
+def load_from_hf(hf_dir: str, settings: EvalSettings, explicit_length: bool = False):
+    """(model, mesh, settings) read from a Hugging Face checkpoint directory; the settings'
+    default row length is cut to a learned position table shorter than it (GPT-2's), while a
+    --seq_len given past the table is refused."""
 
     strategy = get_strategy(settings.strategy)
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"--hf_checkpoint={hf_dir!r} is not a directory")
     overrides = {"attention_impl": settings.attention_impl} if settings.attention_impl else {}
     cfg = read_config(hf_dir, **overrides)
+    if not explicit_length and getattr(cfg, "position", None) == "learned":
+        settings = dataclasses.replace(settings, seq_len=min(settings.seq_len, cfg.max_seq_len))
+    check_positions(cfg, settings.seq_len, "--seq_len")
     mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
     check_attention(cfg, mesh, settings.seq_len)
     with jax.set_mesh(mesh):
         model = from_pretrained(hf_dir, strategy, **overrides)
-    return model, mesh
+    return model, mesh, settings
 
 
 def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, step: int | None):

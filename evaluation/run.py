@@ -94,7 +94,10 @@ def load(request: EvalRequest):
     settings = from_run_info(run_info, hf_checkpoint=request.hf_checkpoint, **request.overrides)
     tokenizer = make_tokenizer(settings.tokenizer)
     if request.hf_checkpoint is not None:
-        model, mesh = eval_model.load_from_hf(request.hf_checkpoint, settings)
+        explicit_length = request.overrides.get("seq_len") is not None
+        model, mesh, settings = eval_model.load_from_hf(
+            request.hf_checkpoint, settings, explicit_length
+        )
     else:
         model, mesh, step = eval_model.load_from_checkpoint(
             request.workdir, run_info, settings, step

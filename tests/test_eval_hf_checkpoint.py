@@ -1,5 +1,6 @@
 """eval_main.py --hf_checkpoint end to end: the loss it reports on the reference inputs equals
-the loss implied by transformers' own logits for them (tests/hf_reference)."""
+the loss implied by transformers' own logits for them (tests/hf_reference). A --seq_len past
+GPT-2's learned position table is refused in one line."""
 
 from __future__ import annotations
 
@@ -49,11 +50,14 @@ def test_eval_of_a_hf_checkpoint_equals_the_reference_loss(tmp_path, family, str
         f"--data={data}",
         f"--tokenizer={tokenizer}",
         f"--sharding_strategy={strategy}",
-        # One document per row (24 ids + EOS fit 32), two rows: both documents, one batch.
-        "--seq_len=32",
         "--batch_size=8",
         "--eval_batches=1",
     ]
+    # One document per row (24 ids + EOS fit 32), two rows: both documents, one batch. GPT-2's
+    # learned position table has 32 rows, and without --seq_len the default (512) is cut to
+    # it; the other families are given the length.
+    if family != "gpt2":
+        args.append("--seq_len=32")
     result = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "eval.json") as f:
@@ -67,3 +71,20 @@ def test_eval_of_a_hf_checkpoint_equals_the_reference_loss(tmp_path, family, str
     np.testing.assert_allclose(
         report["loss"], _reference_loss(ref["logits"], ids, eos), rtol=1e-5, atol=1e-5
     )
+
+
+def test_a_length_past_learned_positions_is_refused(tmp_path):
+    args = [
+        sys.executable,
+        os.path.join(ROOT, "eval_main.py"),
+        f"--workdir={tmp_path}",
+        f"--hf_checkpoint={os.path.join(REFERENCE, 'gpt2')}",
+        "--seq_len=64",
+        "--tokenizer=byte",  # the reference directory ships no tokenizer.json
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--seq_len=64 is longer than" in lines[0], result.stderr
+    assert "max_seq_len=32" in lines[0]
