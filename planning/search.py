@@ -38,6 +38,11 @@ REMAT_ORDER = ("none", "dots", "full")
 GiB = 1024**3
 
 
+def _gib(n: float) -> str:
+    """GiB with the digits that tell a small model's figures apart (0.00143, not 0.0)."""
+    return f"{n / GiB:.1f}" if n >= GiB else f"{n / GiB:.3g}"
+
+
 class NoFitError(ValueError):
     """No candidate fits; str() is one line naming the smallest change that would."""
 
@@ -343,7 +348,7 @@ def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -
     memory = target.chip.memory_bytes
     n = len(target.devices)
     batch = run.data.global_batch_size
-    head = f"nothing fits in {memory / GiB:.1f} GiB per chip on {target.name}"
+    head = f"nothing fits in {_gib(memory)} GiB per chip on {target.name}"
     if not plans:
         least = min(state_cache.values()) if state_cache else None
         if least is None:
@@ -353,13 +358,13 @@ def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -
         if split <= 0.8 * memory < least:
             return (
                 f"{head}: parameters + optimizer state + gradients alone need "
-                f"{least / GiB:.1f} GiB per chip; split over all {n} chips they need "
-                f"{split / GiB:.1f}: use --sharding_strategy=fsdp"
+                f"{_gib(least)} GiB per chip; split over all {n} chips they need "
+                f"{_gib(split)}: use --sharding_strategy=fsdp"
             )
         chips = _next_power_of_two(math.ceil(split * n / (0.8 * memory)))
         return (
             f"{head}: parameters + optimizer state + gradients alone need "
-            f"{least / GiB:.1f} GiB per chip; use more chips (at least {chips}, with fsdp)"
+            f"{_gib(least)} GiB per chip; use more chips (at least {chips}, with fsdp)"
         )
     lowest = min(plans, key=lambda p: p.required_bytes)
     most_remat = [p for p in plans if p.candidate.remat in ("full", "offload")]
@@ -369,7 +374,7 @@ def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -
     c = lowest.candidate
     if c.remat not in ("full", "offload"):
         return (
-            f"{head} (least: {lowest.required_bytes / GiB:.1f} GiB with {c.describe()}); "
+            f"{head} (least: {_gib(lowest.required_bytes)} GiB with {c.describe()}); "
             f"use more remat: --remat=full"
         )
     state = lowest.state.params + lowest.state.optimizer + lowest.state.gradients
@@ -380,18 +385,18 @@ def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -
         k_needed = _next_power_of_two(math.ceil(c.micro_batches / max(fraction, 1e-9)))
         if batch % k_needed == 0 and (batch // k_needed) % data == 0:
             return (
-                f"{head} (least: {lowest.required_bytes / GiB:.1f} GiB with {c.describe()}); "
+                f"{head} (least: {_gib(lowest.required_bytes)} GiB with {c.describe()}); "
                 f"use more micro-batches: --micro_batches={k_needed}"
             )
         smaller = int(batch * fraction) // data * data
         if smaller >= data:
             return (
-                f"{head} (least: {lowest.required_bytes / GiB:.1f} GiB with {c.describe()}); "
+                f"{head} (least: {_gib(lowest.required_bytes)} GiB with {c.describe()}); "
                 f"use a smaller batch: --batch_size={smaller} or less"
             )
     chips = _next_power_of_two(math.ceil(n * lowest.required_bytes / (0.8 * memory)))
     return (
-        f"{head} (least: {lowest.required_bytes / GiB:.1f} GiB with {c.describe()}); "
+        f"{head} (least: {_gib(lowest.required_bytes)} GiB with {c.describe()}); "
         f"use more chips (about {chips})"
     )
 
