@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import sys
 from collections.abc import Callable
 
 import jax
@@ -36,6 +37,12 @@ RUN_INFO_FILE = "run_info.json"
 def say(text: str) -> None:
     if jax.process_index() == 0:
         print(text, flush=True)
+
+
+def warn(text: str) -> None:
+    """Warnings go where every entry point's go: stderr, once (process 0)."""
+    if jax.process_index() == 0:
+        print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -113,10 +120,9 @@ def resume(session: TrainSession) -> int:
         found = resume_rules.saved_run(workdir, start)
         changes = resume_rules.data_changes(run, found[1]) if found is not None else []
         if changes:
-            say(
-                f"warning: the data differs from checkpoint step {start}'s "
-                f"({'; '.join(changes)}): its iterator state is not restored, the data "
-                "stream starts from its beginning"
+            warn(
+                f"the data differs from checkpoint step {start}'s ({'; '.join(changes)}): its "
+                "iterator state is not restored, the data stream starts from its beginning"
             )
         with jax.set_mesh(built.mesh):
             ckpt.restore(
