@@ -8,8 +8,8 @@
 The step train_main runs (`launch.build`, the assembly plan_main and train_main share:
 chunked loss, AdamW, f32 weights and moments, bf16 compute, splash attention), llama3.1-8b,
 FSDP over the 8 chips of v5p:2x2x2, 2048 tokens per row, compiled here for the TPU without
-one (each compile 1.5-3 min on 2 free cores; 17-22 min on the same 2 cores under a full
-test suite's load). Per chip, GiB: argument + output - alias + temp (MaxText's total, as its
+one (82-143 s per compile on 2 quiet cores; 4-22 min on 2 cores shared with test runs).
+Per chip, GiB: argument + output - alias + temp (MaxText's total, as its
 `train_compile` prints it), and whether it fits the 95.74 GiB libtpu gives a v5p chip (a step
 over it fails to compile: "does not fit").
 
