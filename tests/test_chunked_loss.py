@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from model_utils import one_device_mesh, packed_batch, put_batch
 
 from launch.build import abstract_run
@@ -113,6 +114,47 @@ def test_chunked_nll_and_grads_equal_full_logits(layout, head):
         raw = np.einsum("btm,vm->btv", x_np, w_np)
         assert np.abs(raw).max() > softcap
     assert np.abs(np.asarray(ref_dw)).max() > 1e-3
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_head_gradients_equal_jax_transpose_rule(layout):
+    """`head_logits` computes its weight gradient by its own rule (a dot of (x, g), in the
+    weight's dim order); both references above go through it, so here it meets the plain
+    einsum differentiated by JAX, tied and untied, on a sequence-split 4-D chunk too."""
+    strategy, mesh = _mesh(*LAYOUTS[layout])
+    B, T, M, V = 8, 16, 32, 256
+    rng = np.random.default_rng(3)
+    x_np = rng.standard_normal((B, T, M)).astype(np.float32)
+    g_np = rng.standard_normal((B, T, V)).astype(np.float32)
+    lm = strategy.lm_sharding()
+    for tied in (False, True):
+        w_np = 0.1 * rng.standard_normal((V, M) if tied else (M, V)).astype(np.float32)
+        eq = "...M,VM->...V" if tied else "...M,MV->...V"
+        with jax.set_mesh(mesh):
+            x = jax.device_put(x_np, lm.final_norm.out)
+            w = jax.device_put(w_np, lm.embed.table if tied else lm.lm_head.weight)
+            g = jax.device_put(g_np, lm.lm_head.out)
+            if layout.startswith("fsdp_cp"):  # the chunk form of a T split: [B, S, C, .]
+                spec = tuple(lm.final_norm.out)
+                x, g = (
+                    jnp.reshape(a, (B, 2, T // 2, a.shape[-1]), out_sharding=P(*spec[:2], None))
+                    for a in (x, g)
+                )
+
+            def ours(x, w, g, tied=tied):
+                out = head_logits(
+                    x, w, tied=tied, dtype=jnp.float32, out_spec=lm.lm_head.out, softcap=None
+                )
+                return jnp.sum(out * g)
+
+            def plain(x, w, g, eq=eq):
+                return jnp.sum(jnp.einsum(eq, x, w) * g)
+
+            got = jax.jit(jax.grad(ours, argnums=(0, 1)))(x, w, g)
+            ref = jax.jit(jax.grad(plain, argnums=(0, 1)))(x, w, g)
+            assert jax.typeof(got[1]).sharding.spec == jax.typeof(w).sharding.spec
+        for a, b in zip(got, ref, strict=True):
+            _close(a, b)
 
 
 MODELS = {

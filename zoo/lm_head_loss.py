@@ -16,6 +16,8 @@ is built besides the chunk's logits (the comparison with the vocab ids fuses int
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -48,9 +50,9 @@ def head_logits(
     eq = "...M,VM->...V" if tied else "...M,MV->...V"
     if out_spec is not None and x_BCM.ndim == 4:
         out_spec = P(*tuple(out_spec)[:2], None, *tuple(out_spec)[2:])
-    logits_BCV = jnp.einsum(
-        eq, x_BCM.astype(dtype), weight.astype(dtype), out_sharding=out_spec
-    ).astype(jnp.float32)
+    logits_BCV = _head_einsum(x_BCM.astype(dtype), weight.astype(dtype), eq, out_spec).astype(
+        jnp.float32
+    )
     if softcap:
         logits_BCV = softcap * jnp.tanh(logits_BCV / softcap)
     if vocab_size is not None and logits_BCV.shape[-1] > vocab_size:
@@ -58,6 +60,43 @@ def head_logits(
             _vocab_ids(logits_BCV) < vocab_size, logits_BCV, jnp.finfo(jnp.float32).min
         )
     return logits_BCV
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _head_einsum(x, w, eq, out_spec):
+    """`einsum(eq, x, w)` whose weight gradient is computed as a dot of (x, g), which comes
+    out in the weight's own dim order. JAX's own transpose rule computes dot(g, x), `[V, M]`
+    for an `[M, V]` head, then transposes: in the chunk loop XLA then keeps the float32
+    accumulator in the transposed layout and copies it back to the weight's after the loop
+    (the compiled 8B step on TPU: two float32 copies of the head's shard, and a layout copy
+    of each chunk's bf16 logit gradient)."""
+    return jnp.einsum(eq, x, w, out_sharding=out_spec)
+
+
+def _head_einsum_fwd(x, w, eq, out_spec):
+    return _head_einsum(x, w, eq, out_spec), (x, w)
+
+
+def _head_einsum_bwd(eq, out_spec, residuals, g):
+    x, w = residuals
+    lhs, rhs = eq.split("->")[0].split(",")
+    out = eq.split("->")[1]
+    # Spell the leading dims out: `...` cannot be summed away in an einsum's output.
+    lead = "abcdefgh"[: x.ndim - len(lhs.replace("...", ""))]
+    lhs, out = lhs.replace("...", lead), out.replace("...", lead)
+    # Each gradient in its primal's layout (a weight split on M gets its reduce-scatter).
+    x_spec, w_spec = (None, None) if out_spec is None else (_spec(x), _spec(w))
+    dx = jnp.einsum(f"{out},{rhs}->{lhs}", g, w, out_sharding=x_spec)
+    dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, g, out_sharding=w_spec)
+    return dx, dw
+
+
+def _spec(x):
+    sharding = jax.typeof(x).sharding
+    return None if sharding.mesh.empty else sharding.spec
+
+
+_head_einsum.defvjp(_head_einsum_fwd, _head_einsum_bwd)
 
 
 def _vocab_ids(logits_BCV):
