@@ -35,7 +35,7 @@ loss's sums. The circular schedule adds the weights' reorder, once per step: a s
 over `stage` is contiguous (stage s stores chunks s*R .. s*R + R-1, the checkpoint's layer
 order), while the schedule runs chunk c on stage c mod S. `_schedule_chunks` moves each
 chunk a stage lacks straight from its holder, one chunk per device per round of
-`reorder_rounds` (collective-permutes; at most R-1 rounds, 1 for S = R = 2), in the compute
+`reorder_rounds` (collective-permutes; at most R rounds, 1 for S = R = 2), in the compute
 dtype; the gradients go back the same way. No layout under these constraints avoids it:
 MaxText stores circular weights as `[R, S, L/(S*R), ...]` (a different global shape, so not
 fsdp's checkpoint), and storing them in schedule order would need a permutation at every
@@ -191,7 +191,8 @@ class _Reorder(NamedTuple):
     @property
     def moving_rounds(self) -> int:
         """Chunks each device sends (and receives) per pass: R minus the rounds in which
-        every stage keeps its own chunk (R - 1 at most, 0 for GPipe)."""
+        every stage keeps its own chunk: 0 for GPipe, at most R - 1 when R >= S (stage s
+        then holds a chunk it runs), up to R when R < S."""
         return sum(1 for moves in self.pairs if moves)
 
 
