@@ -17,6 +17,9 @@ schedule runs chunk c on stage c mod S, so once per step each device sends the c
 holds for other stages (collective-permutes, `pipeline.reorder_rounds`) and their gradients
 come back the same way. Those bytes are checked exactly against the layers' compute-dtype
 shards, beside a GPipe compile whose rows in and out are the same.
+
+Attention backends that open their own shard_map (splash on v5p, cuDNN on H100) compile
+inside a stage, forward and backward kernels found in the HLO.
 """
 
 from __future__ import annotations
