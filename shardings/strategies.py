@@ -471,7 +471,9 @@ def _stages_per_node(num_devices: int) -> int:
 # Pipeline parallelism (GPipe / circular: zoo/layers/pipeline.py). The stacked layer weights
 # `[L, ...]` are split on L over `stage`: stage s stores and runs L/stage consecutive layers;
 # between stages only activations move (collective-permutes over `stage`: per micro-batch
-# and repeat, forward and backward, and once to bring the rows in and hand them back).
+# and repeat, forward and backward, and once to bring the rows in and hand them back), and
+# under the circular schedule the weights once per step: this split is contiguous while that
+# schedule runs layer chunk c on stage c mod S (pipeline.reorder_rounds).
 # Inside a stage the table is fsdp's (or fsdp_tp's). Outside the layer stack the batch is
 # split over `stage` as well: each stage embeds, and runs the LM head and the loss on, its
 # own rows. Embeddings, the final norm and the LM head are replicated over `stage`; their

@@ -2,7 +2,8 @@
 (test_strategies_equal_one_device.py, whose tests run here on these cases): declared layouts
 are the live ones, and logits, loss, gradients and ten AdamW steps equal the one-device run,
 in float32 on packed rows, for both schedules (GPipe: repeats 1; circular: repeats 2) on 2 and
-4 stages, with as many micro-batches as stages and with more (the loop-back buffer's delay).
+4 stages under both strategies, with as many micro-batches as stages and with more (the
+loop-back buffer's delay).
 
 The model has 4 layers, so that 2 stages x 2 repeats and 4 stages divide it; the circular
 case on 4 stages has 8 (2 repeats x 4 stages, one layer per chunk) and its own one-device
@@ -28,6 +29,9 @@ CASES = [
     ("fsdp_pp", (2, 4), 2, 2, 4, "none"),  # circular, layer chunk c on stage c mod 2
     # Circular, more micro-batches than stages, with tp.
     ("fsdp_tp_pp", (2, 2, 2), 4, 2, 4, "dots"),
+    # GPipe on 4 stages with tp inside each: with the case above, fsdp_tp_pp runs both
+    # schedules and both stage counts (fsdp inside a stage under GPipe is fsdp_pp's cases').
+    ("fsdp_tp_pp", (4, 1, 2), 4, 1, 4, "none"),
     ("fsdp_pp", (4, 2), 4, 2, 8, "full"),  # circular on 4 stages
 ]
 

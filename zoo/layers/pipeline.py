@@ -28,24 +28,40 @@ result arriving from the last stage is written back into it, where repeat r+1 of
 micro-batch reads it Mb - S + 1 >= 1 iterations later (hence Mb >= S). After the last
 iteration stage 0's buffer holds the outputs.
 
-So `stage` carries only collective-permutes of activations (and their transposes), besides
-what data parallelism over `stage` needs anyway: the all-reduce of the gradients of the
-weights replicated over it (embeddings, final norm, LM head) and of the loss's sums.
+So under GPipe `stage` carries only collective-permutes of activations (and their
+transposes), besides what data parallelism over `stage` needs anyway: the all-reduce of the
+gradients of the weights replicated over it (embeddings, final norm, LM head) and of the
+loss's sums. The circular schedule adds the weights' reorder, once per step: a split of L
+over `stage` is contiguous (stage s stores chunks s*R .. s*R + R-1, the checkpoint's layer
+order), while the schedule runs chunk c on stage c mod S. `_schedule_chunks` moves each
+chunk a stage lacks straight from its holder, one chunk per device per round of
+`reorder_rounds` (collective-permutes; at most R rounds, 1 for S = R = 2), in the compute
+dtype; the gradients go back the same way. No layout under these constraints avoids it:
+MaxText stores circular weights as `[R, S, L/(S*R), ...]` (a different global shape, so not
+fsdp's checkpoint), and storing them in schedule order would need a permutation at every
+place weights enter or leave (init, Hugging Face import and export, checkpoint save and
+restore of the parameters and both Adam moments, LoRA adapters).
 
 As in MaxText's circular pipeline (layers/pipeline.py), every stage runs every iteration
 (SPMD): bubble iterations compute on stale values whose results are never stored.
 Memory is GPipe's: the backward pass keeps every iteration's activations (per layer, what
 the model's remat policy saves). Not done: a 1F1B schedule, whose activation memory is bounded
 by the stages in flight. Under jax.grad the backward loop runs only after the whole forward
-loop, so it needs a custom VJP around this loop that runs forward and backward items in one
-loop (each iteration: one micro-batch forward, one backward with `jax.vjp` of the stage
-work, the weight gradients accumulated in the carry), and the loss and LM head moved inside
-the pipeline's last stage so the backward of micro-batch m can start before micro-batch m+1's
-forward ends.
+loop, so it needs a custom VJP whose forward runs forward and backward items in one loop and
+accumulates the weight gradients in its carry (each iteration: one micro-batch forward, one
+backward with `jax.vjp` of the stage work, its residuals in a ring of S fixed-shape slots),
+and the final norm, LM head and loss moved inside the pipeline's last stage, so that the
+backward of micro-batch m can start before micro-batch m+1's forward ends: the model would
+return a loss rather than activations (README, "Pipeline parallelism", lists the blockers).
 
-jax 0.10 lowers a partly manual `shard_map` with the inputs' explicit axes dropped, so each
-stage's weights arrive gathered over `data` / `model` (and their gradients leave the same
-way): right, but for fsdp_tp_pp 3x the memory of jax >= 0.12, which keeps the split.
+jax 0.10.2 gives the shard_map's operands and results, at its boundary, the shardings of
+`in_specs` / `out_specs` alone (`stage`), closed on the explicit axes: replicated over
+`data` and `model` (jax 0.12 takes them from the arrays' types). XLA drops the resulting
+gather where the next use slices the same dims back, as under fsdp_pp; under fsdp_tp_pp it
+does not, and the stage's weights and the backward's residuals (every iteration's layer
+inputs) cross the boundary gathered: for llama3.1-8b on h100:2x8 the residual stack
+`[9, 16, 4, 2048, 1024]` (2.25 GiB) becomes 18 GiB, temporaries 34.7 GiB against 6.6 GiB
+under jax 0.12 (README, "Pipeline parallelism").
 """
 
 from __future__ import annotations
@@ -161,20 +177,109 @@ def chunk_order(num_layers: int, stages: int, repeats: int) -> np.ndarray:
     return layers.transpose(1, 0, 2).reshape(-1)
 
 
-def _to_schedule_order(w, stage_axis: str, stages: int, repeats: int):
-    """A stacked weight `[L/stage, ...]` laid out so that stage s holds its R chunks, in
-    repeat order. R = 1: already so (no communication). R > 1: an all-to-all over `stage`
-    (the transpose of the gradients is another), the price of circular storage in the
-    checkpoint's layer order."""
-    if repeats == 1:
-        return w
-    L, rest = w.shape[0], w.shape[1:]
-    spec = tuple(jax.typeof(w).sharding.spec)[1:]
-    spec = (*spec, *(None,) * (len(rest) - len(spec)))
-    lc = L // (stages * repeats)
-    w = jax.sharding.reshard(w, P(None, *spec))
-    w = w.reshape(repeats, stages, lc, *rest).swapaxes(0, 1).reshape(L, *rest)
-    return jax.sharding.reshard(w, P(stage_axis, *spec))
+class _Reorder(NamedTuple):
+    """How the circular schedule's chunks reach their stages from contiguous storage, in
+    rounds: in each round every stage sends one of its chunks and receives one (a perfect
+    matching of the stage-to-stage moves), so a round is one collective-permute of one chunk
+    per device, or nothing when every stage keeps its own."""
+
+    send_slot: np.ndarray  # [rounds, S]: the local slot of the chunk stage h sends
+    kept: np.ndarray  # [rounds, S] bool: stage s receives its own chunk (no move)
+    pairs: tuple[tuple[tuple[int, int], ...], ...]  # per round, (from, to) of the moves
+    round_of: np.ndarray  # [S, R]: the round that brings stage s its repeat-r chunk
+
+    @property
+    def moving_rounds(self) -> int:
+        """Chunks each device sends (and receives) per pass: R minus the rounds in which
+        every stage keeps its own chunk: 0 for GPipe, at most R - 1 when R >= S (stage s
+        then holds a chunk it runs), up to R when R < S."""
+        return sum(1 for moves in self.pairs if moves)
+
+
+def reorder_rounds(stages: int, repeats: int) -> _Reorder:
+    """The moves that give stage s, from storage where it holds chunks s*R .. s*R + R-1
+    (the `layers` rule's contiguous split), chunks r*S + s for r < R (the schedule's).
+
+    Chunk c lives on stage c // R and is wanted by stage c mod S: a bipartite multigraph in
+    which every stage sends R chunks and receives R, so it splits into R perfect matchings
+    (Koenig). Rounds in which every stage keeps a chunk it holds come first and move nothing;
+    their number is the least count of such chunks over the stages, so the moving rounds,
+    R minus that, equal the most chunks any one stage must receive: no schedule of whole-chunk
+    moves does better."""
+    S, R = stages, repeats
+    left = set(range(S * R))
+    matchings = []
+    while True:  # rounds of stages keeping their own
+        own = {}
+        for c in sorted(left):
+            if c // R == c % S and c % S not in own:
+                own[c % S] = c
+        if len(own) < S:
+            break
+        matchings.append([own[s] for s in range(S)])
+        left -= set(own.values())
+    while left:
+        to = _perfect_matching(left, S, R)
+        matchings.append([to[s] for s in range(S)])
+        left -= set(to.values())
+    send_slot = np.zeros((R, S), np.int32)
+    kept = np.zeros((R, S), bool)
+    round_of = np.zeros((S, R), np.int32)
+    pairs = []
+    for k, chunks in enumerate(matchings):
+        for s, c in enumerate(chunks):
+            send_slot[k, c // R] = c % R
+            kept[k, s] = c // R == s
+            round_of[s, c // S] = k
+        pairs.append(tuple((c // R, s) for s, c in enumerate(chunks) if c // R != s))
+    return _Reorder(send_slot, kept, tuple(pairs), round_of)
+
+
+def _perfect_matching(chunks: set[int], S: int, R: int) -> dict[int, int]:
+    """receiving stage -> chunk: one chunk out of every stage and one into every stage,
+    chunk c going from stage c // R to stage c mod S (Kuhn's augmenting paths; the moves
+    left form a regular bipartite multigraph, so one exists)."""
+    to: dict[int, int] = {}
+
+    def augment(sender: int, seen: set[int]) -> bool:
+        for c in sorted(chunks):
+            if c // R != sender or c % S in seen:
+                continue
+            seen.add(c % S)
+            if c % S not in to or augment(to[c % S] // R, seen):
+                to[c % S] = c
+                return True
+        return False
+
+    for sender in range(S):
+        if not augment(sender, set()):
+            raise AssertionError(f"no perfect matching of chunk moves for S={S}, R={R}")
+    return to
+
+
+def _schedule_chunks(w, stage, stage_axis: str, reorder: _Reorder, R: int, Lc: int):
+    """This stage's stored layers `[R*Lc, ...]` (chunks s*R .. s*R + R-1, the checkpoint's
+    order) -> `[R, Lc, ...]`, repeat r holding chunk r*S + s: the schedule's. Inside the
+    shard_map, `stage` being this stage's index. R = 1: a reshape. R > 1: one
+    collective-permute of one chunk per device for each of `reorder`'s moving rounds (and
+    their transposes for the gradients), since a split of L over `stage` can only be
+    contiguous while the circular schedule runs chunk c on stage c mod S."""
+    w_R = w.reshape(R, Lc, *w.shape[1:])
+    if R == 1:
+        return w_R
+    send_slot, kept = jnp.asarray(reorder.send_slot), jnp.asarray(reorder.kept)
+    round_of = jnp.asarray(reorder.round_of)
+    arrived = []
+    for k, moves in enumerate(reorder.pairs):
+        chunk = jax.lax.dynamic_index_in_dim(w_R, send_slot[k, stage], 0, keepdims=False)
+        if moves:
+            moved = jax.lax.ppermute(chunk, stage_axis, moves)
+            chunk = jnp.where(kept[k, stage], chunk, moved)
+        arrived.append(chunk)
+    arrived = jnp.stack(arrived)
+    return jnp.stack(
+        [jax.lax.dynamic_index_in_dim(arrived, round_of[stage, r], 0, False) for r in range(R)]
+    )
 
 
 def _microbatch(a, mb: int, stage_axis: str):
@@ -245,7 +350,7 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
 
     # Matmul weights cast to the compute dtype once, before the loop (as the layer scan does).
     graphdef, weights = nnx.split(model._compute_dtype_blocks())
-    weights = jax.tree.map(lambda w: _to_schedule_order(w, stage_axis, S, R), weights)
+    reorder = reorder_rounds(S, R)
 
     # [Mb, B/Mb, ...], Mb over `stage`: stage s holds micro-batches s*n .. (s+1)*n - 1.
     # Self-attention: the keys' ids and positions are the queries'.
@@ -287,8 +392,11 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
 
     def local(weights, inputs, ids, pos, windows_SRL, freqs_SRLR):
         s = jax.lax.axis_index(stage_axis)
-        # Local weights [R*Lc, ...] -> [R, Lc, ...]; local tables [1, R, Lc] -> [R, Lc].
-        weights_RL = jax.tree.map(lambda w: w.reshape(R, Lc, *w.shape[1:]), weights)
+        # Local weights [R*Lc, ...] in storage order -> [R, Lc, ...] in the schedule's; local
+        # tables [1, R, Lc] -> [R, Lc].
+        weights_RL = jax.tree.map(
+            lambda w: _schedule_chunks(w, s, stage_axis, reorder, R, Lc), weights
+        )
         windows_RL, freqs_RLR = windows_SRL[0], freqs_SRLR[0]
 
         # Stage 0 feeds the pipeline: every stage k sends it its n micro-batches (S-1
@@ -335,10 +443,16 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
 
     w_specs = jax.tree.map(lambda w: P(stage_axis), weights)
     split = P(stage_axis)
+    # Every input and output varies over `stage` (in_specs and out_specs name it), so the
+    # varying-axes types check nothing here; without them the attention kernels that open
+    # their own shard_map with check_vma=False (splash, cuDNN: attention/layout.py) nest
+    # inside, whose transposes return cotangents typed invariant over `stage` that a
+    # checked outer shard_map refuses ("Expected cotangent type ...{V:stage} but got ...").
     out = jax.shard_map(
         local,
         in_specs=(w_specs, split, split, split, split, split),
         out_specs=split,
         axis_names={stage_axis},
+        check_vma=False,
     )(weights, inputs, ids, pos, windows_SRL, freqs_SRLR)
     return _unmicrobatch(out, stage_axis), (None, None)
