@@ -78,7 +78,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardings.specs import axes_of, normalize
-from zoo.layers import remat
+from zoo.layers import quant, remat
 from zoo.layers.attention import Segments
 
 # The name a layer's weight slice carries, so that the remat around a layer recomputes it (a
@@ -385,7 +385,8 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
             x, _ = block(x, seg_m, window=win, inv_freq_R=freqs_RLR[r, j], kv=None)
             return x
 
-        x, _ = jax.lax.scan(lambda x, j: (layer(weights_RL, x, j), None), x, jnp.arange(Lc))
+        with quant.unquantized_residuals():
+            x, _ = jax.lax.scan(lambda x, j: (layer(weights_RL, x, j), None), x, jnp.arange(Lc))
         return x
 
     ring = [(s, (s + 1) % S) for s in range(S)]

@@ -31,6 +31,8 @@ quantizer of each backward dot.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -44,6 +46,29 @@ QUANTIZATIONS = ("none", "fp8", "int8")
 FP8_FORWARD = jnp.float8_e4m3fn  # 3 mantissa bits, max 448: weights and activations
 FP8_BACKWARD = jnp.float8_e5m2  # 2 mantissa bits, max 57344: gradients need the range
 INT8_MAX = 127  # symmetric: -127..127 (-128 unused, so the grid is symmetric around 0)
+
+
+# Inside a pipeline stage, fp8 projections keep their unquantized operands for the backward
+# pass, as int8's do (set while the stage is traced; see `unquantized_residuals`).
+_UNQUANTIZED_RESIDUALS = contextvars.ContextVar("unquantized_residuals", default=False)
+
+
+@contextlib.contextmanager
+def unquantized_residuals():
+    """fp8 projections traced inside keep x and w, not their fp8 copies, for the backward.
+
+    The pipeline (zoo/layers/pipeline.py) slices each layer's weights from the stage's stack
+    under a name its remat policy never saves, so the backward re-slices them; an fp8 copy
+    of w would be a new array, saved once per iteration: a copy of the stage's weights per
+    micro-batch, what the pipeline exists to avoid. (Also measured on the XLA CPU backend,
+    jax 0.10.2 and 0.12.0.1: fp8 residuals carried through the pipeline's iteration loop
+    turned the tiny model's loss into NaN under value_and_grad while the plain forward was
+    finite; with x and w kept it equals the one-device run.)"""
+    token = _UNQUANTIZED_RESIDUALS.set(True)
+    try:
+        yield
+    finally:
+        _UNQUANTIZED_RESIDUALS.reset(token)
 
 
 def check(quantization: str) -> None:
@@ -153,14 +178,21 @@ def _q(x, dtype, eq_operand: str, eq_out: str) -> Quantized:
     return quantize(x, dtype, _contract_axes(eq_operand, eq_out))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def qeinsum(eq: str, quantization: str, out_spec, x, w):
     """`einsum(eq, x, w)` with both operands quantized (`quantization` 'fp8' | 'int8'), in
     x's dtype, laid out as `out_spec`. Differentiable: the backward dots are quantized too."""
-    return _forward(eq, quantization, out_spec, x, w)[0]
+    # Read while the model is traced: the forward rule is traced later, by differentiation,
+    # outside any context the caller set.
+    keep_quantized = quantization == "fp8" and not _UNQUANTIZED_RESIDUALS.get()
+    return _qeinsum(eq, quantization, out_spec, keep_quantized, x, w)
 
 
-def _forward(eq, quantization, out_spec, x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _qeinsum(eq: str, quantization: str, out_spec, keep_quantized: bool, x, w):
+    return _forward(eq, quantization, out_spec, keep_quantized, x, w)[0]
+
+
+def _forward(eq, quantization, out_spec, keep_quantized, x, w):
     if x.dtype != w.dtype:
         raise ValueError(f"quantized einsum {eq!r}: x is {x.dtype}, w is {w.dtype}; cast both")
     fwd_dtype, _ = _formats(quantization)
@@ -168,18 +200,22 @@ def _forward(eq, quantization, out_spec, x, w):
     xq, wq = _q(x, fwd_dtype, a, out), _q(w, fwd_dtype, b, out)
     y = _dot(eq, xq, wq, out_spec, x.dtype)
     # fp8 keeps the quantized operands (half of bf16's bytes); their per-tensor scales serve
-    # every dot. int8 keeps x and w, since the backward dots contract other dims.
-    saved = (xq, wq) if quantization == "fp8" else (x, w)
+    # every dot. int8 keeps x and w, since the backward dots contract other dims; so does fp8
+    # inside a pipeline stage (`unquantized_residuals`).
+    saved = (xq, wq) if keep_quantized else (x, w)
     return y, saved
 
 
-def _backward(eq, quantization, out_spec, saved, dy):
+def _backward(eq, quantization, out_spec, keep_quantized, saved, dy):
     fwd_dtype, grad_dtype = _formats(quantization)
     a, b, out = _letters(eq)
     eq_dx, eq_dw = f"{out},{b}->{a}", f"{a},{out}->{b}"
     if quantization == "fp8":
-        # x, w and dy share the compute dtype (`_forward` checks x and w).
+        # x, w and dy share the compute dtype (`_forward` checks x and w). Kept unquantized
+        # (a pipeline stage), they are quantized again exactly as the forward pass did.
         xq, wq = saved
+        if not keep_quantized:
+            xq, wq = _q(xq, fwd_dtype, a, out), _q(wq, fwd_dtype, b, out)
         dyq = quantize(dy, grad_dtype)
         dx = _dot(eq_dx, dyq, wq, _spec_of(xq.q), dy.dtype)
         dw = _dot(eq_dw, xq, dyq, _spec_of(wq.q), dy.dtype)
@@ -190,7 +226,7 @@ def _backward(eq, quantization, out_spec, saved, dy):
     return dx, dw
 
 
-qeinsum.defvjp(_forward, _backward)
+_qeinsum.defvjp(_forward, _backward)
 
 
 def check_equation(eq: str) -> None:
