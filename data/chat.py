@@ -296,20 +296,10 @@ def check_record(record, data_format: str, where: str) -> dict:
 def _read_records(path: str, data_format: str) -> list[dict]:
     fields = ("messages",) if data_format == "chat" else ("prompt", "completion")
     if path.endswith(".jsonl"):
-        records = []
-        with open(path, "rb") as f:
-            for line_no, raw in enumerate(f, 1):
-                line = sources._decode(raw, path, line_no)
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})"
-                    ) from None
-                records.append(check_record(record, data_format, f"{path}:{line_no}"))
-        return records
+        return [
+            check_record(record, data_format, f"{path}:{line_no}")
+            for line_no, record in sources.jsonl_records(path)
+        ]
     if path.endswith(".parquet"):
         import pyarrow
         import pyarrow.parquet as pq

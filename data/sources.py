@@ -108,31 +108,37 @@ def _decode(raw: bytes, path: str, line_no: int | None = None) -> str:
         ) from None
 
 
-def _read_jsonl(path: str, text_field: str) -> list[str]:
-    texts = []
+def jsonl_records(path: str):
+    """(line number, parsed JSON) for each non-blank line of a JSONL file; a line that is not
+    UTF-8 or not JSON is a ValueError naming the file and line."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             line = _decode(raw, path, line_no)
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield line_no, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})"
                 ) from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                got = (
-                    f"an object without a string {text_field!r}"
-                    if isinstance(record, dict)
-                    else json.dumps(record)[:40]
-                )
-                raise ValueError(
-                    f"{path}:{line_no}: expected a JSON object with a string field "
-                    f"{text_field!r} (data.text_field), got {got}"
-                )
-            if record[text_field]:  # an empty text is no document (it has no next token)
-                texts.append(record[text_field])
+
+
+def _read_jsonl(path: str, text_field: str) -> list[str]:
+    texts = []
+    for line_no, record in jsonl_records(path):
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            got = (
+                f"an object without a string {text_field!r}"
+                if isinstance(record, dict)
+                else json.dumps(record)[:40]
+            )
+            raise ValueError(
+                f"{path}:{line_no}: expected a JSON object with a string field "
+                f"{text_field!r} (data.text_field), got {got}"
+            )
+        if record[text_field]:  # an empty text is no document (it has no next token)
+            texts.append(record[text_field])
     return texts
 
 

@@ -248,11 +248,10 @@ def report(results: dict, result) -> str | None:
 
     if jax.process_index() != 0:
         return None
+    from evaluation import run
+
     request = result.request
-    what = (
-        f"hf checkpoint {request.hf_checkpoint}" if request.hf_checkpoint else f"step {result.step}"
-    )
-    where = f"{result.settings.strategy} on {dict(result.mesh.shape)}"
+    what, where = run.heading(result)
     for line in summary(results):
         print(f"{what}: {line} ({where})", flush=True)
     path = os.path.join(request.workdir, RESULTS_FILE)

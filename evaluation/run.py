@@ -146,6 +146,15 @@ def record(result: EvalResult) -> dict:
     return out
 
 
+def heading(result: EvalResult) -> tuple[str, str]:
+    """(what was evaluated, where): 'step 50' or 'hf checkpoint DIR'; 'fsdp_tp on {...}'."""
+    request = result.request
+    what = (
+        f"hf checkpoint {request.hf_checkpoint}" if request.hf_checkpoint else f"step {result.step}"
+    )
+    return what, f"{result.settings.strategy} on {dict(result.mesh.shape)}"
+
+
 def report(result: EvalResult) -> str | None:
     """Print the result (before eval.json is written: a failed write must not lose it), then
     write eval.json atomically. Returns its path (None when nothing is written), or raises
@@ -153,10 +162,7 @@ def report(result: EvalResult) -> str | None:
     if jax.process_index() != 0:
         return None
     request = result.request
-    what = (
-        f"hf checkpoint {request.hf_checkpoint}" if request.hf_checkpoint else f"step {result.step}"
-    )
-    where = f"{result.settings.strategy} on {dict(result.mesh.shape)}"
+    what, where = heading(result)
     if result.metrics is not None:
         print(f"{what}: {eval_metrics.summary(result.metrics)} ({where})", flush=True)
     if result.generated is not None:
