@@ -29,6 +29,8 @@ import errno
 import logging
 import os
 import re
+import sys
+import traceback
 
 # Orbax's background writes are asyncio tasks: when they fail, the event loop logs "exception
 # was never retrieved" with a stack trace for every array. The failure is reported once, by
@@ -55,6 +57,28 @@ def _not_reraised(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger("absl").addFilter(_not_reraised)
+
+# After a failed save Orbax closes its event loop while TensorStore writes are still pending;
+# each one that completes then tries to wake the closed loop and TensorStore reports it as an
+# unraisable "Event loop is closed" (~100 lines on stderr, timing-dependent, between the
+# failure and the one line). Nothing is lost with them: the save already failed and says so.
+_default_unraisablehook = sys.unraisablehook
+
+
+def _drop_closed_loop_wakeups(unraisable) -> None:
+    error = unraisable.exc_value
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    if (
+        isinstance(error, RuntimeError)
+        and str(error) == "Event loop is closed"
+        and frames
+        and frames[-1].filename.endswith(os.path.join("asyncio", "base_events.py"))
+    ):
+        return
+    _default_unraisablehook(unraisable)
+
+
+sys.unraisablehook = _drop_closed_loop_wakeups
 
 _REASONS = (
     (re.compile(r"RESOURCE_EXHAUSTED|No space left", re.I), os.strerror(errno.ENOSPC)),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +54,23 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
             if isinstance(record, dict):
                 records.append(record)
     return records
+
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch
+    whenever it is installed (to accept torch tensors, which we never pass): ~3 s at every
+    start of a run on a machine that has torch (as the `hf` extra brings). The import is
+    hidden for that one statement only; torch imports normally afterwards."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX allows
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricsWriter:
@@ -94,8 +112,7 @@ class MetricsWriter:
             self._drop_partial_last_line()
         self._file = open(self.path, "a")  # noqa: SIM115 -- held open for the whole run
 
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer_class()
         # purge_step: TensorBoard hides events at steps >= it that an earlier, crashed run wrote.
         purge_step = None if resume_step is None else resume_step + 1
         self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR), purge_step=purge_step)
