@@ -23,60 +23,107 @@ when `--prompt` is given (also printed). `--noevaluate --prompt=...` only genera
 writes nothing. The checkpoint's files are checked against the checksums written with it; a
 damaged one is named, with the other steps `--step` can choose. A bad flag, strategy, mesh,
 path or checkpoint ends with exit status 2 and one line on stderr; the library code is in
-evaluation/.
+nnx_zoo/evaluation/.
 """
 
 from __future__ import annotations
 
-from launch import cli
+from nnx_zoo.launch import cli
 
 cli.preamble()
 
 from absl import flags  # noqa: E402
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints/ and eval.json).")
-_STRATEGY = cli.strategy_flag("; default: the run's.")
-_MESH_SHAPE = cli.mesh_shape_flag("the strategy's rule")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest complete one.")
+FLAGS = cli.new_flags()
+
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (checkpoints/ and eval.json).", flag_values=FLAGS
+)
+_STRATEGY = cli.strategy_flag(FLAGS, "; default: the run's.")
+_MESH_SHAPE = cli.mesh_shape_flag(FLAGS, "the strategy's rule")
+_STEP = flags.DEFINE_integer(
+    "step", None, "Checkpoint step; default: the latest complete one.", flag_values=FLAGS
+)
 _DATA = flags.DEFINE_string(
-    "data", None, "Held-out data (path / dir / glob; all of it); default: the run's validation."
+    "data",
+    None,
+    "Held-out data (path / dir / glob; all of it); default: the run's validation.",
+    flag_values=FLAGS,
 )
-_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", None, "Batches; default: the run's.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Rows per batch; default: the run's.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per row; default: the run's.")
+_EVAL_BATCHES = flags.DEFINE_integer(
+    "eval_batches", None, "Batches; default: the run's.", flag_values=FLAGS
+)
+_BATCH_SIZE = flags.DEFINE_integer(
+    "batch_size", None, "Rows per batch; default: the run's.", flag_values=FLAGS
+)
+_SEQ_LEN = flags.DEFINE_integer(
+    "seq_len", None, "Tokens per row; default: the run's.", flag_values=FLAGS
+)
 _TOKENIZER = flags.DEFINE_string(
-    "tokenizer", None, "'byte', tokenizer.json or .model; default: the run's (or the HF dir's)."
+    "tokenizer",
+    None,
+    "'byte', tokenizer.json or .model; default: the run's (or the HF dir's).",
+    flag_values=FLAGS,
 )
-_ATTENTION = cli.attention_flag("the run's")
+_ATTENTION = cli.attention_flag(FLAGS, "the run's")
 _LOSS_CHUNK = flags.DEFINE_integer(
-    "loss_chunk_size", None, "Tokens per device per LM-head+loss chunk (0: full logits)."
+    "loss_chunk_size",
+    None,
+    "Tokens per device per LM-head+loss chunk (0: full logits).",
+    flag_values=FLAGS,
 )
-_PROMPT = flags.DEFINE_string("prompt", None, "Text to continue (greedy unless --temperature).")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0: all.")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (--prompt, and --tasks that sample).")
+_PROMPT = flags.DEFINE_string(
+    "prompt", None, "Text to continue (greedy unless --temperature).", flag_values=FLAGS
+)
+_MAX_NEW_TOKENS = flags.DEFINE_integer(
+    "max_new_tokens", 64, "Tokens to generate.", flag_values=FLAGS
+)
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", 0.0, "0: greedy; > 0: sampling.", flag_values=FLAGS
+)
+_TOP_K = flags.DEFINE_integer(
+    "top_k", 0, "Sample among the k most likely tokens; 0: all.", flag_values=FLAGS
+)
+_SEED = flags.DEFINE_integer(
+    "seed", 0, "Sampling seed (--prompt, and --tasks that sample).", flag_values=FLAGS
+)
 _HF_CHECKPOINT = flags.DEFINE_string(
-    "hf_checkpoint", None, "Evaluate a Hugging Face checkpoint directory instead of the run's."
+    "hf_checkpoint",
+    None,
+    "Evaluate a Hugging Face checkpoint directory instead of the run's.",
+    flag_values=FLAGS,
 )
 
 _TASKS = flags.DEFINE_string(
-    "tasks", None, "lm-eval tasks, comma-separated: run them (not the held-out metrics)."
+    "tasks",
+    None,
+    "lm-eval tasks, comma-separated: run them (not the held-out metrics).",
+    flag_values=FLAGS,
 )
 _INCLUDE_PATH = flags.DEFINE_string(
-    "include_path", None, "Directory of local task YAML; lm_eval_tasks: the shipped examples."
+    "include_path",
+    None,
+    "Directory of local task YAML; lm_eval_tasks: the shipped examples.",
+    flag_values=FLAGS,
 )
-_NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples; default: task's.")
-_LIMIT = flags.DEFINE_float("limit", None, "Examples per task (N, or a fraction if < 1).")
+_NUM_FEWSHOT = flags.DEFINE_integer(
+    "num_fewshot", None, "Few-shot examples; default: task's.", flag_values=FLAGS
+)
+_LIMIT = flags.DEFINE_float(
+    "limit", None, "Examples per task (N, or a fraction if < 1).", flag_values=FLAGS
+)
 
 _EVALUATE = flags.DEFINE_bool(
-    "evaluate", True, "Compute the held-out metrics; --noevaluate with --prompt only generates."
+    "evaluate",
+    True,
+    "Compute the held-out metrics; --noevaluate with --prompt only generates.",
+    flag_values=FLAGS,
 )
 
 
 def _request():
-    from checkpoint.workdir import expand
-    from evaluation.run import EvalRequest, Generation
+    from nnx_zoo.checkpoint.workdir import expand
+    from nnx_zoo.evaluation.run import EvalRequest, Generation
 
     if not _WORKDIR.value:
         cli.usage_error("--workdir is required (the run directory; eval.json is written there)")
@@ -113,9 +160,9 @@ def _request():
 def main(argv):
     cli.no_arguments(argv)
     cli.quiet_logging()
-    from evaluation import run as evaluation
+    from nnx_zoo.evaluation import run as evaluation
 
-    if _TASKS.value is not None:  # lm-evaluation-harness tasks (evaluation/harness.py)
+    if _TASKS.value is not None:  # lm-evaluation-harness tasks (nnx_zoo/evaluation/harness.py)
         _run_tasks()
         return
     try:
@@ -130,7 +177,7 @@ def main(argv):
 
 
 def _run_tasks():
-    from evaluation import harness
+    from nnx_zoo.evaluation import harness
 
     try:
         include = harness.include_dir(_INCLUDE_PATH.value) if _INCLUDE_PATH.value else None
@@ -145,5 +192,10 @@ def _run_tasks():
         cli.usage_error(e)
 
 
+def run(argv: list[str] | None = None) -> None:
+    """The `zoo-eval` console script: the same as `python eval_main.py ARGS`."""
+    cli.run_main(main, FLAGS, doc=__doc__, argv=argv)
+
+
 if __name__ == "__main__":
-    cli.run_main(main)
+    run()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from launch import cli
+from nnx_zoo.launch import cli
 
 # Simulated devices must be asked for before jax starts.
 cli.simulate_cpu_devices("devices", default="8")
@@ -27,20 +27,37 @@ cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
 
 from absl import flags  # noqa: E402
 
-_MODEL = flags.DEFINE_string("model", "tiny", "model preset (zoo.get_config name)")
-_CONFIG = cli.define_config_flag(
-    None, "A run config file (as train_main.py's); its model section wins over --model."
+FLAGS = cli.new_flags()
+
+_MODEL = flags.DEFINE_string(
+    "model", "tiny", "model preset (zoo.get_config name)", flag_values=FLAGS
 )
-_STRATEGIES = flags.DEFINE_list("strategies", None, "strategies; default: all of them")
-_DEVICES = flags.DEFINE_integer("devices", 8, "simulated devices, when running on CPU")
+_CONFIG = cli.define_config_flag(
+    FLAGS, None, "A run config file (as train_main.py's); its model section wins over --model."
+)
+_STRATEGIES = flags.DEFINE_list(
+    "strategies", None, "strategies; default: all of them", flag_values=FLAGS
+)
+_DEVICES = flags.DEFINE_integer(
+    "devices", 8, "simulated devices, when running on CPU", flag_values=FLAGS
+)
 _WRITE_GOLDEN = flags.DEFINE_string(
-    "write_golden", None, "write DIR/<strategy>.txt, the layout report tests/golden pins, and stop"
+    "write_golden",
+    None,
+    "write DIR/<strategy>.txt, the layout report tests/golden pins, and stop",
+    flag_values=FLAGS,
 )
 _SLICES = flags.DEFINE_integer(
-    "slices", 1, "slices the devices stand for (the default `replica` size of hsdp / hsdp_tp)"
+    "slices",
+    1,
+    "slices the devices stand for (the default `replica` size of hsdp / hsdp_tp)",
+    flag_values=FLAGS,
 )
 _COLLECTIVES = flags.DEFINE_bool(
-    "collectives", False, "also compile train_main's step and count its collectives"
+    "collectives",
+    False,
+    "also compile train_main's step and count its collectives",
+    flag_values=FLAGS,
 )
 
 
@@ -49,7 +66,8 @@ def main(argv):
     cli.quiet_logging()
     import jax
 
-    from launch.build import model_config
+    from nnx_zoo.launch.build import model_config
+    from nnx_zoo.training.config import RunConfig
     from shardings import STRATEGIES, get_strategy
     from shardings.explain import (
         count_collectives,
@@ -58,7 +76,6 @@ def main(argv):
         layout_table,
     )
     from shardings.hlo import dot_dtypes
-    from training.config import RunConfig
     from zoo import get_config, param_layouts
 
     try:
@@ -107,7 +124,7 @@ def _compiled_text(run, cfg, strategy):
     shard of 64 tokens, no micro-batches."""
     import jax
 
-    from launch.build import build
+    from nnx_zoo.launch.build import build
     from shardings.hybrid import partition_slices
     from shardings.specs import split_size
 
@@ -125,5 +142,10 @@ def _compiled_text(run, cfg, strategy):
     return compiled.as_text(), partition_slices(mesh)
 
 
+def run(argv: list[str] | None = None) -> None:
+    """The `zoo-explain` console script: the same as `python explain_main.py ARGS`."""
+    cli.run_main(main, FLAGS, doc=__doc__, argv=argv)
+
+
 if __name__ == "__main__":
-    cli.run_main(main)
+    run()

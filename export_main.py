@@ -9,21 +9,29 @@ peft: a LoRA run's adapters as `adapter_model.safetensors` + `adapter_config.jso
 `peft.PeftModel.from_pretrained(base_model, OUT)` loads onto the base (the run's --init_from).
 
 A bad flag, workdir or format ends with exit status 2 and one line on stderr; the library
-code is in export/.
+code is in nnx_zoo/export/.
 """
 
 from __future__ import annotations
 
-from launch import cli
+from nnx_zoo.launch import cli
 
 cli.preamble()
 
 from absl import flags  # noqa: E402
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (its checkpoints/).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest complete one.")
-_FORMAT = flags.DEFINE_string("format", None, "hf (merged checkpoint) | peft (LoRA adapter).")
-_OUT = flags.DEFINE_string("out", None, "Directory to write.")
+FLAGS = cli.new_flags()
+
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (its checkpoints/).", flag_values=FLAGS
+)
+_STEP = flags.DEFINE_integer(
+    "step", None, "Checkpoint step; default: the latest complete one.", flag_values=FLAGS
+)
+_FORMAT = flags.DEFINE_string(
+    "format", None, "hf (merged checkpoint) | peft (LoRA adapter).", flag_values=FLAGS
+)
+_OUT = flags.DEFINE_string("out", None, "Directory to write.", flag_values=FLAGS)
 
 
 def main(argv):
@@ -32,8 +40,8 @@ def main(argv):
     for flag in (_WORKDIR, _FORMAT, _OUT):
         if not flag.value:
             cli.usage_error(f"--{flag.name} is required (--workdir=DIR --format=hf|peft --out=OUT)")
-    from checkpoint.workdir import expand
-    from export import export_run
+    from nnx_zoo.checkpoint.workdir import expand
+    from nnx_zoo.export import export_run
 
     try:
         out = expand(_OUT.value)
@@ -43,5 +51,10 @@ def main(argv):
     print(f"wrote step {step} as {_FORMAT.value} to {out}", flush=True)
 
 
+def run(argv: list[str] | None = None) -> None:
+    """The `zoo-export` console script: the same as `python export_main.py ARGS`."""
+    cli.run_main(main, FLAGS, doc=__doc__, argv=argv)
+
+
 if __name__ == "__main__":
-    cli.run_main(main)
+    run()

@@ -12,13 +12,13 @@ flags (--batch_size, --seq_len, --dtype, --remat) are aliases that may not disag
 micro-batches) it prints per-device memory (parameters, optimizer state, gradients from the
 layouts; XLA's argument / temp / peak), whether it fits the chip, the collectives per step
 with their bytes and mesh axes, the custom-call kernels, the compile time and a predicted
-step time and MFU (planning/estimate.py says how). `auto` picks the fastest candidate that
+step time and MFU (nnx_zoo/planning/estimate.py says how). `auto` picks the fastest candidate that
 fits. Bad input, or a model that fits nowhere, exits 2 with one line on stderr.
 """
 
 from __future__ import annotations
 
-from launch import cli
+from nnx_zoo.launch import cli
 
 # `--topology=cpu:N` needs N host devices, which XLA creates when jax starts.
 cli.simulate_cpu_devices(
@@ -30,35 +30,57 @@ cli.preamble(huge_pages=False, cpu_only=True)
 
 from absl import flags  # noqa: E402
 
-from planning.targets import EXAMPLES  # noqa: E402
+FLAGS = cli.new_flags()
+
+from nnx_zoo.planning.targets import EXAMPLES  # noqa: E402
 from zoo.layers.remat import POLICIES  # noqa: E402
 
-RUN = cli.define_run_flags(" | a comma list | all | auto (pick the best)", planning=True)
-_MODEL = flags.DEFINE_string("model", None, "A model preset (zoo.get_config), instead of --config.")
-_TOPOLOGY = flags.DEFINE_string(
-    "topology", None, f"Target: {', '.join(EXAMPLES)}, or cpu:N (this host's CPU devices)."
+RUN = cli.define_run_flags(FLAGS, " | a comma list | all | auto (pick the best)", planning=True)
+_MODEL = flags.DEFINE_string(
+    "model", None, "A model preset (zoo.get_config), instead of --config.", flag_values=FLAGS
 )
-_BATCH = flags.DEFINE_integer("batch_size", None, "Alias of --config.data.global_batch_size.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Alias of --config.data.seq_len.")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology",
+    None,
+    f"Target: {', '.join(EXAMPLES)}, or cpu:N (this host's CPU devices).",
+    flag_values=FLAGS,
+)
+_BATCH = flags.DEFINE_integer(
+    "batch_size", None, "Alias of --config.data.global_batch_size.", flag_values=FLAGS
+)
+_SEQ_LEN = flags.DEFINE_integer(
+    "seq_len", None, "Alias of --config.data.seq_len.", flag_values=FLAGS
+)
 _REMAT = flags.DEFINE_list(
     "remat",
     None,
     f"one or several of {','.join(POLICIES)} (offload: TPU/GPU targets); default: "
     "config.model.remat, none,dots,full for auto.",
+    flag_values=FLAGS,
 )
 _MICRO = flags.DEFINE_list(
-    "micro_batches", None, "Micro-batch counts; default: the config's, 1,2,4,8 for auto."
+    "micro_batches",
+    None,
+    "Micro-batch counts; default: the config's, 1,2,4,8 for auto.",
+    flag_values=FLAGS,
 )
-_DTYPE = flags.DEFINE_string("dtype", None, "Alias of --config.model.dtype.")
-_MEMORY = flags.DEFINE_float("memory_gib", None, "Pretend the chip has this much memory.")
-_MAX_COMPILES = flags.DEFINE_integer("max_compiles", 16, "Most compiles `auto` may spend.")
+_DTYPE = flags.DEFINE_string("dtype", None, "Alias of --config.model.dtype.", flag_values=FLAGS)
+_MEMORY = flags.DEFINE_float(
+    "memory_gib", None, "Pretend the chip has this much memory.", flag_values=FLAGS
+)
+_MAX_COMPILES = flags.DEFINE_integer(
+    "max_compiles", 16, "Most compiles `auto` may spend.", flag_values=FLAGS
+)
 _MOE_LOAD = flags.DEFINE_string(
     "moe_load_from",
     None,
     "MoE: the workdir of a train_main run of the same model (a short CPU run will do); the "
     "plan adds the router's measured load spread over experts and expert shards.",
+    flag_values=FLAGS,
 )
-_JSON = flags.DEFINE_bool("json", False, "One JSON object per candidate on stdout.")
+_JSON = flags.DEFINE_bool(
+    "json", False, "One JSON object per candidate on stdout.", flag_values=FLAGS
+)
 
 
 def main(argv):
@@ -66,8 +88,8 @@ def main(argv):
     cli.quiet_logging()
     if not _TOPOLOGY.value:
         cli.usage_error("--topology is required, e.g. --topology=v5p:2x2x2 or --topology=h100:8")
-    from checkpoint.workdir import expand
-    from planning import cli as planner
+    from nnx_zoo.checkpoint.workdir import expand
+    from nnx_zoo.planning import cli as planner
 
     config = None
     if not _MODEL.value or cli.config_file_given():
@@ -80,7 +102,7 @@ def main(argv):
             topology=_TOPOLOGY.value,
             config=config,
             model=_MODEL.value,
-            explicit=cli.explicit_config_overrides(),
+            explicit=cli.explicit_config_overrides(RUN.config),
             strategies=RUN.sharding_strategy.value,
             mesh_shape=RUN.mesh_shape.value,
             batch_size=_BATCH.value,
@@ -100,5 +122,10 @@ def main(argv):
     print(output, flush=True)
 
 
+def run(argv: list[str] | None = None) -> None:
+    """The `zoo-plan` console script: the same as `python plan_main.py ARGS`."""
+    cli.run_main(main, FLAGS, doc=__doc__, argv=argv)
+
+
 if __name__ == "__main__":
-    cli.run_main(main)
+    run()

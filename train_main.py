@@ -15,23 +15,24 @@ import dataclasses
 import os
 import sys
 
-from launch import cli
+from nnx_zoo.launch import cli
 
 cli.preamble()
 
-RUN = cli.define_run_flags(" | auto (the fastest that fits, planning/)")
+FLAGS = cli.new_flags()
+RUN = cli.define_run_flags(FLAGS, " | auto (the fastest that fits, nnx_zoo/planning/)")
 
 
 def main(argv):
     cli.no_arguments(argv)
     cli.quiet_logging()
-    from runtime import peers
+    from nnx_zoo.runtime import peers
 
     try:
         _train()
     except BaseException as e:
         # Several processes: leave without JAX's exit barrier, which would wait for peers
-        # that leave the same way (runtime/peers.py). Alone: as Python would.
+        # that leave the same way (nnx_zoo/runtime/peers.py). Alone: as Python would.
         peers.exit_after(e)
         raise
     peers.done()
@@ -40,71 +41,84 @@ def main(argv):
 def _train():
     # Orbax, Grain and the model load once the flags are good: --help and a bad flag answer
     # without them.
-    from checkpoint import write_errors
-    from checkpoint.workdir import expand, hold
-    from launch import session
-    from runtime import distributed, peers
-    from training.loop import DivergedError
+    from nnx_zoo.checkpoint import write_errors
+    from nnx_zoo.checkpoint.workdir import expand, hold
+    from nnx_zoo.launch import session
+    from nnx_zoo.runtime import distributed, peers
+    from nnx_zoo.training.loop import DivergedError
 
-    # Every mistake in what the user gave surfaces while building (before the first step) as
-    # one of these; anything raised later is a bug and keeps its stack trace.
+    lock = None
+    # The lock goes when the run does (a run called in-process included); the kernel drops it
+    # if the process dies.
     try:
-        # The config first: its peer timeout goes to jax.distributed.initialize.
-        notes = []
-        run = cli.load_run_config(RUN, notes=notes)
-        timeout = run.training.peer_timeout_seconds
-        address = RUN.coordinator_address.value
-        distributed.initialize(
-            address, RUN.num_processes.value, RUN.process_id.value, peer_timeout_s=timeout
-        )
-        cli.warn(notes)
-        coordinator = address.rsplit(":", 1)[0] if address else None
-        watch = peers.start(timeout, coordinator)
-        if RUN.peak_tflops.value is not None:
-            logging = dataclasses.replace(run.logging, peak_tflops=RUN.peak_tflops.value)
-            run = dataclasses.replace(run, logging=logging)
-        init_from = expand(RUN.init_from.value) if RUN.init_from.value else None
-        if run.training.sharding_strategy == "auto":
-            from planning.cli import resolve_auto
+        # Every mistake in what the user gave surfaces while building (before the first step) as
+        # one of these; anything raised later is a bug and keeps its stack trace.
+        try:
+            # The config first: its peer timeout goes to jax.distributed.initialize.
+            notes = []
+            run = cli.load_run_config(RUN, notes=notes)
+            timeout = run.training.peer_timeout_seconds
+            address = RUN.coordinator_address.value
+            distributed.initialize(
+                address, RUN.num_processes.value, RUN.process_id.value, peer_timeout_s=timeout
+            )
+            cli.warn(notes)
+            coordinator = address.rsplit(":", 1)[0] if address else None
+            watch = peers.start(timeout, coordinator)
+            if RUN.peak_tflops.value is not None:
+                logging = dataclasses.replace(run.logging, peak_tflops=RUN.peak_tflops.value)
+                run = dataclasses.replace(run, logging=logging)
+            init_from = expand(RUN.init_from.value) if RUN.init_from.value else None
+            if run.training.sharding_strategy == "auto":
+                from nnx_zoo.planning.cli import resolve_auto
 
-            # Compiles candidates of the model it starts from on these devices; says why.
-            run = resolve_auto(run, init_from=init_from)
-        workdir = expand(RUN.workdir.value or os.path.join("runs", run.name))
-        if watch is not None:
-            watch.describe = session.saved_note(workdir, run.checkpoint.enabled)
-        # Checked writable (checkpoints/ too), no history to overwrite, held until exit.
-        lock = hold(workdir, checkpoints=run.checkpoint.enabled)
-        prepared = session.prepare(run, workdir, init_from=init_from)
-        session.resume(prepared)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        peers.leave()
-        cli.usage_error(cli.device_hint(e))
-    try:
-        session.train(prepared)
-    except DivergedError as e:
-        peers.leave()
-        # Not a mistake in the input (exit 2) nor a bug (a traceback): a run that failed.
-        print(
-            f"error: {e}; its metrics are in {os.path.join(workdir, 'metrics.jsonl')}; lower "
-            "--config.optimizer.learning_rate or raise --config.optimizer.warmup_steps, then "
-            "run again (the same --workdir resumes from the last save)",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.exit(1)
-    except Exception as e:  # noqa: BLE001 -- a save that could not be written: one line
-        failure = write_errors.find(e)
-        if failure is None:
-            raise
-        peers.leave()
-        print(f"error: {failure}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
+                # Compiles candidates of the model it starts from on these devices; says why.
+                run = resolve_auto(run, init_from=init_from)
+            workdir = expand(RUN.workdir.value or os.path.join("runs", run.name))
+            if watch is not None:
+                watch.describe = session.saved_note(workdir, run.checkpoint.enabled)
+            # Checked writable (checkpoints/ too), no history to overwrite, held until exit.
+            lock = hold(workdir, checkpoints=run.checkpoint.enabled)
+            prepared = session.prepare(run, workdir, init_from=init_from)
+            session.resume(prepared)
+        except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+            peers.leave()
+            cli.usage_error(cli.device_hint(e))
+        try:
+            session.train(prepared)
+        except DivergedError as e:
+            peers.leave()
+            # Not a mistake in the input (exit 2) nor a bug (a traceback): a run that failed.
+            print(
+                f"error: {e}; its metrics are in {os.path.join(workdir, 'metrics.jsonl')}; lower "
+                "--config.optimizer.learning_rate or raise --config.optimizer.warmup_steps, then "
+                "run again (the same --workdir resumes from the last save)",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(1)
+        except Exception as e:  # noqa: BLE001 -- a save that could not be written: one line
+            failure = write_errors.find(e)
+            if failure is None:
+                raise
+            peers.leave()
+            print(f"error: {failure}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            if lock is not None:
+                lock.release()  # an orderly stop: the next run finds no stale lock
+            # Not sys.exit: the exit handlers of the metrics writers would flush onto the same
+            # full disk and print their own tracebacks. The kernel drops the workdir lock.
+            os._exit(1)
+
+    finally:
         if lock is not None:
-            lock.release()  # an orderly stop: the next run finds no stale lock
-        # Not sys.exit: the exit handlers of the metrics writers would flush onto the same
-        # full disk and print their own tracebacks. The kernel drops the workdir lock.
-        os._exit(1)
+            lock.release()
+
+
+def run(argv: list[str] | None = None) -> None:
+    """The `zoo-train` console script: the same as `python train_main.py ARGS`."""
+    cli.run_main(main, FLAGS, doc=__doc__, argv=argv)
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    run()

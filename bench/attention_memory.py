@@ -1,7 +1,7 @@
 """Per-device temp memory of one train step, xla attention against the flash paths, from
 compiles for chips this host does not have (extras [tpu], [gpu]).
 
-    python bench/attention_memory.py [--configs=small,llama3_8b] [--seq_lens=2048,8192]
+    python -m bench.attention_memory [--configs=small,llama3_8b] [--seq_lens=2048,8192]
         [--targets=v5p:2x2x2,h100:8] [--batch_per_device=1]
 
 For each config, sequence length and target: the product's train step (training.Trainer),
@@ -18,20 +18,18 @@ import argparse
 import importlib
 import os
 import re
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from runtime.host import import_jax_quietly  # noqa: E402
+from nnx_zoo.runtime.host import import_jax_quietly  # noqa: E402
 
 import_jax_quietly()
 
-from launch.build import abstract_run  # noqa: E402
-from planning import target_devices, target_platform  # noqa: E402
+from nnx_zoo.launch.build import abstract_run  # noqa: E402
+from nnx_zoo.planning import target_devices, target_platform  # noqa: E402
+from nnx_zoo.training.config import RunConfig  # noqa: E402
 from shardings import get_strategy  # noqa: E402
-from training.config import RunConfig  # noqa: E402
 
 FLASH = {"tpu": "splash", "gpu": "cudnn"}
 GIB = 2**30

@@ -3,7 +3,7 @@ size on disk, how long `Checkpointer.save` blocks training, the total time of a 
 time to restore onto the live model.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
-        python bench/checkpoint_bench.py [--config=configs/small.py] [--strategy=fsdp_tp] \
+        python -m bench.checkpoint_bench [--config=configs/small.py] [--strategy=fsdp_tp] \
         [--mesh_shape=data:4,model:2] [--repeats=3] [--workdir=/tmp/ckpt_bench]
 
 Saves the model and its AdamW state (params + two moments, after one update so they are not
@@ -23,20 +23,18 @@ import dataclasses
 import importlib.util
 import os
 import shutil
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import grain  # noqa: E402
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from checkpoint import integrity  # noqa: E402
-from checkpoint.manager import Checkpointer, checkpoint_dir  # noqa: E402
-from launch.build import build, make_mesh  # noqa: E402
-from training.config import RunConfig  # noqa: E402
+from nnx_zoo.checkpoint import integrity  # noqa: E402
+from nnx_zoo.checkpoint.manager import Checkpointer, checkpoint_dir  # noqa: E402
+from nnx_zoo.launch.build import build, make_mesh  # noqa: E402
+from nnx_zoo.training.config import RunConfig  # noqa: E402
 
 
 def load_run_config(path: str) -> RunConfig:

@@ -2,7 +2,7 @@
 parallelism: compiles the product's train step (training.loop.Trainer, AdamW) for the target
 without its hardware and reads XLA's per-chip memory.
 
-    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python bench/context_fit.py --model=llama3.2-1b \
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python -m bench.context_fit --model=llama3.2-1b \
         --topology=v5p:4x4x4 --context=8 --seq_lens=8192,16384,32768,65536,131072
 
 `fsdp` puts every chip on `data` (one row per chip); `fsdp_cp` puts `--context` chips on
@@ -14,12 +14,10 @@ strategy stops at its first that does not fit.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
@@ -34,9 +32,9 @@ _HBM_GIB = flags.DEFINE_float("hbm_gib", 95.0, "memory per chip (v5p: 95 GiB)")
 def _required_bytes(strategy_name, shape, cfg, devices, seq_len) -> int:
     """What must fit per chip (training.step_memory, the planner's formula) for the product's
     step, built by the one assembly (launch.build), one row per data shard."""
-    from launch.build import abstract_run
+    from nnx_zoo.launch.build import abstract_run
+    from nnx_zoo.training.step_memory import step_memory
     from shardings import get_strategy
-    from training.step_memory import step_memory
 
     mesh = get_strategy(strategy_name).make_mesh(shape=shape, devices=devices, config=cfg)
     run = abstract_run(cfg, strategy_name, mesh, batch_size=mesh.shape["data"], seq_len=seq_len)

@@ -1,6 +1,6 @@
 """Compile time and step time of one AdamW train step, per strategy, on simulated devices.
 
-    python bench/core_step.py --model=tiny --strategies=fsdp_tp --batch=16 --seq=128
+    python -m bench.core_step --model=tiny --strategies=fsdp_tp --batch=16 --seq=128
 
 Prints one line per strategy: compile seconds (lower + compile) and the median of the timed
 steps (after one warm-up), in milliseconds, of the train step train_main builds (AdamW, the
@@ -30,13 +30,12 @@ def main(argv):
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={_DEVICES.value}"
         )
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from runtime.xla_cpu import set_cpu_flags
+        from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 
         set_cpu_flags()
     import jax
-    from step_timing import time_train_step
 
+    from bench.step_timing import time_train_step
     from shardings import get_strategy
     from zoo import get_config
 

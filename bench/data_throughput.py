@@ -1,8 +1,8 @@
 """How fast one process builds the global training stream (read, tokenize, chunk, shuffle,
 pack, batch), the work every process of a run does whatever the process count
-(data/pipeline.py: each keeps its rows of every global batch).
+(nnx_zoo/data/pipeline.py: each keeps its rows of every global batch).
 
-    python bench/data_throughput.py [--source=default] [--tokenizer=byte] [--seq_len=2048] \
+    python -m bench.data_throughput [--source=default] [--tokenizer=byte] [--seq_len=2048] \
         [--global_batch_size=16] [--num_workers=0] [--batches=300]
 
 Prints the time per global batch and the tokens per second of one process's pipeline, after
@@ -15,11 +15,9 @@ run's tokens_per_second, or `data_wait_time` in metrics.jsonl staying near 0).
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
@@ -33,8 +31,8 @@ _BATCHES = flags.DEFINE_integer("batches", 300, "global batches timed")
 
 def main(argv):
     del argv
-    import data
-    from data.tokenizers import make_tokenizer
+    from nnx_zoo import data
+    from nnx_zoo.data.tokenizers import make_tokenizer
 
     it = data.make_dataset(
         _SOURCE.value,

@@ -1,7 +1,7 @@
 """What only an NVIDIA GPU shows: cuDNN attention's numbers, offload remat run for real, speed.
 
-    python bench/gpu_check.py                 # on a machine with one or more NVIDIA GPUs
-    python bench/gpu_check.py --skip_speed    # numerics only (a minute)
+    python -m bench.gpu_check                 # on a machine with one or more NVIDIA GPUs
+    python -m bench.gpu_check --skip_speed    # numerics only (a minute)
 
 1. The `cudnn` attention backend against the `xla` one, both in bfloat16, each compared with
    the float32 `xla` result on the same bf16-rounded inputs: forward output and the gradients
@@ -30,7 +30,6 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # cuDNN may differ from XLA by a few bf16 ulps more than XLA differs from float32; beyond this
 # factor (plus a floor for near-zero gradients) it computes something else.
@@ -171,7 +170,7 @@ def _loss_and_grads(model, mesh, batch):
     import optax
     from flax import nnx
 
-    from training.loop import loss_sum
+    from nnx_zoo.training.loop import loss_sum
 
     graphdef, state = nnx.split(model)
 
@@ -248,7 +247,8 @@ def speed(seq_len: int, batch: int, steps: int, timeout: int) -> None:
     for impl in ("auto", "xla"):
         argv = [
             sys.executable,
-            os.path.join(ROOT, "bench", "train_throughput.py"),
+            "-m",
+            "bench.train_throughput",
             "--child",
             "--config=llama3_1b",
             "--strategies=fsdp_tp",

@@ -1,7 +1,7 @@
 """Requests per second of the lm-eval backend's `loglikelihood` on the example multiple-choice
 task (144 requests), tiny model on CPU: packed batches against one request per model call.
 
-    PYTHONPATH=. python bench/harness_throughput.py [--rows=8] [--repeats=3]
+    PYTHONPATH=. python -m bench.harness_throughput [--rows=8] [--repeats=3]
 
 The model is the tests' tiny random Llama (vocab 512, 2 layers, 64 wide) on one CPU device
 (dp). Each mode runs once to compile, then `--repeats` timed passes over all requests.
@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
 def main():
@@ -26,16 +24,16 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from runtime.host import import_jax_quietly
+    from nnx_zoo.runtime.host import import_jax_quietly
 
     import_jax_quietly()
     import jax
-    from _harness_helpers import TASKS, write_tiny_llama
     from lm_eval.api.instance import Instance
 
-    from data.tokenizers import make_tokenizer
-    from evaluation.harness_lm import ZooLM
+    from nnx_zoo.data.tokenizers import make_tokenizer
+    from nnx_zoo.evaluation.harness_lm import ZooLM
     from shardings import get_strategy
+    from tests._harness_helpers import TASKS, write_tiny_llama
     from zoo import from_pretrained
 
     hf_dir = os.path.join(tempfile.mkdtemp(), "tiny")

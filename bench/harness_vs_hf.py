@@ -1,7 +1,7 @@
 """Per-request difference between our lm-eval backend and the harness's own `hf` backend (torch,
 CPU, float32) on the example tasks, all items: the tests' tiny random Llama, one device.
 
-    PYTHONPATH=. python bench/harness_vs_hf.py [--style=llama|gpt2]
+    PYTHONPATH=. python -m bench.harness_vs_hf [--style=llama|gpt2]
 
 Needs torch and transformers (`pip install torch==2.13.0 "lm-eval[hf]==0.4.13"`). Prints, per
 task, the largest |log-likelihood difference|, how many is-greedy flags / generations differ,
@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 TASK_NAMES = ["zoo_facts", "zoo_prose", "zoo_facts_gen"]
 
 
@@ -26,17 +24,17 @@ def main():
     parser.add_argument("--style", choices=["llama", "gpt2"], default="llama")
     args = parser.parse_args()
 
-    from runtime.host import import_jax_quietly
+    from nnx_zoo.runtime.host import import_jax_quietly
 
     import_jax_quietly()
     import jax
     import lm_eval
-    from _harness_helpers import TASKS, write_tiny_llama
 
-    from data.tokenizers import make_tokenizer
-    from evaluation.harness import run_tasks, task_manager
-    from evaluation.harness_lm import ZooLM
+    from nnx_zoo.data.tokenizers import make_tokenizer
+    from nnx_zoo.evaluation.harness import run_tasks, task_manager
+    from nnx_zoo.evaluation.harness_lm import ZooLM
     from shardings import get_strategy
+    from tests._harness_helpers import TASKS, write_tiny_llama
     from zoo import from_pretrained
 
     hf_dir = os.path.join(tempfile.mkdtemp(), "tiny")

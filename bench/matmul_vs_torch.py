@@ -1,7 +1,7 @@
 """One float32 matmul at a time: XLA CPU's default kernel, with the project's flags, and torch.
 
     pip install "torch==2.14.*"      # not a project extra
-    python bench/matmul_vs_torch.py [--rounds=3]
+    python -m bench.matmul_vs_torch [--rounds=3]
 
 The shapes are the `small` model's (M=768, F=3072, 4x512 = 2048 tokens per step, and one row
 for a decode step). Each backend runs in its own process (XLA reads its flags once per
@@ -46,8 +46,7 @@ def _child(backend: str) -> None:
 
     else:
         if backend == "xla+flags":
-            sys.path.insert(0, ROOT)
-            from runtime.xla_cpu import set_cpu_flags
+            from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 
             set_cpu_flags()
         import jax
@@ -89,13 +88,12 @@ def main() -> None:
         order = backends[r % 3 :] + backends[: r % 3]
         print(f"round {r + 1}: load {os.getloadavg()[0]:.2f}", flush=True)
         for b in order:
-            argv = [sys.executable, os.path.abspath(__file__), f"--child={b}"]
+            argv = [sys.executable, "-m", "bench.matmul_vs_torch", f"--child={b}"]
             done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT)
             if done.returncode:
                 sys.exit(f"the {b} child failed:\n{done.stderr[-2000:]}")
             results[b].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    sys.path.insert(0, ROOT)
-    from runtime.xla_cpu import cpu_flags
+    from nnx_zoo.runtime.xla_cpu import cpu_flags
 
     print(f"\nGFLOP/s, float32, median of {args.rounds} rounds; xla+flags = {cpu_flags('')}")
     print(f"{'m x k x n':16} {'xla':>8} {'xla+flags':>10} {'torch':>8}")

@@ -4,26 +4,24 @@ Compiles the real train step (training.loop.Trainer: fused LM head + loss, gradi
 on abstract arrays and prints XLA's temp bytes (and peak) per device; nothing runs.
 
     # CPU (default: V=128256, M=512, 2 layers, one device, batch 2 x 4096)
-    python bench/memory.py
-    python bench/memory.py --chunk_sizes=0,1024 --remat=none,full --batch_size=1
+    python -m bench.memory
+    python -m bench.memory --chunk_sizes=0,1024 --remat=none,full --batch_size=1
     # remat under an unrolled layer scan on CPU saves nothing (full: 0.18 GiB rolled, the
     # default under remat; 0.89 GiB unrolled, as much as none): why auto keeps the loop
-    python bench/memory.py --num_layers=8 --vocab_size=512 --seq_len=1024 --chunk_sizes=1024 \
+    python -m bench.memory --num_layers=8 --vocab_size=512 --seq_len=1024 --chunk_sizes=1024 \
         --remat=none,full --scan_unroll=8
 
     # TPU without the hardware (extra [tpu]): llama3.1-8b at 8192 tokens per chip on 8 v5p
     # chips; with --fit, the largest batch per chip whose peak fits in HBM, per row
-    python bench/memory.py --target=v5p:2x2x2 --preset=llama3.1-8b --strategy=fsdp \
+    python -m bench.memory --target=v5p:2x2x2 --preset=llama3.1-8b --strategy=fsdp \
         --seq_len=8192 --batch_size=8 --dtype=bfloat16 --chunk_sizes=0,1024 --remat=full --fit
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
@@ -75,15 +73,15 @@ def _devices():
     import jax
 
     if _TARGET.value:
-        from planning.targets import target_devices
+        from nnx_zoo.planning.targets import target_devices
 
         return target_devices(_TARGET.value)
     return jax.devices()[: _DEVICES.value]
 
 
 def _memory(cfg, strategy, mesh, batch_size, chunk):
-    from launch.build import abstract_run
-    from training.step_memory import step_memory
+    from nnx_zoo.launch.build import abstract_run
+    from nnx_zoo.training.step_memory import step_memory
 
     try:
         run = abstract_run(

@@ -1,9 +1,9 @@
 """Per-chip memory of the Llama 3.1 8B train step against MaxText's, on the same slice.
 
-    python bench/memory_vs_maxtext.py                 # rows/chip 1,4,48,52
-    python bench/memory_vs_maxtext.py --rows=1,4
-    python bench/memory_vs_maxtext.py --rows=1 --remat=full,dots,save_qkv_proj,save_out_proj
-    python bench/memory_vs_maxtext.py --rows=1 --copies   # + the vocab-sized copies in the HLO
+    python -m bench.memory_vs_maxtext                 # rows/chip 1,4,48,52
+    python -m bench.memory_vs_maxtext --rows=1,4
+    python -m bench.memory_vs_maxtext --rows=1 --remat=full,dots,save_qkv_proj,save_out_proj
+    python -m bench.memory_vs_maxtext --rows=1 --copies   # + the vocab-sized copies in the HLO
 
 The step train_main runs (`launch.build`, the assembly plan_main and train_main share:
 chunked loss, AdamW, f32 weights and moments, bf16 compute, splash attention), llama3.1-8b,
@@ -42,7 +42,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 GiB = 2**30
 VOCAB = 128256  # llama3.1-8b
@@ -83,10 +82,10 @@ def compile_step(rows_per_chip: int, remat: str):
     planning.compile.compile_plan compiles for this request, kept with its program text."""
     import jax
 
-    from launch.build import build as build_run
-    from planning.cli import Request, build
-    from planning.compile import compile_time_oom_bytes, make_mesh, run_for
-    from training.step_memory import StepMemory, step_memory
+    from nnx_zoo.launch.build import build as build_run
+    from nnx_zoo.planning.cli import Request, build
+    from nnx_zoo.planning.compile import compile_time_oom_bytes, make_mesh, run_for
+    from nnx_zoo.training.step_memory import StepMemory, step_memory
 
     request = Request(
         topology="v5p:2x2x2",
@@ -225,7 +224,7 @@ def main(argv=None) -> int:
     if args.hlo_dir and not os.path.isdir(args.hlo_dir):
         print(f"--hlo_dir={args.hlo_dir}: not a directory", file=sys.stderr)
         return 2
-    from launch.cli import preamble
+    from nnx_zoo.launch.cli import preamble
 
     preamble(huge_pages=False, cpu_only=True)  # compile-only: the chips are abstract
     print(f"# {versions()}; MaxText: jax 0.12.0.1, libtpu 0.0.52", flush=True)

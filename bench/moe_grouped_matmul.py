@@ -2,7 +2,7 @@
 compiled for one v5p chip on this host (no TPU needed): the HLO each becomes, XLA's cost
 analysis and the compiled temp memory of one expert SwiGLU forward + backward.
 
-    python bench/moe_grouped_matmul.py --rows=32768 --hidden=2048 --ffn=768 --experts=16
+    python -m bench.moe_grouped_matmul --rows=32768 --hidden=2048 --ffn=768 --experts=16
 
 Default shapes: one device of qwen3-30b-a3b under fsdp_ep on v5p:4x4x4 at 64x4096 (4096
 tokens x k=8 routed rows, 128 experts / expert 8 = 16 local ones). Timing needs the chip;
@@ -47,7 +47,7 @@ def _megablox(x, w, sizes):
 
 def main(argv):
     del argv
-    from planning.targets import target_devices
+    from nnx_zoo.planning.targets import target_devices
 
     device = target_devices("v5p:2x2x2")[0]
     X, M, F, E = _ROWS.value, _HIDDEN.value, _FFN.value, _EXPERTS.value

@@ -1,7 +1,7 @@
 """Training tokens/s of a tiny MoE (dropless) against a dense model of the same active size.
 
-    python bench/moe_throughput.py --model=qwen3-moe-tiny --devices=1 --batch=8 --seq=128
-    python bench/moe_throughput.py --hidden_dim=1024 --num_experts=32 --experts_per_tok=4 \
+    python -m bench.moe_throughput --model=qwen3-moe-tiny --devices=1 --batch=8 --seq=128
+    python -m bench.moe_throughput --hidden_dim=1024 --num_experts=32 --experts_per_tok=4 \
         --dtype=bfloat16 --platform=gpu        # issue 32's scaled-up model, on one GPU
 
 The dense model is the same config with the experts replaced by one MLP of width
@@ -44,10 +44,9 @@ def main(argv):
                 os.environ.get("XLA_FLAGS", "")
                 + f" --xla_force_host_platform_device_count={_DEVICES.value}"
             )
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
-    from step_timing import time_train_step
 
+    from bench.step_timing import time_train_step
     from shardings import get_strategy
     from zoo import get_config
 

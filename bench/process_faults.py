@@ -2,12 +2,12 @@
 run), one SIGKILLed while the other compiles, trains or saves; how long the survivor takes to
 exit, its exit status, and what it printed on stderr.
 
-    python bench/process_faults.py [--phases=compile,step,save] [--victim=1] \
+    python -m bench.process_faults [--phases=compile,step,save] [--victim=1] \
         [--peer_timeout=60] [--repeat=1] [--compile_delay=8] [--workdir=/tmp/process_faults]
 
 `--victim=0` kills process 0 (the coordinator, which also relays the watch). With
 `--peer_timeout=0` the peer watch is off and JAX's runtime alone decides (its 100 s heartbeat,
-then SIGABRT): the figures before runtime/peers.py. "detected" runs from the SIGKILL to the
+then SIGABRT): the figures before nnx_zoo/runtime/peers.py. "detected" runs from the SIGKILL to the
 survivor's exit. The survivor's line names the newest complete checkpoint; the bench checks
 it against the files (a save cut short stays Orbax's temporary directory), and what the
 survivor was doing, which is what each row is filed under: the compile kill comes
@@ -29,9 +29,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from checkpoint.manager import checkpoint_dir, complete_steps  # noqa: E402
+from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps  # noqa: E402
 
 RUN = {
     "model.hidden_dim": 64,

@@ -1,8 +1,8 @@
 """The planner's step forecast against published training throughput, row by row.
 
-    python bench/published.py                     # every row: about 40 min on a loaded 2-core
+    python -m bench.published                     # every row: about 40 min on a loaded 2-core
                                                   # host (each 8B / 70B TPU row 5-10 min)
-    python bench/published.py --rows=h100_1b,titan_8b --json     # about 3 min
+    python -m bench.published --rows=h100_1b,titan_8b --json     # about 3 min
 
 Each row is a published measurement with its exact settings, read from the anchor's own files
 (paths and commits below), compiled here for its target (or a smaller slice with the same
@@ -32,7 +32,6 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 MAXTEXT = "AI-Hypercomputer/maxtext@e591f30cbbf217ed67ef71263ec0538239f9c3b8"
 TITAN = "pytorch/torchtitan@b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"
@@ -157,9 +156,9 @@ ROWS = (
 
 
 def forecast_row(row: Row) -> dict:
-    from planning.cli import Request, build
-    from planning.compile import Target, compile_plan
-    from planning.forecast import add_forecast
+    from nnx_zoo.planning.cli import Request, build
+    from nnx_zoo.planning.compile import Target, compile_plan
+    from nnx_zoo.planning.forecast import add_forecast
 
     request = Request(
         topology=row.topology,
@@ -222,7 +221,7 @@ def _does_not_fit(r: dict) -> str:
 
 
 def _chips(topology: str) -> int:
-    from planning.compile import make_target
+    from nnx_zoo.planning.compile import make_target
 
     return len(make_target(topology).devices)
 
@@ -232,7 +231,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="all", help=f"all or {','.join(r.key for r in ROWS)}")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args(argv)
-    from launch.cli import preamble
+    from nnx_zoo.launch.cli import preamble
 
     preamble(huge_pages=False, cpu_only=True)  # compile-only: targets are abstract devices
     keys = [r.key for r in ROWS] if args.rows == "all" else args.rows.split(",")

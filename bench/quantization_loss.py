@@ -1,8 +1,8 @@
 """Loss curves of model.quantization against the unquantized run, same config, dtype and seed.
 
-    python bench/quantization_loss.py                 # configs/tiny.py, 200 steps, bf16, seed 0
-    python bench/quantization_loss.py --dtypes=bfloat16,float32 --seeds=0,1,2
-    python bench/quantization_loss.py --steps=100 --quantizations=fp8 --extra=--mesh_shape=data:8
+    python -m bench.quantization_loss                 # configs/tiny.py, 200 steps, bf16, seed 0
+    python -m bench.quantization_loss --dtypes=bfloat16,float32 --seeds=0,1,2
+    python -m bench.quantization_loss --steps=100 --quantizations=fp8 --extra=--mesh_shape=data:8
 
 For each compute dtype (`--dtypes`, `model.dtype`: the dtype of everything the quantization
 leaves alone, and of the quantized dots' results) and each initialisation seed (`--seeds`,

@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 
-from launch.build import model_run
+from nnx_zoo.launch.build import model_run
 
 
 def time_train_step(

@@ -1,13 +1,13 @@
 """Training throughput (tokens/s) and MFU of the train step train_main.py runs.
 
-    python bench/train_throughput.py                          # tiny: 1 device, 8 devices x 4
-    python bench/train_throughput.py --config=small --steps=5 --strategies=fsdp,fsdp_tp
+    python -m bench.train_throughput                          # tiny: 1 device, 8 devices x 4
+    python -m bench.train_throughput --config=small --steps=5 --strategies=fsdp,fsdp_tp
 
 For each device count a child process is started (the CPU device count is fixed per process
 by XLA_FLAGS); it builds the run exactly as train_main.py does (configs/<config>.py, data,
 model, optimizer, the jitted donating step), compiles ahead of time, runs `--warmup` steps,
 then times `--steps` steps. MFU = tokens/s * config.flops_per_token(T) / (devices * peak);
-on CPU the peak is measured (a 2048^2 float32 matmul, training/flops.py) unless
+on CPU the peak is measured (a 2048^2 float32 matmul, nnx_zoo/training/flops.py) unless
 `--peak_tflops` is given. Simulated CPU devices share the host's cores, so on CPU the figures
 say what the sharding costs in communication and bookkeeping, not what more chips would buy.
 """
@@ -25,14 +25,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _child(args) -> None:
-    sys.path.insert(0, ROOT)
     import jax
 
-    from launch.build import build, make_mesh
-    from launch.data import build_data
-    from training import flops
-    from training.config import RunConfig
-    from training.step_memory import step_memory
+    from nnx_zoo.launch.build import build, make_mesh
+    from nnx_zoo.launch.data import build_data
+    from nnx_zoo.training import flops
+    from nnx_zoo.training.config import RunConfig
+    from nnx_zoo.training.step_memory import step_memory
 
     config_module = __import__(f"configs.{args.config}", fromlist=["get_config"])
     config = config_module.get_config()
@@ -106,8 +105,7 @@ def main() -> None:
         _child(args)
         return
 
-    sys.path.insert(0, ROOT)
-    from runtime.xla_cpu import set_cpu_flags
+    from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 
     rows = []
     for devices in [int(d) for d in args.devices.split(",")]:
@@ -119,7 +117,13 @@ def main() -> None:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         # One device: the strategies coincide (every mesh axis has size 1); run one.
         strategies = "fsdp_tp" if devices == 1 else args.strategies
-        argv = [sys.executable, os.path.abspath(__file__), "--child", f"--config={args.config}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.train_throughput",
+            "--child",
+            f"--config={args.config}",
+        ]
         argv += [f"--strategies={strategies}", f"--steps={args.steps}"]
         argv += [f"--warmup={args.warmup}"]
         if args.peak_tflops:

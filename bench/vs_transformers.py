@@ -1,8 +1,8 @@
 """This project against transformers + PyTorch (eager) on CPU, side by side, same weights.
 
     pip install "torch==2.14.*" "transformers==5.23.*"     # not project extras
-    python bench/vs_transformers.py                         # small (4x512) and 3.4M (8x256)
-    python bench/vs_transformers.py --models=mini --rounds=2
+    python -m bench.vs_transformers                         # small (4x512) and 3.4M (8x256)
+    python -m bench.vs_transformers --models=mini --rounds=2
 
 For each model the project builds a Llama with random weights, writes it with
 `save_pretrained`, and both stacks load that directory (`zoo.from_pretrained`,
@@ -21,8 +21,8 @@ steps (both) come before round 1 and are reported apart. The 1-minute load avera
 before every round: this machine's other users slow both stacks, and a figure is only worth
 its load.
 
-JAX runs with the project's CPU flags (runtime/xla_cpu.py) and, as train_main does, huge pages
-for the host allocator where the host allows them (runtime/cpu_memory.py);
+JAX runs with the project's CPU flags (nnx_zoo/runtime/xla_cpu.py) and, as train_main does, huge pages
+for the host allocator where the host allows them (nnx_zoo/runtime/cpu_memory.py);
 ZOO_XLA_CPU_DEFAULTS=0 drops both.
 """
 
@@ -74,8 +74,8 @@ class JaxStack:
         import optax
         from flax import nnx
 
+        from nnx_zoo.training.loop import Trainer
         from shardings import get_strategy
-        from training.loop import Trainer
         from zoo import from_pretrained
 
         strategy = get_strategy("fsdp_tp")
@@ -199,11 +199,10 @@ class TorchStack:
 
 
 def _worker(stack_name: str, checkpoint: str, tokens, conn, perturb: bool) -> None:
-    sys.path.insert(0, ROOT)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if stack_name == "jax":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        from runtime.xla_cpu import set_cpu_flags
+        from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 
         set_cpu_flags()
         stack = JaxStack(checkpoint, tokens)
@@ -238,12 +237,11 @@ class Worker:
             target=_worker, args=(stack_name, checkpoint, tokens, child, perturb), daemon=True
         )
         # The project's processes run with huge pages for the host allocator where that helps
-        # (runtime/cpu_memory.py: train_main and eval_main restart with it); torch's as a user
+        # (nnx_zoo/runtime/cpu_memory.py: train_main and eval_main restart with it); torch's as a user
         # starts it. A spawned worker takes the environment it is started with.
         saved = dict(os.environ)
         if stack_name == "jax":
-            sys.path.insert(0, ROOT)
-            from runtime.cpu_memory import huge_page_environ
+            from nnx_zoo.runtime.cpu_memory import huge_page_environ
 
             os.environ.update(huge_page_environ(os.environ) or {})
         try:
@@ -274,7 +272,6 @@ class Worker:
 
 def _export(shape: dict, directory: str) -> None:
     """Random Llama weights (seed 0) written as a Hugging Face checkpoint directory."""
-    sys.path.insert(0, ROOT)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     from flax import nnx
@@ -405,11 +402,10 @@ def main() -> None:
         sys.exit(2)
     print(f"needs: {INSTALL}")
     print(f"cores: {os.cpu_count()}; XLA_FLAGS for the project: ", end="")
-    sys.path.insert(0, ROOT)
-    from runtime.xla_cpu import set_cpu_flags
+    from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 
     print(repr(set_cpu_flags(dict(os.environ))), flush=True)
-    from runtime.cpu_memory import huge_page_environ
+    from nnx_zoo.runtime.cpu_memory import huge_page_environ
 
     huge = huge_page_environ(os.environ)
     print(

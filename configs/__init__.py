@@ -1,6 +1,6 @@
 """Run configs: one `get_config()` per file, each starting from `base_config()` below.
 
-Every field, its default and its comment live once, in training/config.py's dataclasses; the
+Every field, its default and its comment live once, in nnx_zoo/training/config.py's dataclasses; the
 files here change values and say why. `train_main.py` loads a file with
 `--config=configs/<name>.py` (or `--config=<name>`), applies `--config.<section>.<field>=value`
 overrides (a misspelt field is an error: the ConfigDict is locked), then converts it to the
@@ -17,7 +17,7 @@ def base_config() -> ConfigDict:
     """Defaults shared by every run, from training.config; unlocked so a config file can
     change them. A field whose default is None is a typed placeholder, so an override still
     gets its type checked."""
-    from training.config import defaults
+    from nnx_zoo.training.config import defaults
 
     c = ConfigDict()
     c.name = "run"  # names the default workdir, ./runs/<name>

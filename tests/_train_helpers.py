@@ -41,7 +41,7 @@ def cli_flags(overrides: dict) -> list[str]:
 def run_config(overrides: dict):
     """The typed RunConfig of configs/tiny.py with `overrides` applied, as the CLI would."""
     from configs import tiny
-    from training.config import RunConfig
+    from nnx_zoo.training.config import RunConfig
 
     config = tiny.get_config()
     for path, value in overrides.items():

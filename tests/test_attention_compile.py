@@ -20,8 +20,8 @@ import re
 import jax
 import pytest
 
-from launch.build import abstract_run
-from planning import target_devices
+from nnx_zoo.launch.build import abstract_run
+from nnx_zoo.planning import target_devices
 from shardings import get_strategy
 from zoo import get_config
 

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from model_utils import packed_batch, put_batch
 
-from runtime import compat
+from nnx_zoo.runtime import compat
 from shardings import get_strategy
 from shardings.specs import normalize
 from zoo import create_model, get_config
@@ -159,7 +159,7 @@ def test_without_the_fix_the_same_step_raises(setup, backend):
     bare call nor a reshard of its output gets through the backward pass."""
     with (
         registry.override_backend("cudnn", backend, keeps_layout=True),
-        # jax reworded this error between the ends of pyproject's range (runtime/compat.py).
+        # jax reworded this error between the ends of pyproject's range (nnx_zoo/runtime/compat.py).
         pytest.raises(ValueError, match=compat.CUSTOM_VJP_TYPE_MISMATCH),
     ):
         _step(setup, "cudnn")

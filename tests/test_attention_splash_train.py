@@ -19,9 +19,9 @@ import pytest
 from flax import nnx
 from model_utils import packed_batch, put_batch
 
+from nnx_zoo.training.loop import loss_sum
 from shardings import get_strategy
 from shardings.specs import normalize
-from training.loop import loss_sum
 from zoo import create_model, get_config
 from zoo.layers.attention import dispatch as attention_ops
 

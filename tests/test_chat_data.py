@@ -16,11 +16,11 @@ from chat_fixtures import write_tokenizer_dir
 from flax import nnx
 from model_utils import one_device_mesh
 
-import data
-from data.chat import ChatTemplate, encode_record
-from data.tokenizers import make_tokenizer
+from nnx_zoo import data
+from nnx_zoo.data.chat import ChatTemplate, encode_record
+from nnx_zoo.data.tokenizers import make_tokenizer
+from nnx_zoo.training.loop import loss_sum
 from shardings import get_strategy
-from training.loop import loss_sum
 from zoo import create_model, get_config
 
 SEQ = 128

@@ -1,12 +1,12 @@
-"""Chat templates rendered by data/chat.py equal transformers' apply_chat_template (check 1 of
+"""Chat templates rendered by nnx_zoo/data/chat.py equal transformers' apply_chat_template (check 1 of
 issue 30): the published Llama 3, Qwen3 and Gemma 3 templates, multi-turn chats with and
 without a system prompt, with and without the generation prompt; text and token ids."""
 
 import pytest
 from chat_fixtures import FAMILIES, chats, write_tokenizer_dir
 
-from data.chat import ChatTemplate
-from data.tokenizers import make_tokenizer
+from nnx_zoo.data.chat import ChatTemplate
+from nnx_zoo.data.tokenizers import make_tokenizer
 
 transformers = pytest.importorskip(
     "transformers", reason="the reference is transformers' apply_chat_template (extra [hf])"

@@ -1,4 +1,4 @@
-"""checkpoint/manager.py and runtime/preemption.py in-process: restore onto other strategies
+"""nnx_zoo/checkpoint/manager.py and nnx_zoo/runtime/preemption.py in-process: restore onto other strategies
 and device counts bit for bit, the incomplete-checkpoint policy, and the one-line errors."""
 
 import os
@@ -12,8 +12,8 @@ import optax
 import pytest
 from flax import nnx
 
-from checkpoint import integrity
-from checkpoint.manager import (
+from nnx_zoo.checkpoint import integrity
+from nnx_zoo.checkpoint.manager import (
     INVALID_SUBDIR,
     ITEMS,
     Checkpointer,
@@ -23,7 +23,7 @@ from checkpoint.manager import (
     read_meta,
     restore_params,
 )
-from runtime.preemption import PreemptionWatcher
+from nnx_zoo.runtime.preemption import PreemptionWatcher
 from shardings import get_strategy
 from zoo import create_model, get_config
 

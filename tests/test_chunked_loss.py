@@ -19,9 +19,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from model_utils import one_device_mesh, packed_batch, put_batch
 
-from launch.build import abstract_run
+from nnx_zoo.launch.build import abstract_run
+from nnx_zoo.training.step_memory import step_memory
 from shardings import get_strategy
-from training.step_memory import step_memory
 from zoo import create_model, get_config
 from zoo.lm_head_loss import chunk_positions, chunked_token_nll, head_logits
 from zoo.loss import target_mask, token_nll

@@ -25,7 +25,7 @@ RUN = {**SMALL_RUN, "training.steps": 20, "training.eval_every": 10}
 
 
 def _train(workdir, loss_chunk_size):
-    from launch import session as train_run
+    from nnx_zoo.launch import session as train_run
 
     run = run_config({**RUN, "training.loss_chunk_size": loss_chunk_size})
     setup = train_run.prepare(run, str(workdir))

@@ -1,4 +1,4 @@
-"""runtime/compat.py: each version difference it handles, on both sides.
+"""nnx_zoo/runtime/compat.py: each version difference it handles, on both sides.
 
 The recorded messages are what each end of pyproject's range raised (jax 0.10.2 on the floor,
 jax 0.12.0.1 at the newest); the live test makes the installed jax raise it, so each CI leg
@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from runtime import compat
+from nnx_zoo.runtime import compat
 
 # Verbatim (but for the file path) from jax 0.10.2 and jax 0.12.0.1.
 FLOOR_MESSAGE = (

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 from model_utils import put_batch
 
+from nnx_zoo.training.loop import Trainer
+from nnx_zoo.training.step_memory import step_memory
 from shardings import check_batch, get_strategy
-from training.loop import Trainer
-from training.step_memory import step_memory
 from zoo import create_model, get_config
 from zoo.layers.attention import Segments, attention_mask, context_parallel
 

@@ -1,12 +1,12 @@
-"""Huge pages for the host allocator (runtime/cpu_memory.py): when the entry points restart
+"""Huge pages for the host allocator (nnx_zoo/runtime/cpu_memory.py): when the entry points restart
 with glibc's tunable, and that the restart keeps the process (pid, argv, environment)."""
 
 import os
 import subprocess
 import sys
 
-from runtime.cpu_memory import TUNABLE, _thp_mode, huge_page_environ
-from runtime.xla_cpu import DISABLE_ENV
+from nnx_zoo.runtime.cpu_memory import TUNABLE, _thp_mode, huge_page_environ
+from nnx_zoo.runtime.xla_cpu import DISABLE_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = dict(system="linux", glibc=(2, 36), thp_mode="madvise", accelerator=False)
@@ -36,7 +36,7 @@ def test_no_restart_where_it_cannot_help_or_is_not_wanted():
 CHILD = """
 import os, sys
 if __name__ == "__main__":
-    from runtime.cpu_memory import reexec_with_huge_pages
+    from nnx_zoo.runtime.cpu_memory import reexec_with_huge_pages
     print("start", os.getpid(), os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:], flush=True)
     reexec_with_huge_pages()
     print("run", os.getpid(), os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:], flush=True)

@@ -10,9 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 
-import data
-from data import sources
-from data.tokenizers import ByteTokenizer, make_tokenizer
+from nnx_zoo import data
+from nnx_zoo.data import sources
+from nnx_zoo.data.tokenizers import ByteTokenizer, make_tokenizer
 
 BYTE = ByteTokenizer()
 TEXT = "Grüße, 世界! def f(x):\n    return x  # ✓"
@@ -370,9 +370,9 @@ _MP_SCRIPT = textwrap.dedent(
     import sys
     from absl import app
     import numpy as np
-    import data
-    from data.position import documents_read, for_workers
-    from data.tokenizers import ByteTokenizer
+    from nnx_zoo import data
+    from nnx_zoo.data.position import documents_read, for_workers
+    from nnx_zoo.data.tokenizers import ByteTokenizer
 
     def make(num_workers, state=None):
         it = data.make_dataset(sys.argv[1], "all", ByteTokenizer(), 32, 4, seed=1,

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_zoo.training.loop import _loss_and_grad
 from shardings import get_strategy
-from training.loop import _loss_and_grad
 from zoo import create_model, get_config
 from zoo.layers.decoder import DecoderLM
 

@@ -1,6 +1,6 @@
 """Disk faults at a save (issue 31): one line, exit 1, the previous checkpoint intact.
 
-checkpoint/write_errors.py documents the behaviour. Three ways a save fails, each through
+nnx_zoo/checkpoint/write_errors.py documents the behaviour. Three ways a save fails, each through
 train_main:
   - the disk is full before the save: the free-space check refuses to start it;
   - the free-space check passes but the write itself fails with ENOSPC (a tmpfs with bytes
@@ -28,9 +28,9 @@ import time
 import pytest
 from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags, run_train_main
 
-from checkpoint import integrity
-from checkpoint.manager import checkpoint_dir, complete_steps
-from training.metrics import read_metrics
+from nnx_zoo.checkpoint import integrity
+from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps
+from nnx_zoo.training.metrics import read_metrics
 
 STEPS = 4
 RUN = {
@@ -184,7 +184,7 @@ def test_a_vanished_checkpoint_directory_stops_the_run_in_one_line(tmp_path):
 _LATE_WAKEUP = """
 import asyncio, gc, time
 import tensorstore as ts
-import checkpoint.write_errors  # noqa: F401 -- installs the filter under test
+import nnx_zoo.checkpoint.write_errors  # noqa: F401 -- installs the filter under test
 promise, future = ts.Promise.new()
 loop = asyncio.new_event_loop()
 async def wait():

@@ -18,11 +18,11 @@ import optax
 import pytest
 from flax import nnx
 
-import data
-from checkpoint import integrity
-from checkpoint.manager import Checkpointer, checkpoint_dir
-from data.position import documents_read, for_workers
-from data.tokenizers import ByteTokenizer
+from nnx_zoo import data
+from nnx_zoo.checkpoint import integrity
+from nnx_zoo.checkpoint.manager import Checkpointer, checkpoint_dir
+from nnx_zoo.data.position import documents_read, for_workers
+from nnx_zoo.data.tokenizers import ByteTokenizer
 
 BYTE = ByteTokenizer()
 SEQ_LEN, BATCH = 32, 8
@@ -197,7 +197,7 @@ def test_checkpoint_keeps_one_global_position_and_reads_the_per_process_format(s
 def test_only_a_changed_stream_restarts_it():
     from _train_helpers import run_config
 
-    from checkpoint.resume import data_changes
+    from nnx_zoo.checkpoint.resume import data_changes
 
     saved = run_config({"data.num_workers": 2})
     # Workers (and the process count, which no config holds) leave the position valid.

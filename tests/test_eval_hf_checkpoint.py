@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from _train_helpers import ROOT, char_tokenizer
 
-from data.sources import write_token_documents
+from nnx_zoo.data.sources import write_token_documents
 
 REFERENCE = os.path.join(ROOT, "tests", "hf_reference")
 

@@ -16,12 +16,12 @@ import pytest
 from flax import nnx
 
 import configs.tiny
-import data
-from checkpoint.manager import Checkpointer, checkpoint_dir
-from data.tokenizers import make_tokenizer
-from evaluation.metrics import json_safe
+from nnx_zoo import data
+from nnx_zoo.checkpoint.manager import Checkpointer, checkpoint_dir
+from nnx_zoo.data.tokenizers import make_tokenizer
+from nnx_zoo.evaluation.metrics import json_safe
+from nnx_zoo.training.config import RunConfig
 from shardings import get_strategy
-from training.config import RunConfig
 from zoo import create_model
 from zoo.generate import generate
 from zoo.loss import token_nll

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 import pytest
 
-from launch.build import build, make_mesh
-from launch.data import build_data
+from nnx_zoo.launch.build import build, make_mesh
+from nnx_zoo.launch.data import build_data
+from nnx_zoo.training.config import RunConfig
 from shardings import STRATEGIES
 from shardings.strategies import DATA, MODEL, Strategy
-from training.config import RunConfig
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import DecoderLM
 from zoo.registry import FAMILIES, Family, register

@@ -161,9 +161,9 @@ def test_a_template_that_raises_exits_2(files, tmp_path):
 
 
 def _our_logits(workdir, ids):
-    from checkpoint.manager import read_meta
-    from evaluation import model as eval_model
-    from evaluation.settings import from_run_info
+    from nnx_zoo.checkpoint.manager import read_meta
+    from nnx_zoo.evaluation import model as eval_model
+    from nnx_zoo.evaluation.settings import from_run_info
 
     _, meta = read_meta(workdir, None)
     run_info = meta["run_info"]
@@ -233,9 +233,9 @@ def test_lora_on_a_bfloat16_base_with_a_tool_role_trains_and_evaluates(files, tm
     """`--config.model.dtype=bfloat16`: the frozen base stored in bf16, the adapters in f32;
     train_main trains, eval_main evaluates. The chats hold Llama 3.1's tool-output role
     `ipython`, which Llama 3's template renders (a fixed role list refused it before)."""
-    from checkpoint.manager import read_meta
-    from evaluation import model as eval_model
-    from evaluation.settings import from_run_info
+    from nnx_zoo.checkpoint.manager import read_meta
+    from nnx_zoo.evaluation import model as eval_model
+    from nnx_zoo.evaluation.settings import from_run_info
     from zoo.layers.lora import LoraParam
 
     tool = [

@@ -1,5 +1,5 @@
-"""The step forecast (planning/estimate.py) on hand-computed cases, and the HLO traffic it
-reads (planning/hlo_traffic.py) on programs whose bytes can be counted by hand."""
+"""The step forecast (nnx_zoo/planning/estimate.py) on hand-computed cases, and the HLO traffic it
+reads (nnx_zoo/planning/hlo_traffic.py) on programs whose bytes can be counted by hand."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from planning.chips import Chip
-from planning.estimate import HBM_EFFICIENCY, forecast_step
-from planning.hlo_traffic import traffic
+from nnx_zoo.planning.chips import Chip
+from nnx_zoo.planning.estimate import HBM_EFFICIENCY, forecast_step
+from nnx_zoo.planning.hlo_traffic import traffic
 from zoo import get_config
 
 # A GPU-like chip with round numbers: 1 PFLOP/s, 1 TB/s of HBM.
@@ -115,7 +115,7 @@ def test_remat_adds_the_recomputed_forward_and_comm_hides_behind_work():
 
 
 def test_no_forecast_without_the_chip_figures():
-    from planning.chips import CHIPS
+    from nnx_zoo.planning.chips import CHIPS
 
     assert forecast_step(
         CFG, seq_len=T, global_batch=B, num_devices=1, micro_batches=1, tensor_parallel=1,
@@ -163,7 +163,7 @@ def test_plan_reports_the_forecast_beside_the_bound():
     the bound, and its memory-bound bytes come from the one- and two-layer compiles."""
     import json
 
-    from planning.cli import Request, plan
+    from nnx_zoo.planning.cli import Request, plan
 
     request = Request(
         topology="h100:8",

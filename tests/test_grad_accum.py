@@ -13,12 +13,12 @@ import pytest
 from _train_helpers import SMALL_RUN, run_config
 from flax import nnx
 
-import data
-from data.tokenizers import make_tokenizer
-from runtime.distributed import to_global
+from nnx_zoo import data
+from nnx_zoo.data.tokenizers import make_tokenizer
+from nnx_zoo.runtime.distributed import to_global
+from nnx_zoo.training import optim
+from nnx_zoo.training.loop import Trainer
 from shardings import get_strategy
-from training import optim
-from training.loop import Trainer
 from zoo import create_model
 
 STEPS = 3

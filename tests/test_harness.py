@@ -17,9 +17,9 @@ import pytest
 from _harness_helpers import ROOT, STYLES, TASKS, write_tiny_llama, write_tokenizer
 from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
 
-from data.tokenizers import ByteTokenizer, make_tokenizer
-from evaluation.harness_batch import pack, row_length
-from evaluation.harness_tokens import HarnessTokens
+from nnx_zoo.data.tokenizers import ByteTokenizer, make_tokenizer
+from nnx_zoo.evaluation.harness_batch import pack, row_length
+from nnx_zoo.evaluation.harness_tokens import HarnessTokens
 
 pytest.importorskip("lm_eval", reason="the [eval] extra (lm-eval) is not installed")
 
@@ -72,7 +72,7 @@ def test_loglikelihood_pairs(tokens):
 
 
 def test_rolling_windows_score_every_token_once(tokens):
-    from evaluation.harness_tokens import rolling_windows
+    from nnx_zoo.evaluation.harness_tokens import rolling_windows
 
     llama = tokens["llama"]
     ids = llama.encode("The river starts in the hills as a thin stream of cold water. " * 3)
@@ -119,7 +119,7 @@ def _requests():
 
 
 def _lm(hf_dir, strategy_name, devices, **kwargs):
-    from evaluation.harness_lm import ZooLM
+    from nnx_zoo.evaluation.harness_lm import ZooLM
     from shardings import get_strategy
     from zoo import from_pretrained
 
@@ -242,17 +242,17 @@ def test_bad_task_exits_2_with_one_line(tmp_path, flags, line):
     ],
 )
 def test_bad_task_requests_are_one_line_errors(tasks, include, message):
-    from evaluation.harness import prepare
+    from nnx_zoo.evaluation.harness import prepare
 
     with pytest.raises(ValueError, match=message):
         prepare(tasks, include, 0, None)
 
 
 def test_include_path_names_the_shipped_examples(tmp_path, monkeypatch):
-    from evaluation.harness import EXAMPLE_TASKS, include_dir
+    from nnx_zoo.evaluation.harness import EXAMPLE_TASKS, include_dir
 
     monkeypatch.chdir(tmp_path)
-    for name in ("lm_eval_tasks", "examples/lm_eval_tasks", "evaluation/lm_eval_tasks/"):
+    for name in ("lm_eval_tasks", "examples/lm_eval_tasks", "nnx_zoo/evaluation/lm_eval_tasks/"):
         assert include_dir(name) == EXAMPLE_TASKS, name
     assert {"zoo_facts.yaml", "zoo_prose.yaml", "zoo_facts_gen.yaml"} <= set(
         os.listdir(EXAMPLE_TASKS)
@@ -319,7 +319,7 @@ def test_generate_until_under_a_strategy_that_cannot_generate_exits_2(tmp_path):
 
 
 def test_which_tasks_a_strategy_refuses():
-    from evaluation.harness import check_strategy, prepare
+    from nnx_zoo.evaluation.harness import check_strategy, prepare
 
     generating = prepare("zoo_facts_gen", TASKS, 0, None)
     with pytest.raises(ValueError, match=r"^--tasks: zoo_facts_gen .*over 'context' .*fsdp_tp_cp"):
@@ -370,9 +370,9 @@ def test_export_main_hf_of_a_run_without_lora_at_a_step(run_dir, tmp_path):
     """--format=hf is for any run; --step=25 writes that step's weights (not the latest)."""
     from flax import nnx
 
-    from checkpoint.manager import read_meta
-    from evaluation import model as eval_model
-    from evaluation.settings import from_run_info
+    from nnx_zoo.checkpoint.manager import read_meta
+    from nnx_zoo.evaluation import model as eval_model
+    from nnx_zoo.evaluation.settings import from_run_info
     from zoo import from_pretrained
 
     out = str(tmp_path / "hf")

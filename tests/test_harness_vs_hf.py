@@ -26,7 +26,7 @@ ATOL = 1e-4
 def _evaluate(model, names, **kwargs):
     import lm_eval
 
-    from evaluation.harness import task_manager
+    from nnx_zoo.evaluation.harness import task_manager
 
     return lm_eval.simple_evaluate(
         model=model,
@@ -47,8 +47,8 @@ def _evaluate(model, names, **kwargs):
     ],
 )
 def test_same_answers_as_the_hf_backend(tmp_path, style, names):
-    from data.tokenizers import make_tokenizer
-    from evaluation.harness_lm import ZooLM
+    from nnx_zoo.data.tokenizers import make_tokenizer
+    from nnx_zoo.evaluation.harness_lm import ZooLM
     from shardings import get_strategy
     from zoo import from_pretrained
 

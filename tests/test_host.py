@@ -4,7 +4,7 @@ import importlib.util
 import os
 import sys
 
-from runtime import host
+from nnx_zoo.runtime import host
 
 
 def test_quiet_import_works_without_the_cuda_plugin_package(monkeypatch):

@@ -322,7 +322,7 @@ def test_every_float_field_refuses_non_finite_values():
     # is applied) gets the same check as a config file's value.
     import dataclasses
 
-    from training import config
+    from nnx_zoo.training import config
 
     floats = 0
     for section, kind in config._SECTION_TYPES.items():
@@ -397,8 +397,8 @@ def test_no_fit_advice_never_repeats_what_was_tried():
     # Finding 10: full remat was compiled and did not fit; the advice must go past it.
     from types import SimpleNamespace
 
-    from planning.compile import Candidate
-    from planning.search import smallest_change
+    from nnx_zoo.planning.compile import Candidate
+    from nnx_zoo.planning.search import smallest_change
 
     gib = 2**30
     run = SimpleNamespace(data=SimpleNamespace(global_batch_size=8))

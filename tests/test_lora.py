@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 from model_utils import one_device_mesh, packed_batch
 
+from nnx_zoo.training.loop import Trainer, loss_sum
 from shardings import STRATEGIES, get_strategy
-from training.loop import Trainer, loss_sum
 from zoo import create_model, get_config
 from zoo.layers.lora import TARGETS, LoraConfig, LoraParam, adapters, add_lora, merge_lora
 

@@ -1,4 +1,4 @@
-"""Tests for training/metrics.py and training/flops.py."""
+"""Tests for nnx_zoo/training/metrics.py and nnx_zoo/training/flops.py."""
 
 import json
 import os
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from training import flops
-from training.metrics import MetricsWriter, read_metrics
+from nnx_zoo.training import flops
+from nnx_zoo.training.metrics import MetricsWriter, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TRAIN_KEYS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu"}
@@ -134,19 +134,19 @@ def test_restart_from_step_0_keeps_one_history(tmp_path):
 
 
 def test_files_follow_the_umask(tmp_path):
-    from checkpoint.files import write_json_atomic
+    from nnx_zoo.checkpoint.files import write_json_atomic
 
     previous = os.umask(0o027)
     try:
         import importlib
 
-        import checkpoint.files
+        from nnx_zoo.checkpoint import files
 
-        importlib.reload(checkpoint.files)  # it reads the umask once
-        checkpoint.files.write_json_atomic(str(tmp_path / "a.json"), {})
+        importlib.reload(files)  # it reads the umask once
+        files.write_json_atomic(str(tmp_path / "a.json"), {})
     finally:
         os.umask(previous)
-        importlib.reload(checkpoint.files)
+        importlib.reload(files)
     assert oct(os.stat(tmp_path / "a.json").st_mode & 0o777) == oct(0o640)
     write_json_atomic(str(tmp_path / "b.json"), {})
     assert oct(os.stat(tmp_path / "b.json").st_mode & 0o777) == oct(0o666 & ~previous)
@@ -275,7 +275,7 @@ def test_precision_peak_ratio(kind, quantization, ratio):
 
 
 def test_the_planner_takes_its_chips_peaks_from_the_one_table():
-    from planning.chips import CHIPS, chip_name_for, peak_flops
+    from nnx_zoo.planning.chips import CHIPS, chip_name_for, peak_flops
 
     for name, chip in CHIPS.items():
         if chip.platform == "cpu":

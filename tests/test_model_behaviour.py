@@ -143,7 +143,7 @@ def test_remat_gives_equal_gradients(model, remat):
 def _scan_whiles(cfg, mesh, strategy=DP) -> int:
     """While loops in the lowered (pre-XLA) eval step: the layer scan is one unless it is
     unrolled."""
-    from launch.build import abstract_run
+    from nnx_zoo.launch.build import abstract_run
 
     run = abstract_run(cfg, strategy.name, mesh, batch_size=8, seq_len=16)
     with jax.set_mesh(mesh):
@@ -179,7 +179,7 @@ def test_unrolled_layer_scan_equals_rolled(model, remat):
 
 @pytest.mark.tpu_compile
 def test_layer_scan_stays_rolled_for_tpu_targets():
-    from planning import target_devices
+    from nnx_zoo.planning import target_devices
 
     mesh = make_mesh(DP, devices=target_devices("v5p:2x2x2"))
     # auto keeps one compiled block on TPU (compile time), like an explicit 1.

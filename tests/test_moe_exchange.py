@@ -88,8 +88,8 @@ def test_ragged_exchange_sends_the_routed_payload_on_tpu():
     """Issue 32, check 1: qwen3-moe-tiny, bf16, remat none, 8 x 2048 on v5p:2x2x2, fsdp_ep
     with expert 8. The routed payload: 4 exchanges per layer (dispatch and combine, forward
     and backward) of tokens per device x k x M x 2 bytes. The padded buffers sent 8.0x it."""
-    from planning.compile import Candidate, compile_plan, make_target
-    from training.config import RunConfig
+    from nnx_zoo.planning.compile import Candidate, compile_plan, make_target
+    from nnx_zoo.training.config import RunConfig
 
     run = RunConfig.from_config_dict(
         {

@@ -16,9 +16,9 @@ import test_strategies_equal_one_device as equal
 from flax import nnx
 from model_utils import one_device_mesh
 
+from nnx_zoo.training.loop import objective_from_nll
 from shardings import get_strategy
 from shardings.specs import normalize
-from training.loop import objective_from_nll
 from zoo import check_model_fits, get_config, param_layouts
 from zoo.loss import token_nll
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from _train_helpers import SMALL_RUN, cli_flags, run_train_main, train_losses
 
-from planning import cli as planner
+from nnx_zoo.planning import cli as planner
 
 STEPS = 25
 OVERRIDES = {

@@ -2,7 +2,7 @@
 between one and two processes through its checkpoints.
 
 The processes meet through `jax.distributed` on localhost (gloo collectives on CPU). Every
-process builds the whole global batch and keeps its rows of it (data/pipeline.py), so the
+process builds the whole global batch and keeps its rows of it (nnx_zoo/data/pipeline.py), so the
 reference is a plain one-process run, and the losses must match it (within float32
 reassociation: see the tolerance).
 
@@ -47,7 +47,7 @@ CASES = {
 
 def _one_process(workdir: str, strategy: str, overrides: dict | None = None) -> list[float]:
     """A plain run of this (one) process on its 8 devices; the losses of metrics.jsonl."""
-    from launch import session as train_run
+    from nnx_zoo.launch import session as train_run
 
     mesh, mesh_text, _, case = CASES[strategy]
     run = run_config(

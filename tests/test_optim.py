@@ -1,4 +1,4 @@
-"""Tests for training/optim.py: schedule, clipping, the weight-decay mask, micro-batching."""
+"""Tests for nnx_zoo/training/optim.py: schedule, clipping, the weight-decay mask, micro-batching."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from training.optim import accumulate_gradients, make_optimizer
+from nnx_zoo.training.optim import accumulate_gradients, make_optimizer
 
 VOCAB, DIM, LAYERS = 11, 4, 3
 

@@ -23,7 +23,7 @@ from _train_helpers import ROOT, SMALL_RUN, child_env, cli_flags, run_train_main
 from flax import nnx
 from test_checkpoint import build, data_iter, leaves, take_optimizer_step
 
-from checkpoint.manager import Checkpointer
+from nnx_zoo.checkpoint.manager import Checkpointer
 
 PIPE = ("fsdp_pp", (2, 4))
 FLAT = ("fsdp", (8,))

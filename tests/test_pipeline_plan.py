@@ -31,16 +31,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from launch.build import abstract_run
-from planning import target_devices
-from planning.chips import chip_for
-from planning.cli import _strategies
-from planning.compile import Candidate, Target, compile_plan, make_target, run_for
-from planning.estimate import estimate_step
-from planning.search import candidate_space, pipeline_microbatches, search
+from nnx_zoo.launch.build import abstract_run
+from nnx_zoo.planning import target_devices
+from nnx_zoo.planning.chips import chip_for
+from nnx_zoo.planning.cli import _strategies
+from nnx_zoo.planning.compile import Candidate, Target, compile_plan, make_target, run_for
+from nnx_zoo.planning.estimate import estimate_step
+from nnx_zoo.planning.search import candidate_space, pipeline_microbatches, search
+from nnx_zoo.training.config import RunConfig
 from shardings import get_strategy
 from shardings.specs import split_size
-from training.config import RunConfig
 from zoo import get_config, param_layouts
 from zoo.layers import pipeline
 

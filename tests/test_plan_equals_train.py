@@ -13,9 +13,9 @@ import sys
 import jax
 import pytest
 
-from launch.build import build, make_mesh
-from launch.data import build_data
-from training.config import RunConfig
+from nnx_zoo.launch.build import build, make_mesh
+from nnx_zoo.launch.data import build_data
+from nnx_zoo.training.config import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A run that differs from the tiny config's defaults in what the planner used to drop:

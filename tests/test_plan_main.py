@@ -11,11 +11,11 @@ import sys
 import jax
 import pytest
 
-from planning.chips import GiB, chip_for
-from planning.cli import resolve_auto
-from planning.compile import Target
-from planning.search import candidate_space, search
-from training.config import RunConfig
+from nnx_zoo.planning.chips import GiB, chip_for
+from nnx_zoo.planning.cli import resolve_auto
+from nnx_zoo.planning.compile import Target
+from nnx_zoo.planning.search import candidate_space, search
+from nnx_zoo.training.config import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs plan_main with a module hidden, as if its extra were not installed.
@@ -128,7 +128,7 @@ def test_recompute_flops_follow_what_each_policy_keeps():
     """The estimate's extra forward FLOPs per token per policy: `full` and `offload` redo every
     block matmul and attention, `save_*_proj` all but those projections, `dots` attention
     alone; the LM head (and its padding) is never rematerialised."""
-    from planning.estimate import recompute_flops_per_token
+    from nnx_zoo.planning.estimate import recompute_flops_per_token
     from zoo.layers.remat import POLICIES
 
     cfg = _run().model.decoder_config()
@@ -150,7 +150,7 @@ def test_recompute_flops_follow_what_each_policy_keeps():
 def test_a_gpu_holds_what_jaxs_allocator_may_take(monkeypatch):
     """JAX caps its GPU allocator at 75% of the memory by default (seen on an H100: a plan of
     61 GiB, within 80 GB, ran out); TPU chips and --memory_gib are taken as given."""
-    from planning.chips import chip_for
+    from nnx_zoo.planning.chips import chip_for
 
     for name in (
         "XLA_CLIENT_MEM_FRACTION",
@@ -177,8 +177,8 @@ def test_a_variant_that_cannot_fit_is_not_compiled():
     4 + 26/2 = 17 GiB; k=8 (at least 10.5) and another layout stay candidates."""
     from types import SimpleNamespace
 
-    from planning.compile import Candidate
-    from planning.search import _cannot_fit
+    from nnx_zoo.planning.compile import Candidate
+    from nnx_zoo.planning.search import _cannot_fit
 
     state = SimpleNamespace(params=1 * GiB, optimizer=3 * GiB)
     failed = [

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from planning.chips import CHIPS
-from planning.compile import Candidate, Target, layout_state_bytes
+from nnx_zoo.planning.chips import CHIPS
+from nnx_zoo.planning.compile import Candidate, Target, layout_state_bytes
+from nnx_zoo.training import optim
+from nnx_zoo.training.config import RunConfig
 from shardings import STRATEGIES, get_strategy
-from training import optim
-from training.config import RunConfig
 from zoo import create_model, param_layouts
 
 NAMES = ["dp", "fsdp", "tp", "fsdp_tp"]
@@ -109,8 +109,8 @@ def test_lora_gradients_are_the_adapters_only():
     candidate = Candidate("fsdp", shape, "none", 1)
     planned = layout_state_bytes(run, candidate, target)
 
-    from launch.build import build
-    from planning.compile import make_mesh, run_for
+    from nnx_zoo.launch.build import build
+    from nnx_zoo.planning.compile import make_mesh, run_for
 
     built = build(run_for(run, candidate), make_mesh(target, candidate), abstract=True)
     adapters = nnx.state(built.model, LoraParam)

@@ -4,9 +4,9 @@ promises for each strategy (however each target spells them)."""
 
 import pytest
 
-from planning.compile import Candidate, compile_plan, make_target
+from nnx_zoo.planning.compile import Candidate, compile_plan, make_target
+from nnx_zoo.training.config import RunConfig
 from shardings import get_strategy
-from training.config import RunConfig
 
 NAMES = ("dp", "fsdp", "tp", "fsdp_tp")
 
@@ -161,8 +161,8 @@ def test_a_step_the_tpu_compiler_refuses_for_memory_is_a_plan_that_does_not_fit(
     planner reports it as a plan that does not fit (with the compiler's figure) and advises,
     never a stack trace. Tiny at 8192 tokens with XLA attention and no remat keeps every
     layer's [N, T, T] scores: about 64 GiB of temporaries per v5e chip (16 GiB)."""
-    from planning.cli import Request, build
-    from planning.search import search
+    from nnx_zoo.planning.cli import Request, build
+    from nnx_zoo.planning.search import search
 
     request = Request(
         topology="v5e:2x4",

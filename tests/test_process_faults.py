@@ -1,6 +1,6 @@
 """Processes that lose one of their peers, or are preempted.
 
-First the peer watch alone (runtime/peers.py), in three plain Python processes without JAX
+First the peer watch alone (nnx_zoo/runtime/peers.py), in three plain Python processes without JAX
 (a second each): a client killed, process 0 (the relay) killed, a client frozen (SIGSTOP),
 a client stopping on its own error, and all finishing.
 
@@ -35,9 +35,9 @@ import portpicker
 import pytest
 from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
 
-from checkpoint.manager import checkpoint_dir, complete_steps
-from runtime import peers
-from training.metrics import read_metrics
+from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps
+from nnx_zoo.runtime import peers
+from nnx_zoo.training.metrics import read_metrics
 
 STEPS = 20
 EVERY = 4
@@ -60,7 +60,7 @@ WATCH_TIMEOUT = 3.0
 WATCHER = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
-from runtime import peers
+from nnx_zoo.runtime import peers
 
 index, count, port, action = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 server = peers.listen(port) if index == 0 else None
@@ -175,8 +175,8 @@ def test_the_watch_alone(tmp_path, case):
 
 
 def test_the_bound_is_a_config_field_and_sets_jax_timeouts():
-    from runtime.distributed import jax_timeouts
-    from training.config import RunConfig
+    from nnx_zoo.runtime.distributed import jax_timeouts
+    from nnx_zoo.training.config import RunConfig
 
     assert RunConfig.from_config_dict({}).training.peer_timeout_seconds == 60
     for bad in (-1, float("nan"), float("inf")):

@@ -15,9 +15,9 @@ counts those dots at the bf16 rate, so fp8 there forecasts no speed-up.
 
 import pytest
 
-from planning.chips import CHIPS
-from planning.compile import Candidate, compile_plan, make_target
-from training.config import RunConfig
+from nnx_zoo.planning.chips import CHIPS
+from nnx_zoo.planning.compile import Candidate, compile_plan, make_target
+from nnx_zoo.training.config import RunConfig
 
 PROJECTIONS = 7  # q, k, v, o, gate, up, down
 

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from checkpoint.manager import checkpoint_dir, complete_steps
-from training.metrics import read_metrics
+from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps
+from nnx_zoo.training.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 40

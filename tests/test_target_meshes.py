@@ -3,7 +3,7 @@ axis must be allowed to split (data 8 x model 8 on v5p:4x4x4, model 4 on v6e:4x4
 
 import pytest
 
-from planning import target_devices
+from nnx_zoo.planning import target_devices
 from shardings import STRATEGIES
 from zoo import get_config
 

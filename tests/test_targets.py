@@ -1,8 +1,8 @@
-"""Abstract TPU and GPU devices by target name (planning/targets.py)."""
+"""Abstract TPU and GPU devices by target name (nnx_zoo/planning/targets.py)."""
 
 import pytest
 
-from planning import TargetError, target_devices, target_platform
+from nnx_zoo.planning import TargetError, target_devices, target_platform
 
 
 @pytest.mark.tpu_compile
@@ -59,7 +59,7 @@ def test_a_topology_libtpu_cannot_lay_out_is_one_line():
 def test_a_missing_extra_names_the_pip_line(monkeypatch):
     import importlib.util
 
-    from planning import targets
+    from nnx_zoo.planning import targets
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

@@ -83,7 +83,7 @@ DEFAULT_MESHES = {"dp": {"data": 8}, "fsdp": {"data": 8}, "fsdp_cp": {"data": 4,
 
 @pytest.mark.parametrize("strategy", list(DEFAULT_MESHES))
 def test_strategies_give_the_same_losses(strategy, fsdp_tp_run, tmp_path):
-    from launch import session as train_run
+    from nnx_zoo.launch import session as train_run
 
     run = run_config({**SMALL_RUN, "training.sharding_strategy": strategy})
     setup = train_run.prepare(run, str(tmp_path))
@@ -160,8 +160,8 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
 def test_configs_parse_and_build_abstractly(name):
     import importlib
 
+    from nnx_zoo.training.config import RunConfig
     from shardings import get_strategy
-    from training.config import RunConfig
     from zoo import param_layouts
 
     config = importlib.import_module(f"configs.{name}").get_config()
@@ -182,7 +182,7 @@ def test_configs_parse_and_build_abstractly(name):
 def test_init_from_loads_the_checkpoint(tmp_path):
     from safetensors.numpy import load_file
 
-    from launch import session as train_run
+    from nnx_zoo.launch import session as train_run
 
     hf_dir = os.path.join(os.path.dirname(__file__), "hf_reference", "llama")
     overrides = {**SMALL_RUN, "data.tokenizer": char_tokenizer(tmp_path)[0]}
@@ -217,7 +217,7 @@ def test_init_from_with_a_too_small_vocab_is_a_usage_error(tmp_path):
 )
 def test_run_config_rejects_bad_values_in_one_line(change, message):
     from configs import tiny
-    from training.config import RunConfig
+    from nnx_zoo.training.config import RunConfig
 
     config = tiny.get_config()
     change(config)
@@ -228,7 +228,7 @@ def test_run_config_rejects_bad_values_in_one_line(change, message):
 
 def test_run_config_clamps_a_warmup_longer_than_the_schedule_with_a_note():
     from configs import tiny
-    from training.config import RunConfig
+    from nnx_zoo.training.config import RunConfig
 
     config = tiny.get_config()
     config.training.steps = 1  # a smoke run of the preset, whose warmup is 20
@@ -243,7 +243,7 @@ def test_run_config_clamps_a_warmup_longer_than_the_schedule_with_a_note():
 
 
 def test_run_config_rejects_unknown_fields_and_wrong_types():
-    from training.config import RunConfig
+    from nnx_zoo.training.config import RunConfig
 
     with pytest.raises(ValueError, match=r"unknown fields \['lr'\]"):
         RunConfig.from_config_dict({"optimizer": {"lr": 1.0}})

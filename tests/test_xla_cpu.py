@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from runtime.xla_cpu import CPU_FLAGS, DISABLE_ENV, cpu_flags, set_cpu_flags
+from nnx_zoo.runtime.xla_cpu import CPU_FLAGS, DISABLE_ENV, cpu_flags, set_cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = [f"--{name}={value}" for name, value, _ in CPU_FLAGS]
@@ -31,7 +31,7 @@ def test_the_defaults_can_be_turned_off():
 
 CHILD = """
 import numpy as np
-from runtime.xla_cpu import set_cpu_flags
+from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 set_cpu_flags()
 import jax, jax.numpy as jnp
 a = np.random.default_rng(0).standard_normal((256, 384), np.float32)

@@ -75,7 +75,7 @@ def fit_vocab(cfg: DecoderConfig, strategy, mesh) -> DecoderConfig:
     kept. Else V rounds up to a multiple of 128 x the shards (GPT-2's 50257 over `model`=2:
     50432); the padded rows are never looked up and their logits are masked, so the numbers
     are those of the unpadded model. Checkpoints and Hugging Face files convert between
-    paddings (checkpoint/manager.py, zoo/hf_io.py).
+    paddings (nnx_zoo/checkpoint/manager.py, zoo/hf_io.py).
     """
     shards = vocab_shards(strategy, mesh)
     if cfg.vocab_rows % shards == 0:

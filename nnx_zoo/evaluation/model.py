@@ -1,0 +1,117 @@
+"""The model to evaluate: rebuilt from a run's record and filled from its checkpoint, or read
+from a Hugging Face directory, in the layout of the requested strategy and mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+from flax import nnx
+
+from nnx_zoo.checkpoint.manager import restore_params
+from nnx_zoo.evaluation.settings import EvalSettings, run_config
+from nnx_zoo.launch.build import check_attention, check_positions
+from nnx_zoo.training import finetune
+from shardings import get_strategy
+from zoo import create_model, from_pretrained
+from zoo.build import abstract_model
+from zoo.hf_io import read_config
+from zoo.registry import config_types
+
+
+def model_config_from_run_info(run_info: dict):
+    """The zoo config the run trained: `run_info['model_config']` when recorded (type name
+    and fields), else the run config's model section (`RunConfig.model.decoder_config()`)."""
+    recorded = run_info.get("model_config")
+    if recorded:
+        types = config_types()
+        fields = dict(recorded)
+        name = fields.pop("type", None)
+        if name not in types:
+            raise ValueError(f"checkpoint model config type {name!r} is not in this zoo ({types})")
+        config_type = types[name]
+        for field in dataclasses.fields(config_type):
+            if isinstance(fields.get(field.name), list):  # JSON turned tuples into lists
+                fields[field.name] = tuple(fields[field.name])
+        return config_type(**fields)
+    return run_config(run_info).model.decoder_config()
+
+
+def load_from_hf(hf_dir: str, settings: EvalSettings, explicit_length: bool = False):
+    """(model, mesh, settings) read from a Hugging Face checkpoint directory; the settings'
+    default row length is cut to a learned position table shorter than it (GPT-2's), while a
+    --seq_len given past the table is refused."""
+
+    strategy = get_strategy(settings.strategy)
+    if not os.path.isdir(hf_dir):
+        raise FileNotFoundError(f"--hf_checkpoint={hf_dir!r} is not a directory")
+    overrides = {"attention_impl": settings.attention_impl} if settings.attention_impl else {}
+    cfg = read_config(hf_dir, **overrides)
+    if not explicit_length and getattr(cfg, "position", None) == "learned":
+        settings = dataclasses.replace(settings, seq_len=min(settings.seq_len, cfg.max_seq_len))
+    check_positions(cfg, settings.seq_len, "--seq_len")
+    mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
+    check_attention(cfg, mesh, settings.seq_len)
+    with jax.set_mesh(mesh):
+        model = from_pretrained(hf_dir, strategy, **overrides)
+    return model, mesh, settings
+
+
+def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, step: int | None):
+    """(model, mesh, step): the run's model built under the requested strategy/mesh, with the
+    parameters of checkpoint `step` (default: the latest), checked against its checksums."""
+
+    strategy = get_strategy(settings.strategy)
+    if run_config(run_info).lora.enabled:
+        return load_adapted(workdir, run_info, settings, step)
+    # Evaluation takes no gradients: what the backward pass would keep does not matter, and
+    # a policy the evaluating backend lacks (offload, on CPU) must not stop it.
+    cfg = model_config_from_run_info(run_info).replace(remat="none")
+    if settings.attention_impl:
+        cfg = cfg.replace(attention_impl=settings.attention_impl)
+    mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
+    # The run's attention backend must run here (a TPU run's splash on a CPU host does not):
+    # one line now, not an error deep in the compile.
+    check_attention(cfg, mesh, settings.seq_len)
+    # Training refused rows past a learned position table (GPT-2's), where every later
+    # position would read the table's last row; an eval --seq_len could ask for them here.
+    check_positions(cfg, settings.seq_len, "--seq_len")
+    # The run's padded vocab (if any) where it divides this mesh's split, else padded anew
+    # (restore_params then pads or cuts the rows that hold no token).
+    with jax.set_mesh(mesh):
+        # Shapes only: the checkpoint's arrays are read straight into the layout, so the model
+        # is never initialised (and never held twice).
+        model = abstract_model(cfg, strategy, mesh)
+        step = restore_params(workdir, model, step)
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(model))):
+            # State besides the parameters (none in today's families) needs real values.
+            model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+            step = restore_params(workdir, model, step)
+    return model, mesh, step
+
+
+def load_adapted(workdir: str, run_info: dict, settings: EvalSettings, step: int | None):
+    """(model, mesh, step) of a LoRA run: the base read from the run's `init_from` directory,
+    its adapters from checkpoint `step` (a LoRA checkpoint holds nothing else)."""
+    run = run_config(run_info)
+    base = run_info.get("init_from")
+    if not base or not os.path.isdir(base):
+        raise FileNotFoundError(
+            f"the LoRA run's base model {base!r} (run_info.json init_from) is not a directory"
+        )
+    strategy = get_strategy(settings.strategy)
+    overrides = dict(dtype=run.model.dtype, scan_layers=run.model.scan_layers)
+    if settings.attention_impl:
+        overrides["attention_impl"] = settings.attention_impl
+    cfg = read_config(base, **overrides)
+    mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
+    check_attention(cfg, mesh, settings.seq_len)
+    check_positions(cfg, settings.seq_len, "--seq_len")
+    with jax.set_mesh(mesh):
+        model = from_pretrained(base, strategy, **overrides)
+        # Dropout only trains; the adapters' values come from the checkpoint.
+        finetune.adapt(model, dataclasses.replace(run.lora, dropout=0.0))
+        finetune.freeze_base(model, run.model.dtype)
+        step = restore_params(workdir, model, step)
+    return model, mesh, step

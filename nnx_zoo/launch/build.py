@@ -1,0 +1,318 @@
+"""One assembly of a run: run config -> mesh -> model -> optimizer -> train step -> run info.
+
+train_main, eval_main, plan_main and the benches all build here, concrete or abstract, so
+the step the planner compiles is the step train_main runs (same loss chunking, remat,
+micro-batches, optimizer) and its memory figures come from one formula
+(`training.step_memory`). Abstract means shapes only: every array a `jax.ShapeDtypeStruct`
+with its `NamedSharding` on the mesh, so a model far larger than this host, on a TPU or GPU
+target it does not have, is compiled without allocating anything.
+
+Every mistake in the inputs surfaces here as a one-line ValueError / FileNotFoundError,
+which the entry points turn into exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_zoo.training import finetune, optim
+from nnx_zoo.training.config import ModelSection, RunConfig
+from nnx_zoo.training.loop import Trainer
+from nnx_zoo.training.step_memory import abstract_batch
+from shardings import check_batch, get_strategy
+from shardings.hybrid import crossing_axes
+from zoo import create_model, from_pretrained
+from zoo.build import check_model_fits, fit_vocab, model_class
+from zoo.hf_io import read_config
+from zoo.layers import pipeline, remat
+from zoo.layers.attention import check_implementation
+
+
+@dataclasses.dataclass
+class Run:
+    """A built run: what a training step needs, concrete or abstract."""
+
+    config: RunConfig
+    strategy: object  # shardings.Strategy
+    mesh: jax.sharding.Mesh
+    model_cfg: object  # the zoo config as built: vocab padded for the mesh; with
+    #                    init_from, the checkpoint's architecture
+    model: nnx.Module
+    optimizer: nnx.Optimizer
+    trainer: Trainer
+    schedule: Callable[[int], float]  # step -> learning rate
+    abstract: bool
+    init_from: str | None = None
+
+    @property
+    def batch_spec(self) -> P:
+        return self.strategy.batch_spec()
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """One step's global batch as shapes in the batch layout."""
+        data = self.config.data
+        return abstract_batch(self.mesh, self.batch_spec, data.global_batch_size, data.seq_len)
+
+    def compile(self):
+        """(compiled train step, seconds): lowered on the run's state and a batch of the
+        run's shape, which is what train_main's first real batch looks like too."""
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            compiled = self.trainer.lower(self.abstract_batch()).compile()
+        return compiled, time.perf_counter() - start
+
+    def info(self) -> dict:
+        """run_info.json's record of the run (the compiled step's `memory` is added by the
+        caller that compiled it)."""
+        cfg = self.model_cfg
+        return {
+            "config": self.config.to_dict(),
+            "strategy": self.strategy.name,
+            "mesh_shape": dict(self.mesh.shape),
+            "num_devices": self.mesh.size,
+            "num_processes": jax.process_count(),
+            # Axes whose collectives leave a slice (or process): the slow links (DCN).
+            "slice_crossing_axes": list(crossing_axes(self.mesh)),
+            "model": cfg.describe(),
+            # The architecture actually trained (with --init_from it is the checkpoint's, not
+            # the config's preset); eval_main.py rebuilds the model from it.
+            "model_config": {"type": type(cfg).__name__, **dataclasses.asdict(cfg)},
+            "init_from": self.init_from,
+        }
+
+
+def make_mesh(run: RunConfig, devices=None, model_cfg=None):
+    """(strategy, mesh) for the run: `training.mesh_shape`, else the strategy's default rule
+    for `model_cfg` (default: the config's model) over `devices` (default: all)."""
+    strategy = get_strategy(run.training.sharding_strategy)
+    model_cfg = model_cfg or run.model.decoder_config()
+    mesh = strategy.make_mesh(
+        shape=run.training.mesh_shape or None, devices=devices, config=model_cfg
+    )
+    return strategy, mesh
+
+
+def build_optimizer(run: RunConfig):
+    """(optax transformation, learning-rate schedule): the one place the optimizer section
+    becomes an optimizer."""
+    o = run.optimizer
+    return optim.make_optimizer(
+        learning_rate=o.learning_rate,
+        warmup_steps=o.warmup_steps,
+        total_steps=run.decay_steps,
+        end_learning_rate_ratio=o.end_learning_rate_ratio,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        clip_grad_norm=o.clip_grad_norm,
+        decay_norms_and_embeddings=o.decay_norms_and_embeddings,
+    )
+
+
+def runtime_overrides(model: ModelSection) -> dict:
+    """The model section's choices of how a model runs (not what it is): with --init_from the
+    checkpoint fixes the architecture and these still apply."""
+    return dict(
+        dtype=model.dtype,
+        scan_layers=model.scan_layers,
+        scan_unroll=model.scan_unroll,
+        remat=model.remat,
+        attention_impl=model.attention_impl,
+        attention_interpret=model.attention_interpret,
+        moe_exchange=model.moe_exchange,
+        moe_capacity_factor=model.moe_capacity_factor,
+        pipeline_microbatches=model.pipeline_microbatches,
+        pipeline_repeats=model.pipeline_repeats,
+        quantization=model.quantization,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointModelSection(ModelSection):
+    """A model section whose architecture is a Hugging Face checkpoint's (`init_from`, its
+    config.json): `decoder_config()` builds that, with this section's runtime choices
+    (`runtime_overrides`) on top; the section's preset and shape fields are not used."""
+
+    init_from: str = ""
+
+    def decoder_config(self):
+        return read_config(self.init_from, **runtime_overrides(self))
+
+
+def starting_from(run: RunConfig, init_from: str | None) -> RunConfig:
+    """`run` as it starts from the checkpoint directory `init_from` (None: `run`): its model
+    section builds the checkpoint's architecture, so code that reads the model from the run
+    config (the planner, `auto`) sees the model train_main builds."""
+    if init_from is None:
+        return run
+    if not os.path.isdir(init_from):
+        raise FileNotFoundError(f"--init_from={init_from!r} is not a directory")
+    section = {f.name: getattr(run.model, f.name) for f in dataclasses.fields(ModelSection)}
+    model = CheckpointModelSection(**section, init_from=init_from)
+    model.decoder_config()  # an unreadable config.json fails here, in one line
+    return dataclasses.replace(run, model=model)
+
+
+def check_positions(model_cfg, length: int, what: str) -> None:
+    """ValueError (one line) when rows of `length` tokens run past a learned position table
+    (GPT-2): a gather past its last row reads that row again, silently."""
+    if getattr(model_cfg, "position", None) == "learned" and length > model_cfg.max_seq_len:
+        raise ValueError(
+            f"{what}={length} is longer than the model's learned position table "
+            f"(max_seq_len={model_cfg.max_seq_len}); use {what} <= {model_cfg.max_seq_len}"
+        )
+
+
+def check_attention(model_cfg, mesh, seq_len: int) -> str:
+    """The attention backend `model_cfg.attention_impl` runs on `mesh`'s platform for rows of
+    `seq_len`; one-line ValueError when a backend named explicitly cannot run there."""
+    return check_implementation(
+        model_cfg.attention_impl,
+        dtype=model_cfg.compute_dtype,
+        head_dim=model_cfg.head_dim,
+        seq_len=seq_len,
+        platform=mesh.devices.flat[0].platform,
+        interpret=model_cfg.attention_interpret,
+    )
+
+
+def on_mesh(tree, mesh):
+    """Abstract leaves (typed on the abstract mesh of the trace) -> ShapeDtypeStructs with
+    `NamedSharding`s on `mesh`, which is what `.lower` needs to compile for its devices."""
+
+    def place(x):
+        spec = x.sharding.spec if getattr(x, "sharding", None) is not None else None
+        sharding = NamedSharding(mesh, spec or P())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(place, tree)
+
+
+def model_config(run: RunConfig, init_from: str | None = None, model_cfg=None):
+    """The zoo config the run builds: `model_cfg` when given, else the checkpoint's with
+    `init_from` (the run's runtime choices on top), else the run's model section."""
+    if model_cfg is not None:
+        return model_cfg
+    return starting_from(run, init_from).model.decoder_config()
+
+
+def build(
+    run: RunConfig,
+    mesh=None,
+    *,
+    abstract: bool = False,
+    init_from: str | None = None,
+    devices=None,
+    model_cfg=None,
+) -> Run:
+    """Build the run's model, optimizer and train step on `mesh` (default: `make_mesh` over
+    `devices`, default all).
+
+    Args:
+      abstract: shapes only (nothing allocated, nothing initialised); the step can be
+        lowered and compiled, not run.
+      init_from: a Hugging Face checkpoint directory: its architecture and weights (weights
+        only when concrete).
+      model_cfg: a zoo config to use instead of the run's model section (benches).
+    """
+    model_cfg = model_config(run, init_from, model_cfg)
+    if mesh is None:
+        strategy, mesh = make_mesh(run, devices=devices, model_cfg=model_cfg)
+    else:
+        strategy = get_strategy(run.training.sharding_strategy)
+    platform = mesh.devices.flat[0].platform
+    remat.check_platform(model_cfg.remat, platform)
+    micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
+    check_batch(micro_batch, strategy.batch_spec(), mesh, strategy.name, seq_len=run.data.seq_len)
+    # An attention backend named in the config that cannot run here fails now, in one line,
+    # not while the step compiles.
+    check_attention(model_cfg, mesh, run.data.seq_len)
+    check_positions(model_cfg, run.data.seq_len, "data.seq_len")
+    model_cfg = fit_vocab(model_cfg, strategy, mesh)  # padded where the vocab split needs it
+    check_model_fits(model_cfg, strategy, mesh)
+    pipeline.check_batch_size(micro_batch, model_cfg, strategy.lm_sharding(), mesh)
+    tx, schedule = build_optimizer(run)
+
+    if abstract:
+
+        def shapes():
+            cls = model_class(model_cfg)
+            model = cls(model_cfg, strategy.lm_sharding(), rngs=nnx.Rngs(run.training.seed))
+            finetune.adapt(model, run.lora, run.training.seed)
+            finetune.freeze_base(model, run.model.dtype)
+            return model, nnx.Optimizer(model, tx, wrt=finetune.trainable(model))
+
+        with jax.set_mesh(mesh):
+            model, optimizer = nnx.eval_shape(shapes)
+    else:
+        with jax.set_mesh(mesh):
+            if init_from is not None:
+                model = from_pretrained(init_from, strategy, **runtime_overrides(run.model))
+            else:
+                model = create_model(model_cfg, strategy, rngs=nnx.Rngs(run.training.seed))
+            # LoRA (lora.rank set): adapters that alone train; the base stays frozen.
+            finetune.adapt(model, run.lora, run.training.seed)
+            finetune.freeze_base(model, run.model.dtype)
+            optimizer = nnx.Optimizer(model, tx, wrt=finetune.trainable(model))
+    trainer = Trainer(
+        model,
+        optimizer,
+        micro_batches=run.optimizer.micro_batches,
+        batch_spec=strategy.batch_spec(),
+        loss_chunk_size=run.training.loss_chunk_size,
+        wrt=finetune.trainable(model),
+    )
+    if abstract:
+        trainer.state = on_mesh(trainer.state, mesh)
+    return Run(
+        config=run,
+        strategy=strategy,
+        mesh=mesh,
+        model_cfg=model.cfg,
+        model=model,
+        optimizer=optimizer,
+        trainer=trainer,
+        schedule=schedule,
+        abstract=abstract,
+        init_from=init_from,
+    )
+
+
+def model_run(
+    model_cfg,
+    strategy_name: str,
+    mesh,
+    *,
+    batch_size: int,
+    seq_len: int,
+    abstract: bool = False,
+    loss_chunk_size: int = 0,
+    micro_batches: int = 1,
+    packed: bool = True,
+) -> Run:
+    """`build` for a zoo config rather than a run config (benches and tests that compile or
+    time one step of a model on a mesh): the run's other sections take their defaults.
+    `packed=False` states one document per row (no document mask)."""
+    raw = {
+        "model": {"preset": "tiny"},
+        "data": {"seq_len": seq_len, "global_batch_size": batch_size},
+        "training": {"sharding_strategy": strategy_name, "loss_chunk_size": loss_chunk_size},
+        "optimizer": {"micro_batches": micro_batches},
+    }
+    built = build(RunConfig.from_config_dict(raw), mesh, abstract=abstract, model_cfg=model_cfg)
+    built.trainer.packed = packed
+    return built
+
+
+def abstract_run(model_cfg, strategy_name: str, mesh, **kwargs) -> Run:
+    """`model_run(..., abstract=True)`: shapes only, to compile for any target."""
+    return model_run(model_cfg, strategy_name, mesh, abstract=True, **kwargs)

@@ -1,0 +1,424 @@
+"""The command line every entry point shares, written once: the start-up preamble (with the
+simulated CPU devices a flag asks for), the run flags (`--config`,
+`--config.<section>.<field>=value`, `--sharding_strategy`, `--mesh_shape`, `--attention_impl`,
+`--workdir`, `--init_from`, `--peak_tflops`, the process flags), flag parsing, and the
+one-line usage error (exit 2).
+
+train_main and plan_main define the same run flags here (`define_run_flags`), so a train_main
+command line, pasted into plan_main, plans exactly the run it would start; eval_main and
+explain_main take the flags they share from here too. Import this module, and call
+`preamble()`, before anything imports jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+
+EXIT_USAGE = 2
+# configs/ sits beside this package at the top level (checkout and wheel alike).
+_CONFIGS_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs"
+)
+DEFAULT_CONFIG = os.path.join(_CONFIGS_DIR, "tiny.py")
+
+
+def preamble(*, huge_pages: bool = True, cpu_flags: bool = True, cpu_only: bool = False) -> None:
+    """Before jax is imported: quiet native libraries (errors own stderr), this host's CPU
+    allocator and XLA flags, and (`cpu_only`) no accelerator, for plans that never run."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if cpu_only:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if huge_pages and (program.endswith("_main.py") or program.startswith("zoo-")):
+        # glibc reads its tunables when a process starts: restart now (before anything
+        # heavy is loaded) with huge pages for the host allocator where that helps.
+        from nnx_zoo.runtime.cpu_memory import reexec_with_huge_pages
+
+        reexec_with_huge_pages()
+    if cpu_flags:
+        from nnx_zoo.runtime.xla_cpu import set_cpu_flags
+
+        set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
+    from nnx_zoo.runtime.host import import_jax_quietly
+
+    import_jax_quietly()
+
+
+def simulate_cpu_devices(flag: str, count_of=lambda value: value, default=None) -> None:
+    """Before jax starts (XLA creates its host devices then, and a --config file may import
+    jax while the flags are parsed): ask XLA for the CPU devices that `--<flag>=VALUE` on the
+    command line names, `count_of(VALUE)` of them (None: none asked for). A value that is no
+    count is left for the flag parser to refuse."""
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(f"--{flag}=")]
+    value = given[-1] if given else default  # absl's rule: the last one wins
+    count = count_of(value) if value is not None else None
+    if count is not None and str(count).isdigit():
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+        )
+
+
+def usage_error(message) -> None:
+    """One line on stderr, exit status 2: for every mistake in what the user gave us."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USAGE)
+
+
+def device_hint(error: Exception) -> str:
+    """The error's text, plus how to simulate devices when a mesh asked for more devices than
+    a CPU host has (the usual first stumble on a laptop)."""
+    import jax
+
+    text = str(error)
+    wanted = re.search(r"needs (\d+) devices but (\d+) are available", text)
+    if wanted and int(wanted.group(1)) > int(wanted.group(2)) and jax.default_backend() == "cpu":
+        n = wanted.group(1)
+        text += (
+            f"; on CPU, simulate {n} devices by starting with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+        )
+    return text
+
+
+def no_arguments(argv) -> None:
+    if len(argv) > 1:
+        usage_error(f"unexpected arguments {argv[1:]}; flags look like --name=value")
+
+
+def quiet_logging() -> None:
+    """absl at WARNING unless --verbosity was given: Orbax logs every save, optax notes a
+    constant schedule, at INFO; stderr is for the progress bar and errors."""
+    from absl import flags, logging
+
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+
+
+_HELP = ("-h", "--help", "--helpshort", "--helpfull", "-help")
+
+
+def new_flags():
+    """An entry point's own flags. Each entry point keeps its flags apart from absl's global
+    FLAGS (and from the other entry points'), so several of them can be imported and run in
+    one process (a notebook, the tests) with no flag defined twice; absl's --verbosity is
+    shared into it."""
+    from absl import flags, logging  # noqa: F401 -- logging defines --verbosity
+
+    flag_values = flags.FlagValues()
+    flag_values["verbosity"] = flags.FLAGS["verbosity"]
+    return flag_values
+
+
+def run_main(main, flag_values, *, doc: str, argv: list[str] | None = None) -> None:
+    """Parse `argv` (default sys.argv) into the entry point's `flag_values` and run
+    `main(rest)` as absl.app.run does; `--help` prints `doc` and the flags, exit status 0.
+    The console scripts call this through each entry point's `run()`."""
+    from absl import app
+
+    argv = list(sys.argv if argv is None else argv)
+    if any(a in _HELP for a in argv[1:]):
+        print(doc.strip() + "\n\nflags:\n" + _flags_help(flag_values), flush=True)
+        sys.exit(0)
+
+    def parse(args):
+        rest = parse_flags(args, flag_values)
+        mark_global_flags_parsed()
+        return rest
+
+    app.run(main, argv=argv, flags_parser=parse)
+
+
+def mark_global_flags_parsed() -> None:
+    """Libraries read absl's global flags (Grain's worker processes do, as they start) and
+    raise while those are unparsed: outside an absl app, they keep their defaults, parsed."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def _flags_help(flag_values) -> str:
+    lines = []
+    defined = {f for group in flag_values.flags_by_module_dict().values() for f in group}
+    for flag in sorted(defined | {flag_values["verbosity"]}, key=lambda f: f.name):
+        default = "" if flag.default is None else f" (default: {flag.default_as_str})"
+        lines.append(f"  --{flag.name}: {' '.join(str(flag.help).split())}{default}")
+    return "\n".join(lines)
+
+
+def parse_flags(argv, flag_values):
+    from absl import flags
+
+    try:
+        return flag_values(argv)
+    except flags.Error as e:
+        usage_error(e)
+    except Exception as e:  # noqa: BLE001 -- the --config file (any error in it) or an override
+        usage_error(_unknown_field_message(e) or config_file_message(e))
+
+
+# --- the run config flags --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+    """train_main's command line, which plan_main takes as well (absl flag holders)."""
+
+    config: object  # the config_flags holder of the ConfigDict
+    sharding_strategy: object
+    mesh_shape: object
+    attention_impl: object
+    workdir: object
+    init_from: object
+    peak_tflops: object
+    coordinator_address: object
+    num_processes: object
+    process_id: object
+
+
+# What plan_main says of the flags that describe where and how train_main runs, not the step.
+_PLAN_ACCEPTS = " plan_main: accepted, so a train_main command line plans as is; no effect."
+
+
+def define_run_flags(flag_values, strategy_extra: str = "", *, planning: bool = False) -> RunFlags:
+    """The flags that describe a run, for train_main and plan_main alike (`planning`: the help
+    says what each flag does to a plan), defined in the entry point's `flag_values`."""
+    from absl import flags
+
+    fv = flag_values
+    plan_note = _PLAN_ACCEPTS if planning else ""
+    config = define_config_flag(fv)
+    strategy = strategy_flag(fv, f"{strategy_extra}; default: config.training.sharding_strategy.")
+    mesh_shape = mesh_shape_flag(fv, "config.training.mesh_shape or the strategy's rule")
+    attention = attention_flag(fv, "config.model.attention_impl")
+    workdir = flags.DEFINE_string(
+        "workdir", None, "Run directory; default ./runs/<config name>." + plan_note, flag_values=fv
+    )
+    init_from = flags.DEFINE_string(
+        "init_from",
+        None,
+        "A Hugging Face checkpoint directory to start from (zoo.from_pretrained): its "
+        "config.json sets the model's architecture, the config's model section how it runs."
+        + (" plan_main plans that model." if planning else ""),
+        flag_values=fv,
+    )
+    peak = flags.DEFINE_float(
+        "peak_tflops",
+        None,
+        "Peak TFLOP/s per device for MFU; default: table, or measured on CPU."
+        + (
+            " plan_main: accepted, no effect: a plan's MFU is against the target chip's "
+            "peak (nnx_zoo/planning/chips.py)."
+            if planning
+            else ""
+        ),
+        flag_values=fv,
+    )
+    coordinator = flags.DEFINE_string(
+        "coordinator_address",
+        None,
+        "host:port of process 0, for several processes." + plan_note,
+        flag_values=fv,
+    )
+    num_processes = flags.DEFINE_integer(
+        "num_processes", None, "Processes in the run." + plan_note, flag_values=fv
+    )
+    process_id = flags.DEFINE_integer(
+        "process_id", None, "This process's index." + plan_note, flag_values=fv
+    )
+    return RunFlags(
+        config,
+        strategy,
+        mesh_shape,
+        attention,
+        workdir,
+        init_from,
+        peak,
+        coordinator,
+        num_processes,
+        process_id,
+    )
+
+
+def strategy_flag(flag_values, tail: str):
+    """--sharding_strategy, its help listing shardings.STRATEGIES, then `tail`."""
+    from absl import flags
+
+    from shardings import STRATEGIES
+
+    return flags.DEFINE_string(
+        "sharding_strategy", None, f"{' | '.join(STRATEGIES)}{tail}", flag_values=flag_values
+    )
+
+
+def mesh_shape_flag(flag_values, default: str):
+    from absl import flags
+
+    return flags.DEFINE_string(
+        "mesh_shape", None, f"e.g. data:4,model:2; default: {default}.", flag_values=flag_values
+    )
+
+
+def attention_flag(flag_values, default: str):
+    """--attention_impl: one of the implementations the attention registry serves."""
+    from absl import flags
+
+    from zoo.layers.attention import IMPLEMENTATIONS
+
+    return flags.DEFINE_enum(
+        "attention_impl",
+        None,
+        list(IMPLEMENTATIONS),
+        "Attention backend (splash: TPU, cudnn: NVIDIA GPU, auto: the platform's); default: "
+        f"{default}. A backend that cannot run here is an error.",
+        flag_values=flag_values,
+    )
+
+
+def explicit_config_overrides(config_flag) -> dict[str, object]:
+    """`--config.<path>=value` overrides given on the command line: dotted path -> the typed
+    value config_flags parsed (so `1e-3` is a float where the field is one)."""
+    holder = config_flag.value
+    out = {}
+    for arg in sys.argv[1:]:
+        if not arg.startswith("--config."):
+            continue
+        path = arg.split("=", 1)[0].removeprefix("--config.")
+        value = holder
+        for key in path.split("."):
+            value = value[key]
+        out[path] = value
+    return out
+
+
+def config_file_given() -> bool:
+    return any(a.startswith("--config=") for a in sys.argv[1:])
+
+
+def load_config(config_flag, *, notes: list | None = None):
+    """The typed run config of a `define_config_flag` holder: the config file with the
+    command line's `--config.*` overrides (a file that does not load: one line, exit 2).
+
+    Its warnings are printed (process 0), or appended to `notes` for the caller to `warn`
+    later: a run of several processes reads its config before `jax.distributed.initialize`
+    (which takes the config's timeouts), and nothing may ask for the process index before.
+    A bad field raises ValueError (one line)."""
+    from nnx_zoo.training.config import RunConfig
+
+    try:
+        # config_flags defers a failed load of the file to the first use of the config.
+        raw = config_flag.value
+        if hasattr(raw, "to_dict"):  # a get_config() returning another type is named
+            raw = raw.to_dict()
+    except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
+        usage_error(config_file_message(e))
+    found: list[str] = []
+    run = RunConfig.from_config_dict(raw, found)
+    if notes is None:
+        warn(found)
+    else:
+        notes += found
+    return run
+
+
+def load_run_config(run_flags: RunFlags, *, notes: list | None = None):
+    """`load_config` with the run flags (--sharding_strategy, --mesh_shape, --attention_impl)
+    folded in."""
+    run = load_config(run_flags.config, notes=notes)
+    replace = dataclasses.replace
+    if run_flags.sharding_strategy.value is not None:
+        run = replace(
+            run,
+            training=replace(run.training, sharding_strategy=run_flags.sharding_strategy.value),
+        )
+    if run_flags.mesh_shape.value is not None:
+        run = replace(run, training=replace(run.training, mesh_shape=run_flags.mesh_shape.value))
+    if run_flags.attention_impl.value is not None:
+        run = replace(run, model=replace(run.model, attention_impl=run_flags.attention_impl.value))
+    return run
+
+
+def _resolve_config_path(value: str) -> str:
+    """`~` expanded (the shell does not, after `=`); a shipped config found by name (`tiny`,
+    `llama3_8b`) or by the checkout path the docs use (`configs/tiny.py`) from any directory,
+    so installed entry points find their configs; an existing file wins (configs/locate.py)."""
+    from configs.locate import config_path
+
+    return config_path(value)
+
+
+_CONFIG_HELP = (
+    "Run config: a configs/*.py file (a get_config() module), or a shipped config's name "
+    "(tiny, small, llama3_1b, llama3_8b)."
+)
+
+
+def define_config_flag(
+    flag_values, default: str | None = DEFAULT_CONFIG, help_text: str = _CONFIG_HELP
+):
+    """--config, and its `--config.<section>.<field>=value` overrides (ml_collections)."""
+    from ml_collections import config_flags
+
+    # config_flags applies `--config.<path>=value` overrides while defining the flag (it reads
+    # sys.argv), so a misspelt field raises here, before absl parses anything.
+    sys.argv[1:] = [
+        f"--config={_resolve_config_path(a.split('=', 1)[1])}" if a.startswith("--config=") else a
+        for a in sys.argv[1:]
+    ]
+    try:
+        return config_flags.DEFINE_config_file(
+            "config", default, help_text, flag_values=flag_values, lock_config=True
+        )
+    except Exception as e:  # noqa: BLE001 -- a misspelt override, or any error in the file
+        usage_error(_unknown_field_message(e) or config_file_message(e))
+
+
+def _unknown_field_message(error: Exception) -> str | None:
+    """One line for a `--config.<path>` override naming a field the config does not define
+    (ml_collections raises a KeyError, sometimes wrapped, whose text spans lines), naming the
+    valid fields; None when `error` is something else."""
+    from nnx_zoo.training.config import SECTIONS, section_fields
+
+    text = str(error).replace("\\'", "'").replace("\\n", "\n")
+    quoted = re.search(r"'([A-Za-z_]\w*)'", text)
+    if quoted is None:
+        return None
+    name = quoted.group(1)
+    overrides = [a.split("=", 1)[0] for a in sys.argv[1:] if a.startswith("--config.")]
+    paths = [o.removeprefix("--config.").split(".") for o in overrides]
+    path = next((p for p in paths if name in p), None)
+    if path is None:
+        return None
+    where = path[: path.index(name)]
+    if not where:
+        valid = ", ".join(("name", *SECTIONS))
+    elif where[0] in SECTIONS and len(where) == 1:
+        valid = ", ".join(section_fields(where[0]))
+    else:
+        valid = None
+    suggestion = re.search(r'Did you mean "([^"]+)"', text)
+    hint = f"; did you mean {suggestion.group(1)!r}?" if suggestion else ""
+    section = ".".join(where) or "the config"
+    listing = f" (valid in {section}: {valid})" if valid else ""
+    return f"--config.{'.'.join(path)}: no such config field {name!r}{hint}{listing}"
+
+
+def config_file_message(error: Exception) -> str:
+    """One line for a --config file that did not load (nnx_zoo/training/config_file.py)."""
+    from nnx_zoo.training.config_file import load_error_message
+
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
+    return load_error_message(error, given[-1] if given else DEFAULT_CONFIG)
+
+
+def warn(notes: list[str]) -> None:
+    """Adjustments a user expects (a smoke run's warmup), said once, on stderr."""
+    import jax
+
+    for note in notes:
+        if jax.process_index() == 0:
+            print(f"warning: {note}", file=sys.stderr, flush=True)

@@ -1,0 +1,62 @@
+"""The run's data: the tokenizer, the train stream and the validation batches, as global
+arrays in the run's batch layout."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+from nnx_zoo import data
+from nnx_zoo.data.tokenizers import make_tokenizer
+from nnx_zoo.runtime.distributed import to_global
+from nnx_zoo.training import finetune
+from nnx_zoo.training.config import RunConfig
+
+
+@dataclasses.dataclass
+class RunData:
+    tokenizer: object
+    train_iter: object  # the Grain iterator, whose state checkpoints save
+    train_batches: Iterator[dict]  # global arrays
+    # A fresh pass over the validation batches; None for a one-document source (no split).
+    make_val_batches: Callable[[], Iterator[dict]] | None
+    notes: list[str] = dataclasses.field(default_factory=list)  # printed when training starts
+
+    def close(self) -> None:
+        # Worker processes (data.num_workers > 0) hold shared memory until closed.
+        self.train_iter.close()
+
+
+def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
+    """Raises ValueError / FileNotFoundError (one line) for a source or tokenizer that cannot
+    serve the run; the validation split is built here so an empty one fails before training."""
+    d = run.data
+    tokenizer = make_tokenizer(d.tokenizer)
+    common = dict(
+        data_format=d.format,
+        chat_template=finetune.chat_template(run, d.tokenizer),
+        tokenizer=tokenizer,
+        seq_len=d.seq_len,
+        global_batch_size=d.global_batch_size,
+        seed=d.shuffle_seed,
+        text_field=d.text_field,
+        validation_fraction=d.validation_fraction,
+    )
+    train_iter = data.make_dataset(d.source, "train", num_workers=d.num_workers, **common)
+    notes = []
+    try:
+        val_dataset = data.build_dataset(
+            d.source, "validation", num_batches=run.training.eval_batches, **common
+        )
+    except data.NoValidationSplitError as e:  # one document: train on it, validate nothing
+        val_dataset = None
+        notes.append(f"{e}; val_loss is not computed")
+    return RunData(
+        tokenizer=tokenizer,
+        train_iter=train_iter,
+        train_batches=(to_global(b, mesh, batch_spec) for b in train_iter),
+        make_val_batches=None
+        if val_dataset is None
+        else lambda: (to_global(b, mesh, batch_spec) for b in val_dataset),
+        notes=notes,
+    )

@@ -1,0 +1,192 @@
+"""Chips the planner targets: memory, HBM and link bandwidths, each sourced; peak FLOP/s from
+the one table of them, `training.flops.PEAKS`.
+
+Bandwidths are bytes/s in ONE direction over ONE link (TPU ICI) or per GPU (NVLink through the
+NVSwitch, InfiniBand NIC); `planning.estimate` turns them into the bandwidth of a mesh axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from nnx_zoo.training.flops import PEAKS, peak_name
+
+GiB = 1024**3
+# JAX's GPU client caps its allocator at this fraction of the GPU's memory (preallocated, or
+# grown up to it with XLA_PYTHON_CLIENT_PREALLOCATE=false): docs.jax.dev, "GPU memory
+# allocation". A step that needs more is out of memory on the real chip even where the HBM
+# would hold it (seen on an H100: llama3_1b 8x2048 remat=none, 61 GiB by the plan, ran out).
+DEFAULT_GPU_MEMORY_FRACTION = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    platform: str  # 'tpu' | 'gpu' | 'cpu'
+    memory_bytes: int  # HBM per device
+    peak_bf16_flops: float  # dense, per device
+    link_bytes_per_s: float  # TPU: one ICI link, one way; GPU: NVLink per GPU, one way
+    cross_host_bytes_per_s: float | None  # GPU: InfiniBand per GPU; TPU: DCN per chip
+    # TPU: a physical torus dim of this many chips (or a multiple, on v5p) wraps around, so a
+    # ring along it uses both directions of each link.
+    wraparound_dim: int | None = None
+    devices_per_host: int = 8  # GPU: NVLink domain; TPU: chips sharing a host's DCN NICs
+    # Dense peak of matmuls on fp8 / int8 operands; None: no faster path than bf16 (the
+    # quantized dot then runs at the bf16 rate, e.g. fp8 on TPU v5/v6).
+    peak_fp8_flops: float | None = None
+    peak_int8_flops: float | None = None
+    # HBM bandwidth per device, bytes/s (the vendor's figure); None: no step forecast.
+    hbm_bytes_per_s: float | None = None
+
+
+# Sources:
+# [tpu-v5p] cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, DCN
+#   50 Gbps per chip.
+# [tpu-v5e] cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM at 819 GB/s.
+# [tpu-v6e] cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM at 1640 GB/s.
+# [scaling-book] jax-ml.github.io/scaling-book/tpus ("How to Scale Your Model", part 2): ICI
+#   one-way bandwidth per link 9e10 B/s (v5p, v6e), 4.5e10 B/s (v5e); wraparound links only
+#   on full 4-chip-multiple v5p dims and on 16-wide v5e/v6e dims.
+# [h100] nvidia.com/en-us/data-center/h100 (SXM): 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s,
+#   NVLink 900 GB/s bidirectional per GPU; DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU.
+# [h200] nvidia.com/en-us/data-center/h200 (SXM): 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s,
+#   NVLink 900 GB/s bidirectional per GPU.
+CHIPS: dict[str, Chip] = {
+    "v5p": Chip(
+        "TPU v5p",
+        "tpu",
+        memory_bytes=95 * GiB,  # [tpu-v5p]
+        peak_bf16_flops=PEAKS["v5p"].bf16,
+        peak_int8_flops=PEAKS["v5p"].int8,
+        link_bytes_per_s=9e10,  # [scaling-book]
+        cross_host_bytes_per_s=50e9 / 8,  # [tpu-v5p] 50 Gbps DCN per chip
+        wraparound_dim=4,  # [scaling-book]
+        devices_per_host=4,
+        hbm_bytes_per_s=2765e9,  # [tpu-v5p]
+    ),
+    "v5e": Chip(
+        "TPU v5e",
+        "tpu",
+        memory_bytes=16 * GiB,  # [tpu-v5e]
+        peak_bf16_flops=PEAKS["v5e"].bf16,
+        peak_int8_flops=PEAKS["v5e"].int8,
+        link_bytes_per_s=4.5e10,  # [scaling-book]
+        cross_host_bytes_per_s=None,
+        wraparound_dim=16,  # [scaling-book]
+        devices_per_host=8,
+        hbm_bytes_per_s=819e9,  # [tpu-v5e]
+    ),
+    "v6e": Chip(
+        "TPU v6e",
+        "tpu",
+        memory_bytes=32 * GiB,  # [tpu-v6e]
+        peak_bf16_flops=PEAKS["v6e"].bf16,
+        peak_int8_flops=PEAKS["v6e"].int8,
+        link_bytes_per_s=9e10,  # [scaling-book]
+        cross_host_bytes_per_s=None,
+        wraparound_dim=16,  # [scaling-book]
+        devices_per_host=8,
+        hbm_bytes_per_s=1640e9,  # [tpu-v6e]
+    ),
+    "h100": Chip(
+        "NVIDIA H100 SXM",
+        "gpu",
+        memory_bytes=80 * 10**9,  # [h100]
+        peak_bf16_flops=PEAKS["h100"].bf16,
+        peak_fp8_flops=PEAKS["h100"].fp8,
+        peak_int8_flops=PEAKS["h100"].int8,
+        link_bytes_per_s=450e9,  # [h100] half of 900 GB/s bidirectional
+        cross_host_bytes_per_s=400e9 / 8,  # [h100] 400 Gb/s NIC per GPU
+        hbm_bytes_per_s=3.35e12,  # [h100]
+    ),
+    "h200": Chip(
+        "NVIDIA H200 SXM",
+        "gpu",
+        memory_bytes=141 * 10**9,  # [h200]
+        peak_bf16_flops=PEAKS["h200"].bf16,
+        peak_fp8_flops=PEAKS["h200"].fp8,
+        peak_int8_flops=PEAKS["h200"].int8,
+        link_bytes_per_s=450e9,  # [h200]
+        cross_host_bytes_per_s=400e9 / 8,  # [h100] same NIC per GPU as DGX H100
+        hbm_bytes_per_s=4.8e12,  # [h200]
+    ),
+    # The simulated CPU devices of this host, for tests and laptops: not a real chip. Its
+    # figures are placeholders of the right order for one CPU core; give --memory_gib to make
+    # a synthetic chip of any size.
+    "cpu": Chip(
+        "simulated CPU device",
+        "cpu",
+        memory_bytes=16 * GiB,
+        peak_bf16_flops=1e11,
+        link_bytes_per_s=1e10,
+        cross_host_bytes_per_s=None,
+    ),
+}
+
+
+def peak_flops(chip: Chip, quantization: str = "none") -> float:
+    """Dense peak FLOP/s of `chip` for the projections' precision (model.quantization): the
+    fp8 / int8 rate where the chip has one, else bf16's."""
+    faster = {"fp8": chip.peak_fp8_flops, "int8": chip.peak_int8_flops}.get(quantization)
+    return faster or chip.peak_bf16_flops
+
+
+def gpu_memory_fraction(environ: Mapping[str, str] = os.environ) -> float:
+    """The share of a GPU's memory a JAX process may use, from the variables JAX reads."""
+    if environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return 1.0
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        text = environ.get(name)
+        if text:
+            try:
+                value = float(text)
+            except ValueError:
+                value = -1.0
+            if not 0 < value <= 1:
+                raise ValueError(f"{name}={text!r}: must be a number in (0, 1]")
+            return value
+    return DEFAULT_GPU_MEMORY_FRACTION
+
+
+def chip_for(topology: str, memory_gib: float | None = None) -> Chip:
+    """The chip of a topology name (`v5p:2x2x2`, `h100:8`, `cpu:8`); `memory_gib` replaces its
+    memory (a synthetic chip: what fits in less, or more, memory). A GPU's memory is what
+    JAX's allocator may take of it (`gpu_memory_fraction`), not the whole HBM."""
+    kind = topology.split(":", 1)[0].lower()
+    if kind not in CHIPS:
+        raise ValueError(
+            f"unknown chip {kind!r} in topology {topology!r}; known: {', '.join(sorted(CHIPS))}"
+        )
+    chip = CHIPS[kind]
+    if chip.platform == "gpu" and memory_gib is None:
+        fraction = gpu_memory_fraction()
+        chip = dataclasses.replace(
+            chip,
+            name=f"{chip.name} ({fraction:.0%} for JAX)",
+            memory_bytes=int(chip.memory_bytes * fraction),
+        )
+    if memory_gib is not None:
+        if not 0 < memory_gib < float("inf"):  # NaN fails both comparisons
+            raise ValueError(
+                f"--memory_gib={memory_gib}: must be a finite number of GiB > 0 (the chip's "
+                "memory the plan should assume)"
+            )
+        chip = dataclasses.replace(
+            chip, name=f"{chip.name} ({memory_gib:g} GiB)", memory_bytes=int(memory_gib * GiB)
+        )
+    return chip
+
+
+def chip_name_for(device) -> str:
+    """The CHIPS key of a real device (for `train_main --sharding_strategy=auto`)."""
+    if device.platform == "cpu":
+        return "cpu"
+    name = peak_name(device.device_kind)
+    if name in CHIPS:
+        return name
+    raise ValueError(
+        f"--sharding_strategy=auto has no figures for device kind {device.device_kind!r} "
+        f"(known: {', '.join(sorted(CHIPS))}); name a strategy instead"
+    )

@@ -1,0 +1,447 @@
+"""The run config at the boundary: an ml_collections ConfigDict in, typed frozen dataclasses out.
+
+`configs/*.py` hold the ConfigDicts (a comment on every field); `train_main.py` converts one
+with `RunConfig.from_config_dict` right after flag parsing, and nothing past that point reads
+the ConfigDict. Every check here raises ValueError with one line naming the field, its value
+and what would be valid, so `main` can print it and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from zoo.layers.config import ATTENTION_IMPLEMENTATIONS
+from zoo.layers.lora import LoraConfig
+from zoo.layers.quant import QUANTIZATIONS
+from zoo.layers.remat import POLICIES as REMAT_POLICIES
+
+SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora")
+DATA_FORMATS = ("text", "chat", "prompt_completion")  # nnx_zoo/data/chat.py's FORMATS
+
+
+def _fail(section: str, field: str, value: Any, why: str) -> None:
+    raise ValueError(f"config {section}.{field}={value!r}: {why}")
+
+
+def _positive(section: str, obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        # `not value > 0` also refuses NaN, which every comparison calls False.
+        if value is not None and not value > 0:
+            _fail(section, name, value, "must be > 0")
+
+
+def _finite(section: str, obj) -> None:
+    """Every float field of a section is a finite number. _coerce checks a config file's
+    values, but a section is also built by `dataclasses.replace` from a run flag
+    (`--peak_tflops=inf`) or in code, and an inf or NaN that passes a range check (`inf > 0`)
+    would reach the step as a silent nonsense figure."""
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if field.type.replace(" ", "").removesuffix("|None") != "float" or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(section, field.name, value, "must be a number")
+        if not math.isfinite(value):
+            _fail(section, field.name, value, "must be a finite number")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    preset: str = "tiny"  # a zoo preset (zoo.get_config): tiny, llama3.2-1b, qwen3-0.6b, gpt2, ...
+    # Shape overrides of the preset; None keeps the preset's value.
+    vocab_size: int | None = None  # V; must be >= the tokenizer's vocabulary
+    hidden_dim: int | None = None  # M, residual width
+    num_layers: int | None = None  # L
+    num_heads: int | None = None  # N, query heads
+    num_kv_heads: int | None = None  # K, key/value heads (divides N, and the model axis)
+    head_dim: int | None = None  # D
+    ffn_dim: int | None = None  # F, MLP hidden width
+    max_seq_len: int | None = None  # KV-cache length for generation
+    dtype: str = "float32"  # compute dtype, float32 | bfloat16 (parameters stay float32)
+    scan_layers: bool = True  # stack layers and run them with nnx.scan: one compiled block
+    # Layers per scan iteration: 0 = auto (all of them on CPU with remat=none, 10-20% faster
+    # there; else 1), 1 = rolled (fastest compile, least memory), n = n per iteration.
+    scan_unroll: int = 0
+    # What the backward pass recomputes: none | full | dots | save_qkv_proj | save_out_proj |
+    # offload (the residual stream to host memory; TPU/GPU only). See zoo/layers/remat.py.
+    remat: str = "none"
+    # xla (einsums, everywhere) | splash (Pallas flash kernel, TPU) | cudnn (fused attention,
+    # NVIDIA GPU, bf16) | auto (splash on TPU, cudnn on GPU, xla on CPU); packed rows on all.
+    # --attention_impl overrides; an explicit backend that cannot run here is an error.
+    attention_impl: str = "xla"
+    attention_interpret: bool = False  # run splash in Pallas interpret mode (CPU tests; slow)
+    # MoE expert parallelism (zoo/layers/moe_exchange.py): 'auto' | 'ragged' | 'padded', and
+    # the padded exchange's capacity factor (0: dropless).
+    moe_exchange: str = "auto"
+    moe_capacity_factor: float = 0.0
+    # Pipeline strategies (fsdp_pp, fsdp_tp_pp; zoo/layers/pipeline.py): micro-batches each
+    # forward pass is cut into (0: one per stage; at least the stages), and repeats (virtual
+    # stages per device: 1 is GPipe, more is the circular schedule, bubble
+    # (S-1)/(micro-batches*repeats + S-1)).
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
+    # Projections (q/k/v/o, MLP) in low precision, forward and backward: none | fp8 (e4m3,
+    # e5m2 gradients; fp8 GEMMs on H100/H200) | int8 (TPU's int8 MXU path). zoo/layers/quant.py
+    quantization: str = "none"
+
+    SHAPE_FIELDS = (
+        "vocab_size",
+        "hidden_dim",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "ffn_dim",
+        "max_seq_len",
+    )
+
+    def __post_init__(self):
+        _finite("model", self)
+        _positive("model", self, *self.SHAPE_FIELDS)
+        if self.scan_unroll < 0:
+            _fail("model", "scan_unroll", self.scan_unroll, "valid: 0 (auto), 1 (rolled), or more")
+        if self.pipeline_microbatches < 0:
+            _fail("model", "pipeline_microbatches", self.pipeline_microbatches, "valid: >= 0")
+        if self.pipeline_repeats < 1:
+            _fail("model", "pipeline_repeats", self.pipeline_repeats, "valid: >= 1 (1: GPipe)")
+        for name, valid in (
+            ("dtype", ("float32", "bfloat16")),
+            ("remat", REMAT_POLICIES),
+            ("attention_impl", ATTENTION_IMPLEMENTATIONS),
+            ("moe_exchange", ("auto", "ragged", "padded")),
+            ("quantization", QUANTIZATIONS),
+        ):
+            if getattr(self, name) not in valid:
+                _fail("model", name, getattr(self, name), f"valid: {', '.join(valid)}")
+        if not self.moe_capacity_factor >= 0:
+            _fail("model", "moe_capacity_factor", self.moe_capacity_factor, "0 (dropless) or > 0")
+
+    def overrides(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.SHAPE_FIELDS if getattr(self, k) is not None}
+        out.update(
+            dtype=self.dtype,
+            scan_layers=self.scan_layers,
+            scan_unroll=self.scan_unroll,
+            remat=self.remat,
+            attention_impl=self.attention_impl,
+            attention_interpret=self.attention_interpret,
+            moe_exchange=self.moe_exchange,
+            moe_capacity_factor=self.moe_capacity_factor,
+            pipeline_microbatches=self.pipeline_microbatches,
+            pipeline_repeats=self.pipeline_repeats,
+            quantization=self.quantization,
+        )
+        return out
+
+    def decoder_config(self):
+        """The zoo's frozen model config: the preset with this section's overrides."""
+        from zoo import get_config
+
+        return get_config(self.preset, **self.overrides())
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    source: str = "default"  # 'default' (stdlib source text, no download) or a path/dir/glob
+    tokenizer: str = "byte"  # 'byte', a tokenizer.json (or its dir), or a SentencePiece .model
+    text_field: str = "text"  # JSONL field / Parquet column holding the text
+    seq_len: int = 128  # T, tokens per packed row
+    global_batch_size: int = 16  # rows per optimizer step, over all processes and micro-batches
+    num_workers: int = 0  # Grain worker processes for reading/tokenizing (0: in-process)
+    shuffle_seed: int = 0  # seeds document shuffling and packing order
+    validation_fraction: float = 0.02  # share of documents held out for validation loss
+    # text: documents, loss on every token | chat: JSONL/Parquet records with `messages`
+    # (role/content), rendered with the tokenizer dir's chat template, loss on the assistant
+    # turns | prompt_completion: records with `prompt` and `completion`, loss on completions.
+    format: str = "text"
+
+    def __post_init__(self):
+        _finite("data", self)
+        _positive("data", self, "seq_len", "global_batch_size")
+        if self.format not in DATA_FORMATS:
+            _fail("data", "format", self.format, f"valid: {', '.join(DATA_FORMATS)}")
+        if self.num_workers < 0:
+            _fail("data", "num_workers", self.num_workers, "must be >= 0")
+        if not 0 < self.validation_fraction < 1:
+            _fail("data", "validation_fraction", self.validation_fraction, "must be in (0, 1)")
+        if not self.source:
+            _fail("data", "source", self.source, "'default' or a path / directory / glob")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+    learning_rate: float = 3e-4  # peak rate, reached after warmup
+    warmup_steps: int = 0  # linear warmup from 0
+    decay_steps: int | None = None  # cosine schedule length incl. warmup; None: training.steps
+    end_learning_rate_ratio: float = 0.1  # final rate as a fraction of the peak
+    weight_decay: float = 0.1  # decoupled AdamW decay (off for norms and embeddings)
+    clip_grad_norm: float = 1.0  # clip the global gradient norm; <= 0 turns clipping off
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.95  # Adam second-moment decay
+    eps: float = 1e-8  # Adam epsilon
+    micro_batches: int = 1  # gradient accumulation: k micro-batches of global_batch_size / k
+    decay_norms_and_embeddings: bool = False  # True: decay every parameter
+
+    def __post_init__(self):
+        _finite("optimizer", self)
+        _positive("optimizer", self, "learning_rate", "micro_batches", "eps", "decay_steps")
+        if self.warmup_steps < 0:
+            _fail("optimizer", "warmup_steps", self.warmup_steps, "must be >= 0")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail("optimizer", name, getattr(self, name), "must be in [0, 1)")
+        if self.weight_decay < 0:
+            _fail("optimizer", "weight_decay", self.weight_decay, "must be >= 0")
+        if not 0 <= self.end_learning_rate_ratio <= 1:
+            _fail(
+                "optimizer",
+                "end_learning_rate_ratio",
+                self.end_learning_rate_ratio,
+                "must be in [0, 1]",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSection:
+    steps: int = 100  # optimizer steps in the run
+    seed: int = 0  # parameter initialisation seed
+    # A name in shardings.STRATEGIES, or auto (--sharding_strategy overrides).
+    sharding_strategy: str = "fsdp_tp"
+    mesh_shape: str = ""  # e.g. 'data:4,model:2'; '' = the strategy's default (--mesh_shape)
+    eval_every: int = 0  # validation loss every N steps (and at the end); 0: only at the end
+    eval_batches: int = 4  # global batches of validation data per evaluation
+    # Tokens per device per chunk of the LM head fused with the loss (train and eval): a
+    # device holds the logits of this many tokens at a time, never its [B, T, V] share.
+    # 0: build the full logits.
+    loss_chunk_size: int = 1024
+    # Several processes: seconds a process that stops answering (a frozen host, a network
+    # partition) may stay silent before every other process exits with one line naming it
+    # (nnx_zoo/runtime/peers.py); a killed or crashed one is noticed at once. 60: well above any pause
+    # of a live process's heartbeat thread, well below the minutes a dead host would bill.
+    # JAX's own heartbeat and shutdown timeouts are derived from it. 0: no watch of our own
+    # (JAX's defaults: its 100 s heartbeat timeout ends the others by SIGABRT, 51-99 s after
+    # a death in the kills measured; README).
+    peer_timeout_seconds: float = 60.0
+
+    def __post_init__(self):
+        _finite("training", self)
+        _positive("training", self, "steps", "eval_batches")
+        if not 0 <= self.peer_timeout_seconds < math.inf:
+            _fail(
+                "training",
+                "peer_timeout_seconds",
+                self.peer_timeout_seconds,
+                "must be >= 0 seconds (0: no peer watch, JAX's own heartbeat only)",
+            )
+        if self.loss_chunk_size < 0:
+            _fail(
+                "training",
+                "loss_chunk_size",
+                self.loss_chunk_size,
+                "must be >= 0 (tokens per device per loss chunk; 0: full logits)",
+            )
+        if self.eval_every < 0:
+            _fail("training", "eval_every", self.eval_every, "must be >= 0 (0: only at the end)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    enabled: bool = True  # save under <workdir>/checkpoints and resume from there
+    every: int = 100  # save every N steps (and at the end)
+    keep: int = 3  # keep the last N checkpoints
+    async_save: bool = True  # write in the background; training blocks for the host copy only
+
+    def __post_init__(self):
+        _positive("checkpoint", self, "every", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSection:
+    log_every: int = 10  # metrics.jsonl / TensorBoard / progress-bar line every N steps
+    peak_tflops: float | None = None  # per-device peak for MFU; None: table, or measured on CPU
+    progress_bar: bool = True  # tqdm bar on stderr (process 0)
+    # 'START:END': a jax.profiler trace of steps START..END-1 (metrics.jsonl's step numbers)
+    # into <workdir>/profile, for TensorBoard's profile plugin / XProf; '' traces nothing.
+    profile_steps: str = ""
+
+    def __post_init__(self):
+        _finite("logging", self)
+        _positive("logging", self, "log_every", "peak_tflops")
+        from nnx_zoo.training.profile import parse_steps
+
+        parse_steps(self.profile_steps)  # one line naming the valid form
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    rank: int | None = None  # LoRA rank r; None: no adapters, every parameter trains
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input while training
+    # Projections that get adapters, comma-separated: q_proj,k_proj,v_proj,o_proj,gate,up,down
+    targets: str = "q_proj,k_proj,v_proj,o_proj"
+
+    def __post_init__(self):
+        _finite("lora", self)
+        if self.rank is not None:
+            self.lora_config()  # one-line ValueError for a bad rank, alpha, dropout or target
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    def lora_config(self):
+        """The zoo's LoraConfig (zoo/layers/lora.py), or None without adapters."""
+        if self.rank is None:
+            return None
+        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        return LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=targets)
+
+
+def defaults() -> dict[str, dict[str, tuple[Any, str]]]:
+    """section -> field -> (default, its type as annotated): what configs.base_config() lays
+    out, so every default is written once, here."""
+    return {
+        section: {f.name: (f.default, f.type.replace(" ", "")) for f in dataclasses.fields(kind)}
+        for section, kind in _SECTION_TYPES.items()
+    }
+
+
+def section_fields(section: str) -> list[str]:
+    """The field names of a config section, sorted (for error messages)."""
+    return sorted(f.name for f in dataclasses.fields(_SECTION_TYPES[section]))
+
+
+_SECTION_TYPES = {
+    "model": ModelSection,
+    "data": DataSection,
+    "optimizer": OptimizerSection,
+    "training": TrainingSection,
+    "checkpoint": CheckpointSection,
+    "logging": LoggingSection,
+    "lora": LoraSection,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str
+    model: ModelSection
+    data: DataSection
+    optimizer: OptimizerSection
+    training: TrainingSection
+    checkpoint: CheckpointSection
+    logging: LoggingSection
+    lora: LoraSection = LoraSection()
+
+    def __post_init__(self):
+        k = self.optimizer.micro_batches
+        if self.data.global_batch_size % k:
+            _fail(
+                "optimizer",
+                "micro_batches",
+                k,
+                f"must divide data.global_batch_size={self.data.global_batch_size}",
+            )
+        # The cosine decay after the warmup needs at least one step.
+        if self.optimizer.warmup_steps >= self.decay_steps:
+            _fail(
+                "optimizer",
+                "warmup_steps",
+                self.optimizer.warmup_steps,
+                f"must be < the schedule length ({self.decay_steps} steps: training.steps, "
+                "or optimizer.decay_steps when set)",
+            )
+
+    @property
+    def decay_steps(self) -> int:
+        return self.optimizer.decay_steps or self.training.steps
+
+    @classmethod
+    def from_config_dict(
+        cls, config: Mapping[str, Any], notes: list[str] | None = None
+    ) -> RunConfig:
+        """Typed config from a ConfigDict (or nested dict); one-line ValueError on a bad one.
+
+        A warmup at least as long as the schedule (a preset's warmup of 20 with
+        `--config.training.steps=1`, a smoke run) is clamped to the schedule length - 1, and
+        a line saying so is appended to `notes` (the entry point prints it as a warning)."""
+        if not isinstance(config, Mapping) and not hasattr(config, "to_dict"):
+            raise ValueError(
+                f"the config is a {type(config).__name__}, not a ConfigDict: get_config() "
+                "must return an ml_collections ConfigDict (see configs/tiny.py)"
+            )
+        raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        unknown = sorted(set(raw) - set(SECTIONS) - {"name"})
+        if unknown:
+            raise ValueError(
+                f"config has unknown top-level fields {unknown}; valid: name, {', '.join(SECTIONS)}"
+            )
+        sections = {}
+        for section, section_type in _SECTION_TYPES.items():
+            values = dict(raw.get(section) or {})
+            names = {f.name for f in dataclasses.fields(section_type)}
+            extra = sorted(set(values) - names)
+            if extra:
+                raise ValueError(
+                    f"config section {section!r} has unknown fields {extra}; "
+                    f"valid: {', '.join(sorted(names))}"
+                )
+            for field in dataclasses.fields(section_type):
+                if field.name in values:
+                    values[field.name] = _coerce(section, field, values[field.name])
+            sections[section] = section_type(**values)
+        sections["optimizer"] = _clamp_warmup(sections, notes)
+        return cls(name=str(raw.get("name", "run")), **sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (for checkpoint metadata and the run record)."""
+        return dataclasses.asdict(self)
+
+
+def _clamp_warmup(sections: dict, notes: list[str] | None):
+    """The optimizer section with its warmup cut to fit the schedule (which needs at least
+    one step of decay after it); a note in `notes` when it was cut."""
+    optimizer = sections["optimizer"]
+    length = optimizer.decay_steps or sections["training"].steps
+    if optimizer.warmup_steps < length:
+        return optimizer
+    clamped = length - 1
+    if notes is not None:
+        notes.append(
+            f"optimizer.warmup_steps={optimizer.warmup_steps} does not fit a schedule of "
+            f"{length} steps (training.steps, or optimizer.decay_steps when set): warming up "
+            f"for {clamped} steps instead (set --config.optimizer.warmup_steps to choose)"
+        )
+    return dataclasses.replace(optimizer, warmup_steps=clamped)
+
+
+def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
+    """Check a value against the field's annotation (strings, as `from __future__` leaves
+    them); ints are accepted for floats. ml_collections already types overrides, so this
+    catches config files that set a field to the wrong kind of value."""
+    kind = field.type.replace(" ", "")
+    optional = kind.endswith("|None")
+    base = kind.removesuffix("|None")
+    if value is None:
+        if optional:
+            return None
+        _fail(section, field.name, value, f"must be a {base}, not None")
+    if base == "bool":
+        if not isinstance(value, bool):
+            _fail(section, field.name, value, "must be True or False")
+        return value
+    if base == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(section, field.name, value, "must be an integer")
+        return value
+    if base == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(section, field.name, value, "must be a number")
+        return float(value)  # finite or not: the section's _finite says
+    if base == "str" and not isinstance(value, str):
+        _fail(section, field.name, value, "must be a string")
+    return value

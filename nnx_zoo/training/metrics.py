@@ -1,0 +1,262 @@
+"""Training metrics: `metrics.jsonl`, TensorBoard events, a console progress bar, a loss plot.
+
+Only the main process writes; on the others every method is a no-op, so the training loop
+calls them unconditionally.
+
+Files under `workdir`:
+  metrics.jsonl    one JSON object per line. Training lines carry `step` and whatever the loop
+                   logs (at least `loss`, `learning_rate`, `grad_norm`, `tokens_per_second`,
+                   `mfu`); evaluation lines carry `step` and `val_loss`. Each line is flushed
+                   and fsync'ed as it is written. Non-finite floats are written as null (the
+                   file stays strict JSON).
+  tensorboard/     event files: `train/<key>` and `eval/<key>` scalars.
+  loss_curve.png   written by `finalize()`: train and validation loss against step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from nnx_zoo.checkpoint.files import atomic_write
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+LOSS_CURVE_FILE = "loss_curve.png"
+
+
+def _to_json_value(value: Any) -> Any:
+    """Python scalar for a jax/numpy scalar or 0-d array; None for NaN/inf; other values as is."""
+    if hasattr(value, "shape") and np.ndim(value) == 0:
+        value = np.asarray(value).item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The JSON objects in a metrics.jsonl file; a line that is not complete JSON is skipped."""
+    records = []
+    if not os.path.exists(path):
+        return records
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch
+    whenever it is installed (to accept torch tensors, which we never pass): ~3 s at every
+    start of a run on a machine that has torch (as the `hf` extra brings). The import is
+    hidden for that one statement only; torch imports normally afterwards."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX allows
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
+class MetricsWriter:
+    """Writes training and evaluation metrics; see the module docstring for the files.
+
+    Args:
+      workdir: directory of the run (created if missing, main process only).
+      is_main_process: False makes every method a no-op (`jax.process_index() != 0`).
+      total_steps: the run's last step, for the progress bar's ETA.
+      resume_step: when resuming from a checkpoint at this step, lines with a larger step
+        (written after that checkpoint, before the crash) are dropped from metrics.jsonl and
+        TensorBoard is told to purge its events after it.
+      progress_bar: show the tqdm bar (on stderr).
+    """
+
+    def __init__(
+        self,
+        workdir: str,
+        is_main_process: bool,
+        total_steps: int,
+        *,
+        resume_step: int | None = None,
+        progress_bar: bool = True,
+    ):
+        self.workdir = workdir
+        self.is_main_process = is_main_process
+        self.total_steps = total_steps
+        self.path = os.path.join(workdir, METRICS_FILE)
+        self._file = None
+        self._tb = None
+        self._bar = None
+        self._bar_step = 0
+        if not is_main_process:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        if resume_step is not None:
+            self.truncate_after(resume_step)
+        else:
+            self._drop_partial_last_line()
+        self._file = open(self.path, "a")  # noqa: SIM115 -- held open for the whole run
+
+        SummaryWriter = _summary_writer_class()
+        # purge_step: TensorBoard hides events at steps >= it that an earlier, crashed run wrote.
+        purge_step = None if resume_step is None else resume_step + 1
+        self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR), purge_step=purge_step)
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar_step = resume_step or 0
+            self._bar = tqdm(
+                total=total_steps, initial=self._bar_step, unit="step", dynamic_ncols=True
+            )
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def _append(self, record: Mapping[str, Any]) -> None:
+        line = json.dumps({k: _to_json_value(v) for k, v in record.items()}, allow_nan=False)
+        self._file.write(line + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def _add_scalars(self, prefix: str, step: int, metrics: Mapping[str, Any]) -> None:
+        for key, value in metrics.items():
+            value = _to_json_value(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(f"{prefix}/{key}", value, global_step=step)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Log one training step: a metrics.jsonl line, TensorBoard scalars, the progress bar."""
+        if not self.is_main_process:
+            return
+        step = int(step)
+        self._append({"step": step, **metrics})
+        self._add_scalars("train", step, metrics)
+        if self._bar is not None:
+            postfix = {}
+            for key, label, fmt in (
+                ("loss", "loss", "{:.4f}"),
+                ("tokens_per_second", "tok/s", "{:,.0f}"),
+                ("mfu", "mfu", "{:.2%}"),
+            ):
+                value = _to_json_value(metrics.get(key))
+                if isinstance(value, (int, float)):
+                    postfix[label] = fmt.format(value)
+            self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(max(step - self._bar_step, 0))
+            self._bar_step = max(step, self._bar_step)
+
+    def write_eval(self, step: int, val_loss: float, **extra: Any) -> None:
+        """Log a validation result: a line with `step`, `val_loss` and `extra`, and TensorBoard
+        scalars `eval/loss` and `eval/<key>` for each extra key."""
+        if not self.is_main_process:
+            return
+        step = int(step)
+        self._append({"step": step, "val_loss": val_loss, **extra})
+        self._add_scalars("eval", step, {"loss": val_loss, **extra})
+        if self._bar is not None:
+            value = _to_json_value(val_loss)
+            if isinstance(value, float):
+                self._bar.write(f"step {step}: val_loss {value:.4f}")
+
+    # --- resuming --------------------------------------------------------------------------
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only the metrics.jsonl lines with `step` <= `step` (and drop any partial line),
+        rewriting the file atomically. For resuming from a checkpoint at `step`."""
+        if not self.is_main_process or not os.path.exists(self.path):
+            return
+        kept = [r for r in read_metrics(self.path) if r.get("step", math.inf) <= step]
+        self._rewrite(kept)
+
+    def _drop_partial_last_line(self) -> None:
+        # A crash in the middle of a write leaves a last line with no newline; appending after
+        # it would glue the next record onto it.
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, "rb") as f:
+            data = f.read()
+        if data and not data.endswith(b"\n"):
+            self._rewrite(read_metrics(self.path))
+
+    def _rewrite(self, records: list[dict[str, Any]]) -> None:
+        reopen = self._file is not None
+        if reopen:
+            self._file.close()
+        text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in records)
+        atomic_write(self.path, lambda f: f.write(text.encode()))
+        if reopen:
+            self._file = open(self.path, "a")  # noqa: SIM115 -- held open for the whole run
+
+    # --- the end ---------------------------------------------------------------------------
+
+    def plot_loss_curve(self) -> str | None:
+        """Write loss_curve.png (train and validation loss against step) atomically, from
+        metrics.jsonl, so the steps logged before a resume are on it too. Returns its path."""
+        if not self.is_main_process:
+            return None
+        # Imported here, at the end of a run: matplotlib costs a second of start-up to every
+        # process that only logs.
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a training machine
+        import matplotlib.pyplot as plt
+
+        records = read_metrics(self.path)
+        train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+        val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        if train:
+            ax.plot(*zip(*train, strict=True), label="train loss", linewidth=1)
+        if val:
+            ax.plot(*zip(*val, strict=True), "o-", label="validation loss", markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+        if train or val:
+            ax.legend()
+        fig.tight_layout()
+        path = os.path.join(self.workdir, LOSS_CURVE_FILE)
+        try:
+            atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+        finally:
+            plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        """Close the files and the bar (no plot). Safe to call twice."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def finalize(self) -> None:
+        """End of training: close everything and write loss_curve.png."""
+        if not self.is_main_process:
+            return
+        self.close()
+        self.plot_loss_curve()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
