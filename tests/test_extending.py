@@ -21,7 +21,7 @@ from shardings import STRATEGIES
 from shardings.strategies import DATA, MODEL, Strategy
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import DecoderLM
-from zoo.registry import FAMILIES, Family, register
+from zoo.registry import FAMILIES, Family, preset_table, register
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,20 +30,6 @@ class WideRopeConfig(DecoderConfig):
 
     rope_theta: float = 50_000.0
     norm_eps: float = 1e-6
-
-    @classmethod
-    def small(cls, **overrides):
-        base = dict(
-            vocab_size=512,
-            hidden_dim=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            ffn_dim=128,
-            max_seq_len=64,
-        )
-        return cls(**{**base, **overrides})
 
 
 class WideRope(DecoderLM):
@@ -66,7 +52,11 @@ def family_and_strategy():
             name="wide_rope",
             config_cls=WideRopeConfig,
             model_cls=WideRope,
-            presets={"wide-rope-small": WideRopeConfig.small},
+            presets=preset_table(
+                # V, M, L, N, K, D, F, T: zoo.registry.PRESET_DIMS
+                WideRopeConfig,
+                {"wide-rope-small": (512, 64, 2, 4, 2, 16, 128, 64)},
+            ),
         )
     )
     STRATEGIES[MLP_ONLY_TP.name] = MLP_ONLY_TP

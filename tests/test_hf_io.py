@@ -17,7 +17,6 @@ from safetensors.numpy import save_file
 import zoo
 from shardings import get_strategy
 from zoo import hf_io
-from zoo.llama.modeling import LlamaConfig
 
 REF = pathlib.Path(__file__).parent / "hf_reference"
 
@@ -109,7 +108,7 @@ def test_unsupported_rope_type(tmp_path):
 
 def test_config_our_format_cannot_express():
     _one_line_error(
-        lambda: hf_io.config_to_hf(LlamaConfig.tiny(qk_norm=True)),
+        lambda: hf_io.config_to_hf(zoo.get_config("tiny", qk_norm=True)),
         r"LlamaConfig.qk_norm=True cannot be written as a LlamaForCausalLM config.json",
     )
 
