@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from nnx_zoo.launch.build import build, make_mesh
+from nnx_zoo.launch.build import build
 from nnx_zoo.launch.data import build_data
 from nnx_zoo.training.config import RunConfig
 from shardings import STRATEGIES
@@ -76,8 +76,8 @@ def _losses(strategy: str, mesh_shape: str, steps: int = 3) -> list[float]:
         }
     )
     devices = jax.devices()[: 1 if mesh_shape == "data:1" else 8]
-    _, mesh = make_mesh(run, devices=devices)
-    built = build(run, mesh)
+    built = build(run, devices=devices)
+    mesh = built.mesh
     batches = build_data(run, mesh, built.batch_spec).train_batches
     with jax.set_mesh(mesh):
         return [float(built.trainer.train_step(next(batches))["loss"]) for _ in range(steps)]

@@ -13,7 +13,7 @@ import sys
 import jax
 import pytest
 
-from nnx_zoo.launch.build import build, make_mesh
+from nnx_zoo.launch.build import build, plan_run
 from nnx_zoo.launch.data import build_data
 from nnx_zoo.training.config import RunConfig
 
@@ -131,9 +131,10 @@ def test_abstract_and_concrete_builds_compile_the_same_program():
         "optimizer": {"micro_batches": 2},
     }
     run = RunConfig.from_config_dict(raw)
-    _, mesh = make_mesh(run)
-    abstract, _ = build(run, mesh, abstract=True).compile()
-    concrete = build(run, mesh)
+    plan = plan_run(run)  # one plan, both builds
+    mesh = plan.mesh
+    abstract, _ = build(run, plan=plan, abstract=True).compile()
+    concrete = build(run, plan=plan)
     batch = next(build_data(run, mesh, concrete.batch_spec).train_batches)
     with jax.set_mesh(mesh):
         compiled = concrete.trainer.lower(batch).compile()

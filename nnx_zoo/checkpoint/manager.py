@@ -225,7 +225,7 @@ def check_fits(
 ) -> bool:
     """One-line ValueError naming every array whose saved shape or dtype differs, or that only
     one side has. With `vocab_padding_differs` (the saved model has the same vocabulary, padded
-    for another mesh: zoo.build.fit_vocab), arrays may differ in their vocab dim alone; returns
+    for another mesh: zoo.plan.fit_vocab), arrays may differ in their vocab dim alone; returns
     whether any does (then the restore pads or cuts those rows, which hold no token)."""
     saved, live = _flatten(saved_tree), _flatten(live_tree)
     diffs, resized = [], False

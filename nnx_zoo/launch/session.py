@@ -19,7 +19,7 @@ import jax
 from nnx_zoo.checkpoint import resume as resume_rules
 from nnx_zoo.checkpoint.files import write_json_atomic
 from nnx_zoo.checkpoint.manager import Checkpointer, checkpoint_dir, complete_steps
-from nnx_zoo.launch.build import Run, build, make_mesh, model_config
+from nnx_zoo.launch.build import Run, build, plan_run
 from nnx_zoo.launch.data import RunData, build_data
 from nnx_zoo.runtime import peers
 from nnx_zoo.runtime.preemption import PreemptionWatcher
@@ -71,11 +71,10 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
             notes += [note] if note else []
     finetune.check_lora_run(run, init_from)
     run = finetune.with_data_tokenizer(run, init_from)
-    model_cfg = model_config(run, init_from)
-    strategy, mesh = make_mesh(run, model_cfg=model_cfg)
+    plan = plan_run(run, init_from=init_from)
     # The data before the model: a bad source or tokenizer fails before any initialisation.
-    run_data = build_data(run, mesh, strategy.batch_spec())
-    built = build(run, mesh, init_from=init_from, model_cfg=model_cfg)
+    run_data = build_data(run, plan.mesh, plan.strategy.batch_spec())
+    built = build(run, plan=plan, init_from=init_from)
     tokenizer = run_data.tokenizer
     if built.model_cfg.vocab_size < tokenizer.vocab_size:
         fix = (

@@ -350,7 +350,7 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
     mesh = make_mesh(target, candidate)
     built = build(run, mesh, abstract=True)
     state = state_bytes(built)
-    pp = pipeline.plan_for(built.model.cfg, built.model.sharding, mesh)
+    pp = built.plan.pipeline
     start = time.perf_counter()
     try:
         compiled, seconds = built.compile()

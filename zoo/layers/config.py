@@ -38,7 +38,7 @@ class DecoderConfig:
     ffn_dim: int  # F
     max_seq_len: int = 8192  # KV-cache length, and the table size of learned positions
     # Rows of the embedding table and columns of the LM head when more than V (0: exactly V).
-    # Set by zoo.build.fit_vocab where V does not divide the mesh axes the vocab is split on
+    # Set by zoo.plan.fit_vocab where V does not divide the mesh axes the vocab is split on
     # (GPT-2's 50257 under `tp`); the extra logits are masked out, never predicted.
     padded_vocab_size: int = 0
 
