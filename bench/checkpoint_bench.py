@@ -32,7 +32,8 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from nnx_zoo.checkpoint import integrity  # noqa: E402
-from nnx_zoo.checkpoint.manager import Checkpointer, checkpoint_dir  # noqa: E402
+from nnx_zoo.checkpoint.manager import Checkpointer  # noqa: E402
+from nnx_zoo.checkpoint.steps import checkpoint_dir  # noqa: E402
 from nnx_zoo.launch.build import build  # noqa: E402
 from nnx_zoo.training.config import RunConfig  # noqa: E402
 

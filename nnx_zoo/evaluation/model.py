@@ -9,7 +9,7 @@ import os
 import jax
 from flax import nnx
 
-from nnx_zoo.checkpoint.manager import restore_params
+from nnx_zoo.checkpoint.restore import restore_params
 from nnx_zoo.evaluation.settings import EvalSettings, run_config
 from nnx_zoo.launch.build import check_attention, check_positions
 from nnx_zoo.training import finetune
