@@ -113,6 +113,14 @@ def test_config_our_format_cannot_express():
     )
 
 
+def test_how_a_model_runs_is_not_written_nor_checked():
+    # zoo.layers.config.RUNTIME_FIELDS, one tuple: a pipeline run's config (its micro-batches)
+    # or an expert exchange's is still a Llama config.json.
+    runtime = {"pipeline_microbatches": 4, "pipeline_repeats": 2, "moe_exchange": "padded"}
+    hf = hf_io.config_to_hf(zoo.get_config("tiny", **runtime))
+    assert hf["architectures"] == ["LlamaForCausalLM"] and not set(runtime) & set(hf)
+
+
 # --- config.json formats --------------------------------------------------------------------
 
 

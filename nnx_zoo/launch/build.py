@@ -123,34 +123,16 @@ def build_optimizer(run: RunConfig):
     )
 
 
-def runtime_overrides(model: ModelSection) -> dict:
-    """The model section's choices of how a model runs (not what it is): with --init_from the
-    checkpoint fixes the architecture and these still apply."""
-    return dict(
-        dtype=model.dtype,
-        scan_layers=model.scan_layers,
-        scan_unroll=model.scan_unroll,
-        remat=model.remat,
-        attention_impl=model.attention_impl,
-        attention_interpret=model.attention_interpret,
-        moe_exchange=model.moe_exchange,
-        moe_capacity_factor=model.moe_capacity_factor,
-        pipeline_microbatches=model.pipeline_microbatches,
-        pipeline_repeats=model.pipeline_repeats,
-        quantization=model.quantization,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class CheckpointModelSection(ModelSection):
     """A model section whose architecture is a Hugging Face checkpoint's (`init_from`, its
     config.json): `decoder_config()` builds that, with this section's runtime choices
-    (`runtime_overrides`) on top; the section's preset and shape fields are not used."""
+    (`ModelSection.runtime_overrides`) on top; its preset and shape fields are not used."""
 
     init_from: str = ""
 
     def decoder_config(self):
-        return read_config(self.init_from, **runtime_overrides(self))
+        return read_config(self.init_from, **self.runtime_overrides())
 
 
 def starting_from(run: RunConfig, init_from: str | None) -> RunConfig:

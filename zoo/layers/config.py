@@ -17,6 +17,21 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 # attention_impl values: the backends of zoo/layers/attention/, and the choice between them.
 ATTENTION_IMPLEMENTATIONS = ("xla", "splash", "cudnn", "auto")
+# Fields that say how to run a model, not what it is: a checkpoint (its config.json, a run's
+# --init_from) never fixes them, and a run's model section sets them on any architecture.
+RUNTIME_FIELDS = (
+    "dtype",
+    "scan_layers",
+    "scan_unroll",
+    "remat",
+    "attention_impl",
+    "attention_interpret",
+    "moe_exchange",
+    "moe_capacity_factor",
+    "pipeline_microbatches",
+    "pipeline_repeats",
+    "quantization",
+)
 
 
 def causal_keys_per_query(seq_len: int, window: int | None = None) -> float:
