@@ -44,7 +44,7 @@ def _train():
     from nnx_zoo.checkpoint import write_errors
     from nnx_zoo.checkpoint.workdir import expand, hold
     from nnx_zoo.launch import session
-    from nnx_zoo.runtime import distributed, peers
+    from nnx_zoo.runtime import console, distributed, peers
     from nnx_zoo.training.loop import DivergedError
 
     lock = None
@@ -62,7 +62,8 @@ def _train():
             distributed.initialize(
                 address, RUN.num_processes.value, RUN.process_id.value, peer_timeout_s=timeout
             )
-            cli.warn(notes)
+            for note in notes:  # adjustments a user expects (a smoke run's warmup)
+                console.warn(note)
             coordinator = address.rsplit(":", 1)[0] if address else None
             watch = peers.start(timeout, coordinator)
             if RUN.peak_tflops.value is not None:

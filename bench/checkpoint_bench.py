@@ -32,8 +32,9 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from nnx_zoo.checkpoint import integrity  # noqa: E402
-from nnx_zoo.checkpoint.manager import Checkpointer, checkpoint_dir  # noqa: E402
-from nnx_zoo.launch.build import build, make_mesh  # noqa: E402
+from nnx_zoo.checkpoint.manager import Checkpointer  # noqa: E402
+from nnx_zoo.checkpoint.steps import checkpoint_dir  # noqa: E402
+from nnx_zoo.launch.build import build  # noqa: E402
 from nnx_zoo.training.config import RunConfig  # noqa: E402
 
 
@@ -96,13 +97,14 @@ def main():
     args = parser.parse_args()
 
     run = load_run_config(args.config)
-    training = dataclasses.replace(run.training, sharding_strategy=args.strategy)
+    training = dataclasses.replace(
+        run.training,
+        sharding_strategy=args.strategy,
+        mesh_shape=args.mesh_shape or run.training.mesh_shape,
+    )
     run = dataclasses.replace(run, training=training)
-    strategy, mesh = make_mesh(run)
-    if args.mesh_shape:
-        mesh = strategy.make_mesh(shape=args.mesh_shape, config=run.model.decoder_config())
-    built = build(run, mesh)  # the model and optimizer train_main saves
-    cfg, model, optimizer = built.model_cfg, built.model, built.optimizer
+    built = build(run)  # the model and optimizer train_main saves
+    cfg, model, optimizer, mesh = built.model_cfg, built.model, built.optimizer, built.mesh
     with jax.set_mesh(mesh):
         # One update, so the Adam moments are real numbers (zeros would compress to nothing).
         grads = jax.tree.map(lambda p: 0.01 * p, nnx.state(model, nnx.Param))

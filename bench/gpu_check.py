@@ -133,10 +133,10 @@ def _model_and_batch(**cfg_changes):
     from flax import nnx
 
     from shardings import get_strategy
-    from zoo import create_model
-    from zoo.llama.modeling import LlamaConfig
+    from zoo import create_model, get_config
 
-    cfg = LlamaConfig.tiny(
+    cfg = get_config(
+        "tiny",
         vocab_size=4096,
         hidden_dim=512,
         num_layers=4,

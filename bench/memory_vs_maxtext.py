@@ -39,7 +39,6 @@ import json
 import os
 import re
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,11 +79,9 @@ def versions() -> str:
 def compile_step(rows_per_chip: int, remat: str):
     """(StepMemory, compile error or None, HLO text or '', seconds, chip bytes): the step
     planning.compile.compile_plan compiles for this request, kept with its program text."""
-    import jax
-
     from nnx_zoo.launch.build import build as build_run
     from nnx_zoo.planning.cli import Request, build
-    from nnx_zoo.planning.compile import compile_time_oom_bytes, make_mesh, run_for
+    from nnx_zoo.planning.compile import compile_or_oom, make_mesh, run_for
     from nnx_zoo.training.step_memory import StepMemory, step_memory
 
     request = Request(
@@ -101,17 +98,13 @@ def compile_step(rows_per_chip: int, remat: str):
     run, target, candidates, _ = build(request)
     candidate = candidates[0]
     built = build_run(run_for(run, candidate), make_mesh(target, candidate), abstract=True)
-    start = time.perf_counter()
-    try:
-        compiled, seconds = built.compile()
-    except jax.errors.JaxRuntimeError as e:
-        temp = compile_time_oom_bytes(str(e))
-        if temp is None:
-            raise
-        line = next((x for x in str(e).splitlines() if "RESOURCE_EXHAUSTED" in x), str(e))
+    outcome = compile_or_oom(built)
+    if outcome.program is None:
+        temp = outcome.oom_temp_bytes
         memory = StepMemory(0, 0, 0, temp, temp, 0)
-        return memory, line.strip()[:300], "", time.perf_counter() - start, target.chip
-    return step_memory(compiled), None, compiled.as_text(), seconds, target.chip
+        return memory, outcome.oom_line, "", outcome.seconds, target.chip
+    compiled = outcome.program
+    return step_memory(compiled), None, compiled.as_text(), outcome.seconds, target.chip
 
 
 # A top-level instruction: `%name = dtype[dims]{layout} op(operands), ...`.

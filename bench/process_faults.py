@@ -30,7 +30,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps  # noqa: E402
+from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps  # noqa: E402
 
 RUN = {
     "model.hidden_dim": 64,

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _child(args) -> None:
     import jax
 
-    from nnx_zoo.launch.build import build, make_mesh
+    from nnx_zoo.launch.build import build
     from nnx_zoo.launch.data import build_data
     from nnx_zoo.training import flops
     from nnx_zoo.training.config import RunConfig
@@ -47,12 +47,11 @@ def _child(args) -> None:
         config.training.sharding_strategy = strategy
         run = RunConfig.from_config_dict(config)
         try:
-            _, mesh = make_mesh(run)
-            built = build(run, mesh)
+            built = build(run)
         except ValueError as e:
             print(json.dumps({"strategy": strategy, "error": str(e)}), flush=True)
             continue
-        trainer, cfg = built.trainer, built.model_cfg
+        trainer, cfg, mesh = built.trainer, built.model_cfg, built.mesh
         flops_per_token = cfg.flops_per_token(run.data.seq_len)
         peak = flops.peak_flops_per_device(
             jax.devices()[0], dtype=cfg.compute_dtype, override_tflops=run.logging.peak_tflops

@@ -277,10 +277,9 @@ def _export(shape: dict, directory: str) -> None:
     from flax import nnx
 
     from shardings import get_strategy
-    from zoo import create_model, save_pretrained
-    from zoo.llama.modeling import LlamaConfig
+    from zoo import create_model, get_config, save_pretrained
 
-    cfg = LlamaConfig.tiny(vocab_size=VOCAB, max_seq_len=2048, rope_theta=10_000.0, **shape)
+    cfg = get_config("tiny", vocab_size=VOCAB, max_seq_len=2048, rope_theta=10_000.0, **shape)
     strategy = get_strategy("fsdp_tp")
     with jax.set_mesh(strategy.make_mesh(config=cfg)):
         save_pretrained(create_model(cfg, strategy, rngs=nnx.Rngs(0)), directory)

@@ -58,7 +58,7 @@ LOGICAL_DIMS: dict[str, str | None] = {
     "kv_heads": "num_kv_heads",  # K of the key/value projections, heads and cache
     "ffn": "ffn_dim",  # F of the MLP
     # V of the LM head and the logits: no limit on the axis, since a vocab that does not
-    # divide is padded until it does (zoo.build.fit_vocab).
+    # divide is padded until it does (zoo.plan.fit_vocab).
     "vocab": None,
     "expert": "num_experts",  # E of the stacked MoE expert weights
     "expert_ffn": "moe_ffn_dim",  # F of one MoE expert

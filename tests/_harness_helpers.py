@@ -75,11 +75,10 @@ def write_tiny_llama(directory: str, style: str, *, max_seq_len: int = 64, seed:
     import zoo
     from shardings import get_strategy
     from zoo.build import model_class
-    from zoo.llama.modeling import LlamaConfig
 
     strategy = get_strategy("dp")
     mesh = strategy.make_mesh(devices=jax.devices()[:1])
-    cfg = LlamaConfig.tiny(max_seq_len=max_seq_len)
+    cfg = zoo.get_config("tiny", max_seq_len=max_seq_len)
     # Filled from numpy (norms 1, the rest N(0, 0.02)): compiling the model's own random
     # initialiser costs tens of seconds on a loaded 2-core host.
     rng = np.random.default_rng(seed)

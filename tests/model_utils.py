@@ -98,3 +98,17 @@ def record_outputs():
     finally:
         for cls, fn in originals.items():
             cls.__call__ = fn
+
+
+def count_constructions(monkeypatch) -> dict[str, int]:
+    """{'n': how many model objects are constructed from now on}: abstractly (a plan's shapes)
+    or traced by an initialising jit; a DecoderLM's __init__ runs once for each."""
+    count = {"n": 0}
+    init = decoder.DecoderLM.__init__
+
+    def counted(self, *args, **kwargs):
+        count["n"] += 1
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(decoder.DecoderLM, "__init__", counted)
+    return count

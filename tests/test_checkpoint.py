@@ -1,5 +1,6 @@
-"""nnx_zoo/checkpoint/manager.py and nnx_zoo/runtime/preemption.py in-process: restore onto other strategies
-and device counts bit for bit, the incomplete-checkpoint policy, and the one-line errors."""
+"""nnx_zoo/checkpoint/ (manager, steps, restore) and nnx_zoo/runtime/preemption.py in-process:
+restore onto other strategies and device counts bit for bit, the incomplete-checkpoint policy,
+and the one-line errors."""
 
 import os
 import shutil
@@ -13,15 +14,14 @@ import pytest
 from flax import nnx
 
 from nnx_zoo.checkpoint import integrity
-from nnx_zoo.checkpoint.manager import (
+from nnx_zoo.checkpoint.manager import Checkpointer
+from nnx_zoo.checkpoint.restore import read_meta, restore_params
+from nnx_zoo.checkpoint.steps import (
     INVALID_SUBDIR,
     ITEMS,
-    Checkpointer,
     CorruptCheckpointError,
     checkpoint_dir,
     complete_steps,
-    read_meta,
-    restore_params,
 )
 from nnx_zoo.runtime.preemption import PreemptionWatcher
 from shardings import get_strategy

@@ -29,7 +29,7 @@ import pytest
 from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags, run_train_main
 
 from nnx_zoo.checkpoint import integrity
-from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps
+from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
 from nnx_zoo.training.metrics import read_metrics
 
 STEPS = 4

@@ -8,7 +8,7 @@ import sys
 
 from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
 
-from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps
+from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
 
 # A learning rate of 1e30 moves every parameter by ~1e30 in the first update (Adam's step is
 # ~lr per element whatever the gradient's scale): step 1's loss is the untrained one, step 2's

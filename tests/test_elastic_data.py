@@ -20,7 +20,8 @@ from flax import nnx
 
 from nnx_zoo import data
 from nnx_zoo.checkpoint import integrity
-from nnx_zoo.checkpoint.manager import Checkpointer, checkpoint_dir
+from nnx_zoo.checkpoint.manager import Checkpointer
+from nnx_zoo.checkpoint.steps import checkpoint_dir
 from nnx_zoo.data.position import documents_read, for_workers
 from nnx_zoo.data.tokenizers import ByteTokenizer
 
@@ -197,7 +198,7 @@ def test_checkpoint_keeps_one_global_position_and_reads_the_per_process_format(s
 def test_only_a_changed_stream_restarts_it():
     from _train_helpers import run_config
 
-    from nnx_zoo.checkpoint.resume import data_changes
+    from nnx_zoo.launch.resume import data_changes
 
     saved = run_config({"data.num_workers": 2})
     # Workers (and the process count, which no config holds) leave the position valid.

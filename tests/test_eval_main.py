@@ -17,7 +17,8 @@ from flax import nnx
 
 import configs.tiny
 from nnx_zoo import data
-from nnx_zoo.checkpoint.manager import Checkpointer, checkpoint_dir
+from nnx_zoo.checkpoint.manager import Checkpointer
+from nnx_zoo.checkpoint.steps import checkpoint_dir
 from nnx_zoo.data.tokenizers import make_tokenizer
 from nnx_zoo.evaluation.metrics import json_safe
 from nnx_zoo.training.config import RunConfig

@@ -14,14 +14,14 @@ import jax
 import numpy as np
 import pytest
 
-from nnx_zoo.launch.build import build, make_mesh
+from nnx_zoo.launch.build import build
 from nnx_zoo.launch.data import build_data
 from nnx_zoo.training.config import RunConfig
 from shardings import STRATEGIES
 from shardings.strategies import DATA, MODEL, Strategy
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import DecoderLM
-from zoo.registry import FAMILIES, Family, register
+from zoo.registry import FAMILIES, Family, preset_table, register
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,20 +30,6 @@ class WideRopeConfig(DecoderConfig):
 
     rope_theta: float = 50_000.0
     norm_eps: float = 1e-6
-
-    @classmethod
-    def small(cls, **overrides):
-        base = dict(
-            vocab_size=512,
-            hidden_dim=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            ffn_dim=128,
-            max_seq_len=64,
-        )
-        return cls(**{**base, **overrides})
 
 
 class WideRope(DecoderLM):
@@ -66,7 +52,11 @@ def family_and_strategy():
             name="wide_rope",
             config_cls=WideRopeConfig,
             model_cls=WideRope,
-            presets={"wide-rope-small": WideRopeConfig.small},
+            presets=preset_table(
+                # V, M, L, N, K, D, F, T: zoo.registry.PRESET_DIMS
+                WideRopeConfig,
+                {"wide-rope-small": (512, 64, 2, 4, 2, 16, 128, 64)},
+            ),
         )
     )
     STRATEGIES[MLP_ONLY_TP.name] = MLP_ONLY_TP
@@ -86,8 +76,8 @@ def _losses(strategy: str, mesh_shape: str, steps: int = 3) -> list[float]:
         }
     )
     devices = jax.devices()[: 1 if mesh_shape == "data:1" else 8]
-    _, mesh = make_mesh(run, devices=devices)
-    built = build(run, mesh)
+    built = build(run, devices=devices)
+    mesh = built.mesh
     batches = build_data(run, mesh, built.batch_spec).train_batches
     with jax.set_mesh(mesh):
         return [float(built.trainer.train_step(next(batches))["loss"]) for _ in range(steps)]

@@ -161,7 +161,7 @@ def test_a_template_that_raises_exits_2(files, tmp_path):
 
 
 def _our_logits(workdir, ids):
-    from nnx_zoo.checkpoint.manager import read_meta
+    from nnx_zoo.checkpoint.restore import read_meta
     from nnx_zoo.evaluation import model as eval_model
     from nnx_zoo.evaluation.settings import from_run_info
 
@@ -233,7 +233,7 @@ def test_lora_on_a_bfloat16_base_with_a_tool_role_trains_and_evaluates(files, tm
     """`--config.model.dtype=bfloat16`: the frozen base stored in bf16, the adapters in f32;
     train_main trains, eval_main evaluates. The chats hold Llama 3.1's tool-output role
     `ipython`, which Llama 3's template renders (a fixed role list refused it before)."""
-    from nnx_zoo.checkpoint.manager import read_meta
+    from nnx_zoo.checkpoint.restore import read_meta
     from nnx_zoo.evaluation import model as eval_model
     from nnx_zoo.evaluation.settings import from_run_info
     from zoo.layers.lora import LoraParam

@@ -370,7 +370,7 @@ def test_export_main_hf_of_a_run_without_lora_at_a_step(run_dir, tmp_path):
     """--format=hf is for any run; --step=25 writes that step's weights (not the latest)."""
     from flax import nnx
 
-    from nnx_zoo.checkpoint.manager import read_meta
+    from nnx_zoo.checkpoint.restore import read_meta
     from nnx_zoo.evaluation import model as eval_model
     from nnx_zoo.evaluation.settings import from_run_info
     from zoo import from_pretrained

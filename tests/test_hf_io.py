@@ -17,7 +17,6 @@ from safetensors.numpy import save_file
 import zoo
 from shardings import get_strategy
 from zoo import hf_io
-from zoo.llama.modeling import LlamaConfig
 
 REF = pathlib.Path(__file__).parent / "hf_reference"
 
@@ -109,9 +108,17 @@ def test_unsupported_rope_type(tmp_path):
 
 def test_config_our_format_cannot_express():
     _one_line_error(
-        lambda: hf_io.config_to_hf(LlamaConfig.tiny(qk_norm=True)),
+        lambda: hf_io.config_to_hf(zoo.get_config("tiny", qk_norm=True)),
         r"LlamaConfig.qk_norm=True cannot be written as a LlamaForCausalLM config.json",
     )
+
+
+def test_how_a_model_runs_is_not_written_nor_checked():
+    # zoo.layers.config.RUNTIME_FIELDS, one tuple: a pipeline run's config (its micro-batches)
+    # or an expert exchange's is still a Llama config.json.
+    runtime = {"pipeline_microbatches": 4, "pipeline_repeats": 2, "moe_exchange": "padded"}
+    hf = hf_io.config_to_hf(zoo.get_config("tiny", **runtime))
+    assert hf["architectures"] == ["LlamaForCausalLM"] and not set(runtime) & set(hf)
 
 
 # --- config.json formats --------------------------------------------------------------------

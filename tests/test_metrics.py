@@ -134,13 +134,13 @@ def test_restart_from_step_0_keeps_one_history(tmp_path):
 
 
 def test_files_follow_the_umask(tmp_path):
-    from nnx_zoo.checkpoint.files import write_json_atomic
+    from nnx_zoo.runtime.files import write_json_atomic
 
     previous = os.umask(0o027)
     try:
         import importlib
 
-        from nnx_zoo.checkpoint import files
+        from nnx_zoo.runtime import files
 
         importlib.reload(files)  # it reads the umask once
         files.write_json_atomic(str(tmp_path / "a.json"), {})

@@ -12,8 +12,9 @@ import sys
 
 import jax
 import pytest
+from model_utils import count_constructions
 
-from nnx_zoo.launch.build import build, make_mesh
+from nnx_zoo.launch.build import build, plan_run
 from nnx_zoo.launch.data import build_data
 from nnx_zoo.training.config import RunConfig
 
@@ -121,9 +122,11 @@ def test_init_from_plans_the_checkpoints_model(trained_memory, tmp_path):
         assert plan[key] == value, (key, plan[key], value)
 
 
-def test_abstract_and_concrete_builds_compile_the_same_program():
+def test_abstract_and_concrete_builds_compile_the_same_program(monkeypatch):
     """In process: the planner's abstract build and train_main's concrete one, lowered on a
-    batch from the data pipeline, give the same optimized HLO."""
+    batch from the data pipeline, give the same optimized HLO; both take one plan, so the
+    model is constructed twice in all: the plan's shapes and the initialising jit's trace."""
+    constructions = count_constructions(monkeypatch)
     raw = {
         "model": {"preset": "tiny", "remat": "dots"},
         "data": {"seq_len": 64, "global_batch_size": 16},
@@ -131,9 +134,12 @@ def test_abstract_and_concrete_builds_compile_the_same_program():
         "optimizer": {"micro_batches": 2},
     }
     run = RunConfig.from_config_dict(raw)
-    _, mesh = make_mesh(run)
-    abstract, _ = build(run, mesh, abstract=True).compile()
-    concrete = build(run, mesh)
+    plan = plan_run(run)  # one plan, both builds
+    mesh = plan.mesh
+    abstract, _ = build(run, plan=plan, abstract=True).compile()
+    assert constructions["n"] == 1  # the abstract build placed the plan's shapes
+    concrete = build(run, plan=plan)
+    assert constructions["n"] == 2
     batch = next(build_data(run, mesh, concrete.batch_spec).train_batches)
     with jax.set_mesh(mesh):
         compiled = concrete.trainer.lower(batch).compile()

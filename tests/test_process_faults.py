@@ -35,7 +35,7 @@ import portpicker
 import pytest
 from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
 
-from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps
+from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
 from nnx_zoo.runtime import peers
 from nnx_zoo.training.metrics import read_metrics
 

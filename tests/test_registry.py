@@ -10,7 +10,8 @@ import pytest
 from zoo import get_config
 from zoo.build import model_class
 from zoo.hf_mapping import family_for_hf
-from zoo.registry import FAMILIES, Family, register
+from zoo.llama.modeling import LlamaConfig
+from zoo.registry import FAMILIES, Family, preset_table, register
 
 
 def test_every_family_is_registered_with_its_parts():
@@ -40,3 +41,14 @@ def test_a_family_registered_twice_is_refused():
 def test_unknown_preset_lists_the_registered_ones():
     with pytest.raises(ValueError, match=r"unknown model preset 'llama9'; valid presets: .*tiny"):
         get_config("llama9")
+
+
+def test_a_preset_table_row_is_the_dims_then_the_other_fields():
+    table = preset_table(
+        LlamaConfig, {"t": (512, 64, 2, 8, 4, 16, 128, 256, {"tie_embeddings": True})}
+    )
+    cfg = table["t"](num_layers=3)  # an override wins over the row
+    assert (cfg.vocab_size, cfg.hidden_dim, cfg.num_layers, cfg.max_seq_len) == (512, 64, 3, 256)
+    assert cfg.tie_embeddings and type(cfg) is LlamaConfig
+    with pytest.raises(ValueError, match=r"preset 'short' has 7 dims; a row holds vocab_size, "):
+        preset_table(LlamaConfig, {"short": (512, 64, 2, 8, 4, 16, 128)})

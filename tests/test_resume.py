@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps
+from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
 from nnx_zoo.training.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

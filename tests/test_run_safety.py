@@ -21,7 +21,7 @@ import time
 import pytest
 from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
 
-from nnx_zoo.checkpoint.manager import INVALID_SUBDIR, checkpoint_dir
+from nnx_zoo.checkpoint.steps import INVALID_SUBDIR, checkpoint_dir
 from nnx_zoo.checkpoint.workdir import LOCK_FILE
 from nnx_zoo.training.metrics import read_metrics
 

@@ -25,7 +25,8 @@ import pytest
 from flax import nnx
 from model_utils import host_params, load_params, packed_batch, put_batch
 
-from nnx_zoo.checkpoint.manager import Checkpointer, restore_params
+from nnx_zoo.checkpoint.manager import Checkpointer
+from nnx_zoo.checkpoint.restore import restore_params
 from shardings import get_strategy
 from zoo import create_model, get_config
 from zoo.build import fit_vocab, model_class

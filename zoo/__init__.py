@@ -2,18 +2,22 @@
 
 # Each family package registers itself on import (zoo/registry.py); this is the one list.
 from zoo import gemma3, gpt2, llama, mistral, mixtral, qwen3, qwen3_moe  # noqa: F401
-from zoo.build import check_model_fits, create_model, get_config, param_layouts
+from zoo.build import abstract_model, create_model, get_config
 from zoo.hf_io import from_pretrained, save_pretrained
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import VOCAB_DIMS
+from zoo.plan import ModelPlan, check_model_fits, param_layouts, plan_model
 
 __all__ = [
     "VOCAB_DIMS",
     "DecoderConfig",
+    "ModelPlan",
+    "abstract_model",
     "check_model_fits",
     "create_model",
     "from_pretrained",
     "get_config",
     "param_layouts",
+    "plan_model",
     "save_pretrained",
 ]

@@ -1,172 +1,71 @@
-"""Config -> model, with the layout checks that run before any array is created."""
+"""A planned model (zoo/plan.py) -> the model, concrete or as shapes.
+
+Each function takes a `ModelPlan`, or the (config, strategy[, mesh]) to plan once through
+`plan_model`: `create_model(get_config("tiny"), strategy, rngs=...)` keeps working.
+"""
 
 from __future__ import annotations
 
-import logging
-import math
-
-import jax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from shardings.mesh import check_divisible
-from shardings.specs import split_size
-from zoo.layers import pipeline
 from zoo.layers.config import DecoderConfig
-from zoo.registry import family_for_config, get_config
+from zoo.plan import (
+    ModelPlan,
+    activation_layouts,
+    check_model_fits,
+    fit_vocab,
+    model_class,
+    param_layouts,
+    plan_model,
+    vocab_shards,
+)
+from zoo.registry import get_config
 
 __all__ = [
+    "ModelPlan",
+    "abstract_model",
+    "activation_layouts",
+    "as_plan",
+    "check_model_fits",
+    "create_model",
+    "fit_vocab",
     "get_config",
     "model_class",
     "param_layouts",
-    "fit_vocab",
-    "check_model_fits",
-    "abstract_model",
-    "create_model",
+    "plan_model",
+    "vocab_shards",
 ]
 
-# Megatron's and MaxText's rule: a padded vocab is a multiple of 128 per vocab shard, so every
-# shard's slice of the LM head is lane-aligned on TPU and a whole number of GPU tiles.
-VOCAB_PAD_MULTIPLE = 128
-_log = logging.getLogger(__name__)
 
-
-def model_class(cfg: DecoderConfig):
-    return family_for_config(cfg).model_cls
-
-
-def _abstract(cfg: DecoderConfig, strategy):
-    """The model's parameter tree as shapes and declared specs, built on an abstract mesh
-    whose strategy axes all have size 1 (every split then divides), so nothing is allocated.
-
-    An abstract mesh, not `jax.set_mesh`: this also runs inside a trace (`nnx.eval_shape`
-    of `create_model`), where only an abstract mesh of the same size may be entered, so the
-    active mesh's devices go on one extra axis that no spec names.
-    """
-    active = jax.sharding.get_abstract_mesh()
-    size = 1 if active is None or active.empty else active.size
-    names = (*strategy.axes, "unnamed_devices")
-    layout_mesh = jax.sharding.AbstractMesh(
-        (1,) * len(strategy.axes) + (size,),
-        names,
-        axis_types=(jax.sharding.AxisType.Explicit,) * len(names),
-    )
-    cls = model_class(cfg)
-    with jax.sharding.use_abstract_mesh(layout_mesh):
-        return nnx.eval_shape(lambda: cls(cfg, strategy.lm_sharding(), rngs=nnx.Rngs(0)))
-
-
-def vocab_shards(strategy, mesh) -> int:
-    """How many ways the strategy splits the vocab dim on `mesh`: of the logits, the LM head
-    and the embedding table (their least common multiple; 1 when none is split)."""
-    lm = strategy.lm_sharding()
-    return math.lcm(
-        split_size(lm.lm_head.out, 2, mesh.shape),
-        split_size(lm.lm_head.weight, 1, mesh.shape),
-        split_size(lm.embed.table, 0, mesh.shape),
-    )
-
-
-def fit_vocab(cfg: DecoderConfig, strategy, mesh) -> DecoderConfig:
-    """`cfg` with the vocab padded where its rows do not divide the vocab split on `mesh`.
-
-    Only then: a vocabulary that divides (Llama's 128256 over 8) keeps its exact size, and
-    so do its checkpoints. A padded size already in `cfg` (a checkpoint's) that divides is
-    kept. Else V rounds up to a multiple of 128 x the shards (GPT-2's 50257 over `model`=2:
-    50432); the padded rows are never looked up and their logits are masked, so the numbers
-    are those of the unpadded model. Checkpoints and Hugging Face files convert between
-    paddings (nnx_zoo/checkpoint/manager.py, zoo/hf_io.py).
-    """
-    shards = vocab_shards(strategy, mesh)
-    if cfg.vocab_rows % shards == 0:
+def as_plan(cfg: DecoderConfig | ModelPlan, strategy=None, mesh=None) -> ModelPlan:
+    """`cfg` itself when it is a plan (then `strategy` and `mesh` must be left out), else
+    `plan_model(cfg, strategy, mesh)`."""
+    if isinstance(cfg, ModelPlan):
+        if strategy is not None or mesh is not None:
+            raise TypeError("a ModelPlan already holds its strategy and mesh; pass the plan alone")
         return cfg
-    multiple = VOCAB_PAD_MULTIPLE * shards
-    padded = -(-cfg.vocab_size // multiple) * multiple
-    _log.info(
-        "vocab_size=%d does not divide over the %d-way vocab split of %s: padded to %d rows "
-        "(the %d extra logits are masked out of the loss and of generation)",
-        cfg.vocab_size,
-        shards,
-        strategy.name,
-        padded,
-        padded - cfg.vocab_size,
-    )
-    return cfg.replace(padded_vocab_size=padded)
+    if strategy is None:
+        raise TypeError("a model config needs a strategy (a Strategy or its name)")
+    return plan_model(cfg, strategy, mesh)
 
 
-def param_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[int, ...], object]]:
-    """(path, shape, declared spec) of every parameter, in tree order."""
-    state = nnx.state(_abstract(cfg, strategy), nnx.Param)
-    rows = []
-    for path, var in nnx.to_flat_state(state):
-        spec = var.get_metadata().get("out_sharding")
-        rows.append(("/".join(str(p) for p in path), tuple(var.get_value().shape), spec))
-    return rows
+def abstract_model(cfg: DecoderConfig | ModelPlan, strategy=None, mesh=None):
+    """The model as shapes in the strategy's layout on the mesh, nothing allocated: the vocab
+    padded where its split needs it (the model's `cfg` then says so) and every split checked.
+    For filling from files (a checkpoint, Hugging Face tensors) straight into the layout, so
+    the model is never initialised nor held twice."""
+    return as_plan(cfg, strategy, mesh).abstract_model()
 
 
-def activation_layouts(cfg: DecoderConfig, strategy) -> list[tuple[str, tuple[int, ...], object]]:
-    """(name, shape, declared spec) of the activations whose split dims no parameter shows
-    (a tied model has no LM head weight, so only the logits carry the vocab split)."""
-    lm = strategy.lm_sharding()
-    M, N, K, D, F, V = (
-        cfg.hidden_dim,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.ffn_dim,
-        cfg.vocab_rows,
-    )
-    # Batch and sequence are 1 here and unsplit: they are checked where the batch is made
-    # (check_batch).
-    no_batch = lambda spec: P(None, None, *tuple(spec)[2:])  # noqa: E731
-    return [
-        ("residual stream [B, T, M]", (1, 1, M), no_batch(lm.block.residual)),
-        ("query heads [B, T, N, D]", (1, 1, N, D), no_batch(lm.block.attention.q.out)),
-        ("kv heads [B, T, K, D]", (1, 1, K, D), no_batch(lm.block.attention.k.out)),
-        ("mlp hidden [B, T, F]", (1, 1, F), no_batch(lm.block.mlp.up.out)),
-        ("logits [B, T, V]", (1, 1, V), no_batch(lm.lm_head.out)),
-    ]
-
-
-def check_model_fits(cfg: DecoderConfig, strategy, mesh) -> None:
-    """Raise ValueError naming the first array whose split does not divide its dim (the
-    vocab, padded by `fit_vocab` as the model will be, always does)."""
-    cfg = fit_vocab(cfg, strategy, mesh)
-    check_divisible(param_layouts(cfg, strategy), mesh, strategy.name)
-    check_divisible(activation_layouts(cfg, strategy), mesh, strategy.name)
-    pipeline.plan_for(cfg, strategy.lm_sharding(), mesh)  # stages, repeats, micro-batches
-
-
-def abstract_model(cfg: DecoderConfig, strategy, mesh):
-    """The model as shapes in `strategy`'s layout on `mesh`, nothing allocated: the vocab
-    padded where its split needs it (`fit_vocab`; the model's `cfg` then says so) and every
-    split checked (`check_model_fits`). For filling from files (a checkpoint, Hugging Face
-    tensors) straight into the layout, so the model is never initialised nor held twice."""
-    cfg = fit_vocab(cfg, strategy, mesh)
-    check_model_fits(cfg, strategy, mesh)
-    cls = model_class(cfg)
-    sharding = strategy.lm_sharding()
-    with jax.set_mesh(mesh):
-        return nnx.eval_shape(lambda: cls(cfg, sharding, rngs=nnx.Rngs(0)))
-
-
-def create_model(cfg: DecoderConfig, strategy, *, rngs: nnx.Rngs, mesh=None):
-    """Build the model for the active mesh (`jax.set_mesh`) or `mesh`.
+def create_model(
+    cfg: DecoderConfig | ModelPlan, strategy=None, *, rngs: nnx.Rngs, mesh=None
+) -> nnx.Module:
+    """Build the model for the active mesh (`jax.set_mesh`) or `mesh` (or the plan's).
 
     Parameters are created inside one jit, each directly with its layout, so no device ever
-    holds a full copy of the model. A vocab that does not divide its split is padded
-    (`fit_vocab`): the model's `cfg` then differs from `cfg` in `padded_vocab_size`.
+    holds a full copy of the model. A vocab that does not divide its split is padded: the
+    model's `cfg` then differs from `cfg` in `padded_vocab_size`.
     """
-    mesh = mesh or jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        raise ValueError("create_model needs a mesh: call it under `with jax.set_mesh(mesh):`")
-    missing = [a for a in strategy.axes if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(
-            f"mesh axes {mesh.axis_names} lack {missing}, which strategy {strategy.name!r} uses"
-        )
-    cfg = fit_vocab(cfg, strategy, mesh)
-    check_model_fits(cfg, strategy, mesh)
-    cls = model_class(cfg)
-    sharding = strategy.lm_sharding()
-    return nnx.jit(lambda r: cls(cfg, sharding, rngs=r))(rngs)
+    plan = as_plan(cfg, strategy, mesh)
+    cls, planned, sharding = plan.model_cls, plan.cfg, plan.sharding
+    return nnx.jit(lambda r: cls(planned, sharding, rngs=r))(rngs)

@@ -36,8 +36,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardings.strategies import get_strategy
-from zoo.build import abstract_model
 from zoo.hf_mapping import (
     CONFIG_FILE,
     Rule,
@@ -49,7 +47,8 @@ from zoo.hf_mapping import (
 )
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import VOCAB_DIMS
-from zoo.registry import Family
+from zoo.plan import ModelPlan, plan_model
+from zoo.registry import Family, family_for_config
 from zoo.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
@@ -265,12 +264,11 @@ def _host_param(plan: _Plan, reader: CheckpointReader, key, layer, shape) -> np.
 
 
 def _concrete_mesh(mesh):
-    if mesh is not None:
-        return mesh
-    mesh = jax.sharding.get_mesh()
-    if mesh is None or mesh.empty:
+    mesh = jax.sharding.get_mesh() if mesh is None else mesh
+    if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
         raise ValueError(
-            "from_pretrained needs a mesh: pass mesh= or call it under `with jax.set_mesh(mesh):`"
+            "from_pretrained needs a mesh of devices: pass mesh= or call it under "
+            "`with jax.set_mesh(mesh):`"
         )
     return mesh
 
@@ -278,18 +276,26 @@ def _concrete_mesh(mesh):
 def from_pretrained(path: str, strategy, *, mesh=None, **overrides):
     """The model of the Hugging Face checkpoint directory `path`, laid out by `strategy`.
 
-    `strategy`: a Strategy or its name. `mesh`: default the active one (`jax.set_mesh`).
-    `overrides`: Config fields, e.g. runtime ones (dtype='bfloat16', remat='full',
-    scan_layers=False, attention_impl='auto', max_seq_len=...). Parameters are float32.
+    `strategy`: a Strategy or its name, planned here on `mesh` (default: the active one,
+    `jax.set_mesh`) with `overrides`, Config fields, e.g. runtime ones (dtype='bfloat16',
+    remat='full', scan_layers=False, attention_impl='auto', max_seq_len=...); or the
+    `ModelPlan` of this directory's config (`read_config(path, ...)`) that the caller planned
+    once (nnx_zoo/launch/build.py), with no mesh or overrides. Parameters are float32.
     Raises ValueError (one line) for an unsupported architecture or a checkpoint whose
     tensors are missing, misshapen or unexpected, before any device memory is used.
     """
-    if isinstance(strategy, str):
-        strategy = get_strategy(strategy)
-    fam, cfg = family_and_config(path, overrides)
-    mesh = _concrete_mesh(mesh)
-    abstract = abstract_model(cfg, strategy, mesh)
-    cfg = abstract.cfg  # the vocab padded for the split, where it needs that
+    if isinstance(strategy, ModelPlan):
+        if mesh is not None or overrides:
+            raise TypeError("from_pretrained takes a ModelPlan alone (no mesh, no overrides)")
+        model_plan = strategy
+        fam = family_for_config(model_plan.cfg)
+        mesh = _concrete_mesh(model_plan.mesh)
+    else:
+        fam, cfg = family_and_config(path, overrides)
+        mesh = _concrete_mesh(mesh)
+        model_plan = plan_model(cfg, strategy, mesh)
+    abstract = model_plan.abstract_model()
+    cfg = model_plan.cfg  # the vocab padded for the split, where it needs that
     reader = CheckpointReader(path)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)

@@ -15,21 +15,18 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from zoo.layers.config import DecoderConfig
+from zoo.layers.config import RUNTIME_FIELDS, DecoderConfig
 from zoo.registry import FAMILIES, Family, family_for_config
 
 CONFIG_FILE = "config.json"
-# Config fields that say how to run a model, not what it is: never in config.json.
-# Config fields a checkpoint does not fix: how to run, and the vocab padding of a layout.
-RUNTIME_FIELDS = (
-    "dtype",
-    "scan_layers",
-    "scan_unroll",
-    "remat",
-    "attention_impl",
-    "attention_interpret",
-    "quantization",
+# Config fields never in config.json: how to run (RUNTIME_FIELDS), the vocab padding of a
+# layout, and what the family derives from other fields.
+_NOT_IN_CONFIG_JSON = (
+    *RUNTIME_FIELDS,
     "padded_vocab_size",
+    "layer_types",
+    "global_every",
+    "sliding_window",
 )
 
 # --- layout changes between a Hugging Face tensor and ours -------------------------------
@@ -276,7 +273,7 @@ def config_to_hf(cfg: DecoderConfig) -> dict:
     hf = fmt.config_to_hf(cfg)
     back = fam.config_cls(**fmt.config_from_hf(hf))
     for field in dataclasses.fields(cfg):
-        if field.name in (*RUNTIME_FIELDS, "layer_types", "global_every", "sliding_window"):
+        if field.name in _NOT_IN_CONFIG_JSON:
             continue
         if getattr(back, field.name) != getattr(cfg, field.name):
             raise ValueError(

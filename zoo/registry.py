@@ -4,7 +4,8 @@ config type, model class, presets and Hugging Face format here, and nothing else
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 
 from zoo.layers.config import DecoderConfig
 
@@ -19,6 +20,45 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {}
+
+# A preset row's columns, in order: V M L N K D F and the context length T.
+PRESET_DIMS = (
+    "vocab_size",
+    "hidden_dim",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "ffn_dim",
+    "max_seq_len",
+)
+
+
+def experts(count: int, top_k: int, ffn_dim: int) -> dict:
+    """A mixture-of-experts preset's other fields: E experts, top k per token, each expert's F."""
+    return {"num_experts": count, "num_experts_per_tok": top_k, "moe_ffn_dim": ffn_dim}
+
+
+def _from_row(config_cls: type, fields: dict, **overrides) -> DecoderConfig:
+    return config_cls(**{**fields, **overrides})
+
+
+def preset_table(
+    config_cls: type, rows: Mapping[str, tuple]
+) -> dict[str, Callable[..., DecoderConfig]]:
+    """A family's presets from one table: preset name -> (the `PRESET_DIMS` in order, then
+    optionally a dict of the preset's other fields). Gives preset name -> factory(**overrides),
+    what `Family.presets` holds; overrides win over the row."""
+    table = {}
+    for name, row in rows.items():
+        dims, extra = (row[:-1], row[-1]) if isinstance(row[-1], Mapping) else (row, {})
+        if len(dims) != len(PRESET_DIMS):
+            raise ValueError(
+                f"preset {name!r} has {len(dims)} dims; a row holds {', '.join(PRESET_DIMS)}"
+            )
+        fields = {**dict(zip(PRESET_DIMS, dims, strict=True)), **extra}
+        table[name] = functools.partial(_from_row, config_cls, fields)
+    return table
 
 
 def register(family: Family) -> Family:

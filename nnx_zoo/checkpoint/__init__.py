@@ -1,5 +1,7 @@
-"""What a run keeps on disk: Orbax checkpoints with checksums (`manager`, `integrity`), the
-resume rules (`resume`), atomic file writes (`files`) and the workdir lock (`workdir`).
+"""What a run keeps on disk: Orbax checkpoints saved with checksums (`manager`: the
+`Checkpointer`, which alone decides which steps are due), the step directories and their
+checks (`steps`, `integrity`), reading a checkpoint back onto any layout (`restore`), the
+workdir lock (`workdir`) and full-disk and vanished-directory saves (`write_errors`).
 
-Imports no model family and no training step: models come in as NNX modules.
+Imports no model family, no training code and no run config: models come in as NNX modules.
 """

@@ -16,7 +16,7 @@ import json
 import os
 import zlib
 
-from nnx_zoo.checkpoint.files import write_json_atomic
+from nnx_zoo.runtime.files import write_json_atomic
 
 MANIFEST = "checksums.json"
 _CHUNK = 16 * 2**20

@@ -15,9 +15,10 @@ import errno
 import fcntl
 import os
 import socket
-import sys
 import tempfile
 import time
+
+from nnx_zoo.runtime.console import warn
 
 LOCK_FILE = ".lock"
 
@@ -158,7 +159,7 @@ def hold(workdir: str, *, checkpoints: bool = True) -> WorkdirLock | None:
             lock, error = None, f"--workdir={workdir}: cannot take its lock ({e.strerror or e})"
         else:
             if warning:
-                print(f"warning: {warning}", file=sys.stderr, flush=True)
+                warn(warning)
     _raise_everywhere(error, f"process 0 could not take the workdir {workdir} (see its error)")
     return lock
 

@@ -32,6 +32,8 @@ import re
 import sys
 import traceback
 
+from nnx_zoo.runtime.console import one_line
+
 # Orbax's background writes are asyncio tasks: when they fail, the event loop logs "exception
 # was never retrieved" with a stack trace for every array. The failure is reported once, by
 # CheckpointWriteError; the per-array copies are noise.
@@ -123,8 +125,7 @@ def reason(error: BaseException) -> str:
     for pattern, name in _REASONS:
         if pattern.search(text):
             return name
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"{type(error).__name__}: {first[:200]}"
+    return f"{type(error).__name__}: {one_line(error)[:200]}"
 
 
 # Room kept beyond the estimate: Orbax's metadata files, the manifest, filesystem blocks.
@@ -133,7 +134,8 @@ SPACE_MARGIN = 1.1
 
 def lacks_space(directory: str, needed: int) -> str | None:
     """Why a save of `needed` bytes would not fit in `directory`'s filesystem, or None.
-    `directory` is a local or mounted path (nnx_zoo/checkpoint/workdir.py refuses object-store URLs).
+    `directory` is a local or mounted path (nnx_zoo/checkpoint/workdir.py refuses object-store
+    URLs).
     The check is a forecast of bytes: a quota statvfs does not see, too few inodes, or
     another writer filling the disk meanwhile, still fails the write (then: `reason`)."""
     path = directory

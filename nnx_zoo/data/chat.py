@@ -33,13 +33,10 @@ import numpy as np
 
 from nnx_zoo.data import sources
 from nnx_zoo.data.tokenizers import Tokenizer
+from nnx_zoo.runtime.console import one_line
 
 FORMATS = ("text", "chat", "prompt_completion")
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
-
-
-def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 class ChatTemplate:
@@ -80,9 +77,7 @@ class ChatTemplate:
         try:
             self._template = env.from_string(template)
         except jinja2.exceptions.TemplateError as e:
-            raise ValueError(
-                f"{self.source}: not a valid Jinja template ({_one_line(e)})"
-            ) from None
+            raise ValueError(f"{self.source}: not a valid Jinja template ({one_line(e)})") from None
 
     @classmethod
     def from_dir(cls, path: str) -> ChatTemplate:
@@ -130,10 +125,10 @@ class ChatTemplate:
         except jinja2.exceptions.SecurityError as e:
             raise ValueError(
                 f"{self.source}: the chat template tried to reach outside its sandbox "
-                f"({_one_line(e)})"
+                f"({one_line(e)})"
             ) from None
         except Exception as e:  # noqa: BLE001 -- a template is foreign code; any error is its
-            raise ValueError(f"{self.source}: the chat template raised: {_one_line(e)}") from None
+            raise ValueError(f"{self.source}: the chat template raised: {one_line(e)}") from None
 
     def assistant_spans(
         self, messages: Sequence[dict], trained: Sequence[bool]
@@ -314,7 +309,7 @@ def _read_records(path: str, data_format: str) -> list[dict]:
                 )
             rows = pq.read_table(path, columns=list(fields)).to_pylist()
         except pyarrow.ArrowException as e:
-            raise ValueError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
+            raise ValueError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
         return [check_record(r, data_format, f"{path}: row {i}") for i, r in enumerate(rows)]
     raise ValueError(
         f"data file {path!r}: data.format={data_format} reads .jsonl or .parquet records"

@@ -38,6 +38,8 @@ from collections.abc import Iterable, Sequence
 import grain
 import numpy as np
 
+from nnx_zoo.runtime.console import one_line
+
 DEFAULT_SOURCE = "default"
 DEFAULT_MAX_BYTES = 16 * 2**20  # ~12 MB of stdlib code today; reads in well under a second
 DEFAULT_VALIDATION_FRACTION = 0.02
@@ -164,9 +166,7 @@ def _read_text_file(path: str, text_field: str) -> list[str]:
             )
         column = pq.read_table(path, columns=[text_field])[text_field].to_pylist()
     except pyarrow.ArrowException as e:
-        raise ValueError(
-            f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})"
-        ) from None
+        raise ValueError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
     return [t for t in column if t]
 
 

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nnx_zoo.runtime.console import one_line
+
 # Names of end-of-document tokens in common Hugging Face vocabularies, most specific first.
 _HF_EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 _BYTE_FALLBACK_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
@@ -125,9 +127,8 @@ class HfTokenizer(Tokenizer):
         try:
             self._tok = _HfTok.from_file(path)
         except Exception as e:  # noqa: BLE001 -- the library raises bare Exceptions
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(
-                f"{path}: not a tokenizer.json the tokenizers library can read ({reason})"
+                f"{path}: not a tokenizer.json the tokenizers library can read ({one_line(e)})"
             ) from None
         spec = json.loads(self._tok.to_str())
         base_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -198,9 +199,8 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
         except (RuntimeError, OSError) as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(
-                f"{path}: not a SentencePiece model sentencepiece can read ({reason})"
+                f"{path}: not a SentencePiece model sentencepiece can read ({one_line(e)})"
             ) from None
         base_size = self._sp.get_piece_size()
         eos = self._sp.eos_id()

@@ -164,7 +164,7 @@ def write_results(results: dict, path: str) -> None:
     """`results` as the harness's CLI writes them (its serializer; samples left out)."""
     from lm_eval.utils import handle_non_serializable
 
-    from nnx_zoo.checkpoint.files import write_json_atomic
+    from nnx_zoo.runtime.files import write_json_atomic
 
     record = {k: v for k, v in results.items() if k != "samples"}
     write_json_atomic(path, json.loads(json.dumps(record, default=handle_non_serializable)))

@@ -9,13 +9,12 @@ import os
 import jax
 from flax import nnx
 
-from nnx_zoo.checkpoint.manager import restore_params
+from nnx_zoo.checkpoint.restore import restore_params
 from nnx_zoo.evaluation.settings import EvalSettings, run_config
 from nnx_zoo.launch.build import check_attention, check_positions
 from nnx_zoo.training import finetune
 from shardings import get_strategy
-from zoo import create_model, from_pretrained
-from zoo.build import abstract_model
+from zoo import abstract_model, create_model, from_pretrained, plan_model
 from zoo.hf_io import read_config
 from zoo.registry import config_types
 
@@ -82,11 +81,12 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     with jax.set_mesh(mesh):
         # Shapes only: the checkpoint's arrays are read straight into the layout, so the model
         # is never initialised (and never held twice).
-        model = abstract_model(cfg, strategy, mesh)
+        plan = plan_model(cfg, strategy, mesh)
+        model = abstract_model(plan)
         step = restore_params(workdir, model, step)
         if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(model))):
             # State besides the parameters (none in today's families) needs real values.
-            model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+            model = create_model(plan, rngs=nnx.Rngs(0))
             step = restore_params(workdir, model, step)
     return model, mesh, step
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 
 import jax
 
-from nnx_zoo.checkpoint.files import write_json_atomic
-from nnx_zoo.checkpoint.manager import read_meta
+from nnx_zoo.checkpoint.restore import read_meta
 from nnx_zoo.checkpoint.workdir import check_writable_everywhere
 from nnx_zoo.data.tokenizers import make_tokenizer
 from nnx_zoo.evaluation import metrics as eval_metrics
 from nnx_zoo.evaluation import model as eval_model
 from nnx_zoo.evaluation.settings import EvalSettings, from_run_info
+from nnx_zoo.runtime.console import warn
+from nnx_zoo.runtime.files import write_json_atomic
 from zoo.generate import check_can_generate
 
 EVAL_FILE = "eval.json"
@@ -178,10 +178,8 @@ def report(result: EvalResult) -> str | None:
         ) from e
     print(f"wrote {path}", flush=True)
     if result.metrics["non_finite"]:
-        print(
-            f"warning: {', '.join(result.metrics['non_finite'])} not finite (null in eval.json, "
-            "listed under non_finite): the parameters have diverged",
-            file=sys.stderr,
-            flush=True,
+        warn(
+            f"{', '.join(result.metrics['non_finite'])} not finite (null in eval.json, "
+            "listed under non_finite): the parameters have diverged"
         )
     return path

@@ -14,7 +14,7 @@ def export_run(workdir: str, out: str, fmt: str, step: int | None = None) -> int
     tokenizer files when it has them) or 'peft' (the LoRA adapters). Returns the step."""
     import jax
 
-    from nnx_zoo.checkpoint.manager import read_meta
+    from nnx_zoo.checkpoint.restore import read_meta
     from nnx_zoo.evaluation import model as eval_model
     from nnx_zoo.evaluation.settings import from_run_info, run_config
 

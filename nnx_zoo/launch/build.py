@@ -27,13 +27,13 @@ from nnx_zoo.training import finetune, optim
 from nnx_zoo.training.config import ModelSection, RunConfig
 from nnx_zoo.training.loop import Trainer
 from nnx_zoo.training.step_memory import abstract_batch
-from shardings import check_batch, get_strategy
+from shardings import Strategy, check_batch, get_strategy
 from shardings.hybrid import crossing_axes
 from zoo import create_model, from_pretrained
-from zoo.build import check_model_fits, fit_vocab, model_class
 from zoo.hf_io import read_config
-from zoo.layers import pipeline, remat
+from zoo.layers import remat
 from zoo.layers.attention import check_implementation
+from zoo.plan import ModelPlan, plan_model
 
 
 @dataclasses.dataclass
@@ -41,16 +41,27 @@ class Run:
     """A built run: what a training step needs, concrete or abstract."""
 
     config: RunConfig
-    strategy: object  # shardings.Strategy
-    mesh: jax.sharding.Mesh
-    model_cfg: object  # the zoo config as built: vocab padded for the mesh; with
-    #                    init_from, the checkpoint's architecture
+    plan: ModelPlan  # the model's config, strategy, mesh and pipeline schedule, checked
     model: nnx.Module
     optimizer: nnx.Optimizer
     trainer: Trainer
     schedule: Callable[[int], float]  # step -> learning rate
     abstract: bool
     init_from: str | None = None
+
+    @property
+    def strategy(self):
+        return self.plan.strategy
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.plan.mesh
+
+    @property
+    def model_cfg(self):
+        """The zoo config as built: vocab padded for the mesh; with init_from, the
+        checkpoint's architecture."""
+        return self.plan.cfg
 
     @property
     def batch_spec(self) -> P:
@@ -89,15 +100,9 @@ class Run:
         }
 
 
-def make_mesh(run: RunConfig, devices=None, model_cfg=None):
-    """(strategy, mesh) for the run: `training.mesh_shape`, else the strategy's default rule
-    for `model_cfg` (default: the config's model) over `devices` (default: all)."""
-    strategy = get_strategy(run.training.sharding_strategy)
-    model_cfg = model_cfg or run.model.decoder_config()
-    mesh = strategy.make_mesh(
-        shape=run.training.mesh_shape or None, devices=devices, config=model_cfg
-    )
-    return strategy, mesh
+def run_strategy(run: RunConfig) -> Strategy:
+    """The run's strategy: the one place its name becomes a Strategy (one line when unknown)."""
+    return get_strategy(run.training.sharding_strategy)
 
 
 def build_optimizer(run: RunConfig):
@@ -118,34 +123,16 @@ def build_optimizer(run: RunConfig):
     )
 
 
-def runtime_overrides(model: ModelSection) -> dict:
-    """The model section's choices of how a model runs (not what it is): with --init_from the
-    checkpoint fixes the architecture and these still apply."""
-    return dict(
-        dtype=model.dtype,
-        scan_layers=model.scan_layers,
-        scan_unroll=model.scan_unroll,
-        remat=model.remat,
-        attention_impl=model.attention_impl,
-        attention_interpret=model.attention_interpret,
-        moe_exchange=model.moe_exchange,
-        moe_capacity_factor=model.moe_capacity_factor,
-        pipeline_microbatches=model.pipeline_microbatches,
-        pipeline_repeats=model.pipeline_repeats,
-        quantization=model.quantization,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class CheckpointModelSection(ModelSection):
     """A model section whose architecture is a Hugging Face checkpoint's (`init_from`, its
     config.json): `decoder_config()` builds that, with this section's runtime choices
-    (`runtime_overrides`) on top; the section's preset and shape fields are not used."""
+    (`ModelSection.runtime_overrides`) on top; its preset and shape fields are not used."""
 
     init_from: str = ""
 
     def decoder_config(self):
-        return read_config(self.init_from, **runtime_overrides(self))
+        return read_config(self.init_from, **self.runtime_overrides())
 
 
 def starting_from(run: RunConfig, init_from: str | None) -> RunConfig:
@@ -205,6 +192,38 @@ def model_config(run: RunConfig, init_from: str | None = None, model_cfg=None):
     return starting_from(run, init_from).model.decoder_config()
 
 
+def plan_run(
+    run: RunConfig,
+    mesh=None,
+    *,
+    init_from: str | None = None,
+    devices=None,
+    model_cfg=None,
+) -> ModelPlan:
+    """The run's model planned once (zoo.plan_model) on `mesh` (default: the strategy's mesh
+    for the model, `training.mesh_shape` or its default rule, over `devices`, default all),
+    after the run's own checks: the remat policy on this platform, the batch split, the
+    attention backend, the position table, and the pipeline's micro-batches.
+
+    `init_from` / `model_cfg`: as `build` takes them."""
+    model_cfg = model_config(run, init_from, model_cfg)
+    strategy = run_strategy(run)
+    if mesh is None:
+        mesh = strategy.make_mesh(
+            shape=run.training.mesh_shape or None, devices=devices, config=model_cfg
+        )
+    remat.check_platform(model_cfg.remat, mesh.devices.flat[0].platform)
+    micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
+    check_batch(micro_batch, strategy.batch_spec(), mesh, strategy.name, seq_len=run.data.seq_len)
+    # An attention backend named in the config that cannot run here fails now, in one line,
+    # not while the step compiles.
+    check_attention(model_cfg, mesh, run.data.seq_len)
+    check_positions(model_cfg, run.data.seq_len, "data.seq_len")
+    plan = plan_model(model_cfg, strategy, mesh)  # the vocab padded where its split needs it
+    plan.check_batch_size(micro_batch)
+    return plan
+
+
 def build(
     run: RunConfig,
     mesh=None,
@@ -213,9 +232,10 @@ def build(
     init_from: str | None = None,
     devices=None,
     model_cfg=None,
+    plan: ModelPlan | None = None,
 ) -> Run:
-    """Build the run's model, optimizer and train step on `mesh` (default: `make_mesh` over
-    `devices`, default all).
+    """Build the run's model, optimizer and train step on `mesh` (default: the strategy's
+    mesh over `devices`, default all).
 
     Args:
       abstract: shapes only (nothing allocated, nothing initialised); the step can be
@@ -223,61 +243,43 @@ def build(
       init_from: a Hugging Face checkpoint directory: its architecture and weights (weights
         only when concrete).
       model_cfg: a zoo config to use instead of the run's model section (benches).
+      plan: the run's `plan_run`, when the caller made it already (then no `mesh`,
+        `devices` or `model_cfg`).
     """
-    model_cfg = model_config(run, init_from, model_cfg)
-    if mesh is None:
-        strategy, mesh = make_mesh(run, devices=devices, model_cfg=model_cfg)
-    else:
-        strategy = get_strategy(run.training.sharding_strategy)
-    platform = mesh.devices.flat[0].platform
-    remat.check_platform(model_cfg.remat, platform)
-    micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
-    check_batch(micro_batch, strategy.batch_spec(), mesh, strategy.name, seq_len=run.data.seq_len)
-    # An attention backend named in the config that cannot run here fails now, in one line,
-    # not while the step compiles.
-    check_attention(model_cfg, mesh, run.data.seq_len)
-    check_positions(model_cfg, run.data.seq_len, "data.seq_len")
-    model_cfg = fit_vocab(model_cfg, strategy, mesh)  # padded where the vocab split needs it
-    check_model_fits(model_cfg, strategy, mesh)
-    pipeline.check_batch_size(micro_batch, model_cfg, strategy.lm_sharding(), mesh)
+    if plan is None:
+        plan = plan_run(run, mesh, init_from=init_from, devices=devices, model_cfg=model_cfg)
+    elif mesh is not None or devices is not None or model_cfg is not None:
+        raise TypeError("build takes a plan, or the mesh / devices / model_cfg to make one")
     tx, schedule = build_optimizer(run)
+    seed = run.training.seed
 
-    if abstract:
+    def adapted(model):
+        # LoRA (lora.rank set): adapters that alone train; the base stays frozen.
+        finetune.adapt(model, run.lora, seed)
+        finetune.freeze_base(model, run.model.dtype)
+        return model, nnx.Optimizer(model, tx, wrt=finetune.trainable(model))
 
-        def shapes():
-            cls = model_class(model_cfg)
-            model = cls(model_cfg, strategy.lm_sharding(), rngs=nnx.Rngs(run.training.seed))
-            finetune.adapt(model, run.lora, run.training.seed)
-            finetune.freeze_base(model, run.model.dtype)
-            return model, nnx.Optimizer(model, tx, wrt=finetune.trainable(model))
-
-        with jax.set_mesh(mesh):
-            model, optimizer = nnx.eval_shape(shapes)
-    else:
-        with jax.set_mesh(mesh):
-            if init_from is not None:
-                model = from_pretrained(init_from, strategy, **runtime_overrides(run.model))
-            else:
-                model = create_model(model_cfg, strategy, rngs=nnx.Rngs(run.training.seed))
-            # LoRA (lora.rank set): adapters that alone train; the base stays frozen.
-            finetune.adapt(model, run.lora, run.training.seed)
-            finetune.freeze_base(model, run.model.dtype)
-            optimizer = nnx.Optimizer(model, tx, wrt=finetune.trainable(model))
+    with jax.set_mesh(plan.mesh):
+        if abstract:
+            # The plan's shapes, placed: the model is not built again.
+            model, optimizer = nnx.eval_shape(adapted, plan.abstract_model())
+        elif init_from is not None:
+            model, optimizer = adapted(from_pretrained(init_from, plan))
+        else:
+            model, optimizer = adapted(create_model(plan, rngs=nnx.Rngs(seed)))
     trainer = Trainer(
         model,
         optimizer,
         micro_batches=run.optimizer.micro_batches,
-        batch_spec=strategy.batch_spec(),
+        batch_spec=plan.strategy.batch_spec(),
         loss_chunk_size=run.training.loss_chunk_size,
         wrt=finetune.trainable(model),
     )
     if abstract:
-        trainer.state = on_mesh(trainer.state, mesh)
+        trainer.state = on_mesh(trainer.state, plan.mesh)
     return Run(
         config=run,
-        strategy=strategy,
-        mesh=mesh,
-        model_cfg=model.cfg,
+        plan=plan,
         model=model,
         optimizer=optimizer,
         trainer=trainer,

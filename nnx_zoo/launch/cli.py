@@ -319,7 +319,10 @@ def load_config(config_flag, *, notes: list | None = None):
     found: list[str] = []
     run = RunConfig.from_config_dict(raw, found)
     if notes is None:
-        warn(found)
+        from nnx_zoo.runtime.console import warn
+
+        for note in found:
+            warn(note)
     else:
         notes += found
     return run
@@ -413,12 +416,3 @@ def config_file_message(error: Exception) -> str:
 
     given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
     return load_error_message(error, given[-1] if given else DEFAULT_CONFIG)
-
-
-def warn(notes: list[str]) -> None:
-    """Adjustments a user expects (a smoke run's warmup), said once, on stderr."""
-    import jax
-
-    for note in notes:
-        if jax.process_index() == 0:
-            print(f"warning: {note}", file=sys.stderr, flush=True)

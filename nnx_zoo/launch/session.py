@@ -11,17 +11,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import sys
 from collections.abc import Callable
 
 import jax
 
-from nnx_zoo.checkpoint import resume as resume_rules
-from nnx_zoo.checkpoint.files import write_json_atomic
-from nnx_zoo.checkpoint.manager import Checkpointer, checkpoint_dir, complete_steps
-from nnx_zoo.launch.build import Run, build, make_mesh, model_config
+from nnx_zoo.checkpoint.manager import Checkpointer
+from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
+from nnx_zoo.launch import resume as resume_rules
+from nnx_zoo.launch.build import Run, build, plan_run
 from nnx_zoo.launch.data import RunData, build_data
 from nnx_zoo.runtime import peers
+from nnx_zoo.runtime.console import say, warn
+from nnx_zoo.runtime.files import write_json_atomic
 from nnx_zoo.runtime.preemption import PreemptionWatcher
 from nnx_zoo.training import finetune, flops
 from nnx_zoo.training.config import RunConfig
@@ -34,17 +35,6 @@ from nnx_zoo.training.step_memory import step_memory
 RUN_INFO_FILE = "run_info.json"
 
 
-def say(text: str) -> None:
-    if jax.process_index() == 0:
-        print(text, flush=True)
-
-
-def warn(text: str) -> None:
-    """Warnings go where every entry point's go: stderr, once (process 0)."""
-    if jax.process_index() == 0:
-        print(f"warning: {text}", file=sys.stderr, flush=True)
-
-
 @dataclasses.dataclass
 class TrainSession:
     built: Run
@@ -55,6 +45,9 @@ class TrainSession:
     checkpointer: Checkpointer | None = None
     watcher: PreemptionWatcher | None = None
     start_step: int | None = None  # set by `resume`
+    # (step, RunConfig) of the workdir's newest checkpoint, read once by `prepare`; None
+    # when there is none (or checkpoints are off).
+    saved: tuple[int, RunConfig] | None = None
 
     @property
     def run(self) -> RunConfig:
@@ -64,18 +57,16 @@ class TrainSession:
 def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> TrainSession:
     """Mesh, data, model, optimizer and step for `run` in `workdir`."""
     notes = []
-    if run.checkpoint.enabled:
-        found = resume_rules.saved_run(workdir)
-        if found is not None:
-            run, note = resume_rules.keep_schedule(run, found[1])
-            notes += [note] if note else []
+    saved = resume_rules.saved_run(workdir) if run.checkpoint.enabled else None
+    if saved is not None:
+        run, note = resume_rules.keep_schedule(run, saved[1])
+        notes += [note] if note else []
     finetune.check_lora_run(run, init_from)
     run = finetune.with_data_tokenizer(run, init_from)
-    model_cfg = model_config(run, init_from)
-    strategy, mesh = make_mesh(run, model_cfg=model_cfg)
+    plan = plan_run(run, init_from=init_from)
     # The data before the model: a bad source or tokenizer fails before any initialisation.
-    run_data = build_data(run, mesh, strategy.batch_spec())
-    built = build(run, mesh, init_from=init_from, model_cfg=model_cfg)
+    run_data = build_data(run, plan.mesh, plan.strategy.batch_spec())
+    built = build(run, plan=plan, init_from=init_from)
     tokenizer = run_data.tokenizer
     if built.model_cfg.vocab_size < tokenizer.vocab_size:
         fix = (
@@ -87,7 +78,7 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
             f"model vocab_size={built.model_cfg.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size} ids ({run.data.tokenizer}); {fix}"
         )
-    return TrainSession(built, run_data, workdir, built.info(), notes + run_data.notes)
+    return TrainSession(built, run_data, workdir, built.info(), notes + run_data.notes, saved=saved)
 
 
 def _make_checkpointer(session: TrainSession):
@@ -117,7 +108,10 @@ def resume(session: TrainSession) -> int:
     session.checkpointer = ckpt
     start = ckpt.latest_good_step() if ckpt is not None else None
     if start is not None:
-        found = resume_rules.saved_run(workdir, start)
+        found = session.saved
+        if found is None or found[0] != start:
+            # A newer checkpoint failed its checksums and was set aside: this one's record.
+            found = resume_rules.saved_run(workdir, start)
         changes = resume_rules.data_changes(run, found[1]) if found is not None else []
         if changes:
             warn(
@@ -211,7 +205,6 @@ def _loop_options(session: TrainSession) -> LoopOptions:
         ),
         log_every=run.logging.log_every,
         eval_every=run.training.eval_every,
-        checkpoint_every=run.checkpoint.every if session.checkpointer is not None else 0,
         seed=run.training.seed,
         # Every process traces its own devices (one file per host under <workdir>/profile).
         profiler=StepProfiler(parse_steps(run.logging.profile_steps), session.workdir),

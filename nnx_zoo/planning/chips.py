@@ -53,65 +53,39 @@ class Chip:
 #   NVLink 900 GB/s bidirectional per GPU; DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU.
 # [h200] nvidia.com/en-us/data-center/h200 (SXM): 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s,
 #   NVLink 900 GB/s bidirectional per GPU.
+
+
+def _accelerator(key, name, platform, memory, hbm, link, cross_host, wraparound, per_host):
+    """A row of `_ACCELERATORS` as a Chip (bytes, bytes/s), its peaks `PEAKS[key]`'s."""
+    peak = PEAKS[key]
+    return Chip(
+        name,
+        platform,
+        memory_bytes=memory,
+        peak_bf16_flops=peak.bf16,
+        link_bytes_per_s=link,
+        cross_host_bytes_per_s=cross_host,
+        wraparound_dim=wraparound,
+        devices_per_host=per_host,
+        peak_fp8_flops=peak.fp8,
+        peak_int8_flops=peak.int8,
+        hbm_bytes_per_s=hbm,
+    )
+
+
+# Memory and HBM bandwidth from the vendor's page; TPU links and wraparound [scaling-book];
+# v5p DCN: 50 Gbps per chip [tpu-v5p]; H100/H200: NVLink 900 GB/s bidirectional, one 400 Gb/s
+# NIC per GPU [h100]. No fp8 peak on TPU (PEAKS): fp8 dots run at the bf16 rate there.
+_ACCELERATORS = {
+    # name, platform, memory, HBM B/s, link B/s one way, cross-host B/s, wraparound, per host
+    "v5p": ("TPU v5p", "tpu", 95 * GiB, 2765e9, 9e10, 50e9 / 8, 4, 4),
+    "v5e": ("TPU v5e", "tpu", 16 * GiB, 819e9, 4.5e10, None, 16, 8),
+    "v6e": ("TPU v6e", "tpu", 32 * GiB, 1640e9, 9e10, None, 16, 8),
+    "h100": ("NVIDIA H100 SXM", "gpu", 80 * 10**9, 3.35e12, 450e9, 400e9 / 8, None, 8),
+    "h200": ("NVIDIA H200 SXM", "gpu", 141 * 10**9, 4.8e12, 450e9, 400e9 / 8, None, 8),
+}
 CHIPS: dict[str, Chip] = {
-    "v5p": Chip(
-        "TPU v5p",
-        "tpu",
-        memory_bytes=95 * GiB,  # [tpu-v5p]
-        peak_bf16_flops=PEAKS["v5p"].bf16,
-        peak_int8_flops=PEAKS["v5p"].int8,
-        link_bytes_per_s=9e10,  # [scaling-book]
-        cross_host_bytes_per_s=50e9 / 8,  # [tpu-v5p] 50 Gbps DCN per chip
-        wraparound_dim=4,  # [scaling-book]
-        devices_per_host=4,
-        hbm_bytes_per_s=2765e9,  # [tpu-v5p]
-    ),
-    "v5e": Chip(
-        "TPU v5e",
-        "tpu",
-        memory_bytes=16 * GiB,  # [tpu-v5e]
-        peak_bf16_flops=PEAKS["v5e"].bf16,
-        peak_int8_flops=PEAKS["v5e"].int8,
-        link_bytes_per_s=4.5e10,  # [scaling-book]
-        cross_host_bytes_per_s=None,
-        wraparound_dim=16,  # [scaling-book]
-        devices_per_host=8,
-        hbm_bytes_per_s=819e9,  # [tpu-v5e]
-    ),
-    "v6e": Chip(
-        "TPU v6e",
-        "tpu",
-        memory_bytes=32 * GiB,  # [tpu-v6e]
-        peak_bf16_flops=PEAKS["v6e"].bf16,
-        peak_int8_flops=PEAKS["v6e"].int8,
-        link_bytes_per_s=9e10,  # [scaling-book]
-        cross_host_bytes_per_s=None,
-        wraparound_dim=16,  # [scaling-book]
-        devices_per_host=8,
-        hbm_bytes_per_s=1640e9,  # [tpu-v6e]
-    ),
-    "h100": Chip(
-        "NVIDIA H100 SXM",
-        "gpu",
-        memory_bytes=80 * 10**9,  # [h100]
-        peak_bf16_flops=PEAKS["h100"].bf16,
-        peak_fp8_flops=PEAKS["h100"].fp8,
-        peak_int8_flops=PEAKS["h100"].int8,
-        link_bytes_per_s=450e9,  # [h100] half of 900 GB/s bidirectional
-        cross_host_bytes_per_s=400e9 / 8,  # [h100] 400 Gb/s NIC per GPU
-        hbm_bytes_per_s=3.35e12,  # [h100]
-    ),
-    "h200": Chip(
-        "NVIDIA H200 SXM",
-        "gpu",
-        memory_bytes=141 * 10**9,  # [h200]
-        peak_bf16_flops=PEAKS["h200"].bf16,
-        peak_fp8_flops=PEAKS["h200"].fp8,
-        peak_int8_flops=PEAKS["h200"].int8,
-        link_bytes_per_s=450e9,  # [h200]
-        cross_host_bytes_per_s=400e9 / 8,  # [h100] same NIC per GPU as DGX H100
-        hbm_bytes_per_s=4.8e12,  # [h200]
-    ),
+    **{key: _accelerator(key, *row) for key, row in _ACCELERATORS.items()},
     # The simulated CPU devices of this host, for tests and laptops: not a real chip. Its
     # figures are placeholders of the right order for one CPU core; give --memory_gib to make
     # a synthetic chip of any size.

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import re
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -93,11 +94,12 @@ class Plan:
     seq_len: int
     state: StateBytes
     memory: StepMemory  # the compiled step's, as run_info.json records it
-    host_arrays: list[str]  # what lives in host memory, `dtype[dims]` (shardings.hlo)
     compile_seconds: float
-    collectives: list[hlo.Collective]
-    kernels: dict[str, int]
     estimate: StepEstimate  # the bound
+    # Read from the compiled program (none when the compiler refused it, `compile_error`).
+    host_arrays: list[str] = dataclasses.field(default_factory=list)  # in host memory (hlo)
+    collectives: list[hlo.Collective] = dataclasses.field(default_factory=list)
+    kernels: dict[str, int] = dataclasses.field(default_factory=dict)
     traffic: Traffic | None = None  # this program's kernels and memory-bound bytes
     # What a real step should take (planning.estimate), set by planning.forecast.add_forecast.
     forecast: Forecast | None = None
@@ -302,6 +304,30 @@ def compile_time_oom_bytes(message: str) -> int | None:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+class Compiled(NamedTuple):
+    """A step compiled for a target, or refused by the compiler for memory."""
+
+    program: object | None  # the compiled step; None when the compiler ran out of memory
+    seconds: float
+    oom_temp_bytes: int | None = None  # the temporaries the refused compile asked for
+    oom_line: str | None = None  # the compiler's line saying so, at most 300 characters
+
+
+def compile_or_oom(built) -> Compiled:
+    """Compile `built`'s step (launch.build, abstract); a compile-time out-of-memory is a
+    result, not an error (`compile_time_oom_bytes`), any other compile error is raised."""
+    start = time.perf_counter()
+    try:
+        compiled, seconds = built.compile()
+    except jax.errors.JaxRuntimeError as e:
+        temp = compile_time_oom_bytes(str(e))
+        if temp is None:
+            raise
+        line = next((x for x in str(e).splitlines() if "RESOURCE_EXHAUSTED" in x), str(e))
+        return Compiled(None, time.perf_counter() - start, temp, line.strip()[:300])
+    return Compiled(compiled, seconds)
+
+
 def _estimate(run, candidate, target, mesh, pp, exposed, overlapped):
     return estimate_step(
         run.model.decoder_config(),
@@ -316,51 +342,22 @@ def _estimate(run, candidate, target, mesh, pp, exposed, overlapped):
     )
 
 
-def _out_of_memory_plan(run, candidate, target, mesh, state, temp, seconds, message, pp) -> Plan:
-    """A candidate the compiler refused for memory: a plan that does not fit, its memory the
-    state's arguments (parameters + optimizer state, from the layouts) plus the temporaries
-    the compiler asked for, with no program to read collectives, kernels or a forecast from
-    (so its bound is compute alone)."""
-    arguments = state.params + state.optimizer
-    estimate = _estimate(run, candidate, target, mesh, pp, exposed=0.0, overlapped=0.0)
-    line = next((x for x in message.splitlines() if "RESOURCE_EXHAUSTED" in x), message)
-    return Plan(
-        candidate=candidate,
-        target=target,
-        mesh=dict(mesh.shape),
-        global_batch=run.data.global_batch_size,
-        seq_len=run.data.seq_len,
-        state=state,
+def _refused(run, candidate, target, mesh, state, pp, refused: Compiled) -> dict:
+    """What a plan says of a step the compiler refused for memory: it does not fit, its
+    memory the state's arguments (parameters + optimizer state, from the layouts) plus the
+    temporaries the compiler asked for, with no program to read collectives, kernels or a
+    forecast from (so its bound is compute alone)."""
+    arguments, temp = state.params + state.optimizer, refused.oom_temp_bytes
+    return dict(
         memory=StepMemory(arguments, 0, 0, temp, arguments + temp, 0),
-        host_arrays=[],
-        compile_seconds=seconds,
-        collectives=[],
-        kernels={},
-        estimate=estimate,
-        schedule=pp,
-        compile_error=line.strip()[:300],
+        estimate=_estimate(run, candidate, target, mesh, pp, exposed=0.0, overlapped=0.0),
+        compile_error=refused.oom_line,
     )
 
 
-def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
-    """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
-    the layouts or the batch cannot take (a split that does not divide). The step forecast is
-    added by `planning.forecast.add_forecast` (two more compiles, so only where asked)."""
-    run = run_for(run, candidate)
-    mesh = make_mesh(target, candidate)
-    built = build(run, mesh, abstract=True)
-    state = state_bytes(built)
-    pp = pipeline.plan_for(built.model.cfg, built.model.sharding, mesh)
-    start = time.perf_counter()
-    try:
-        compiled, seconds = built.compile()
-    except jax.errors.JaxRuntimeError as e:
-        temp = compile_time_oom_bytes(str(e))
-        if temp is None:
-            raise
-        return _out_of_memory_plan(
-            run, candidate, target, mesh, state, temp, time.perf_counter() - start, str(e), pp
-        )
+def _read(run, candidate, target, mesh, pp, compiled) -> dict:
+    """What a plan reads from the compiled step: its memory, host arrays, collectives (and
+    the step-time bound with their time), kernels, traffic and dot dtypes."""
     text = compiled.as_text()
     ops = hlo.collectives(text, dict(mesh.shape))
 
@@ -371,8 +368,32 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         return axis_bandwidth(devices_grid, axis_index, target.chip, dims)
 
     exposed, overlapped = comm_seconds(ops, bandwidth, tuple(mesh.axis_names))
-    estimate = _estimate(run, candidate, target, mesh, pp, exposed, overlapped)
-    own = traffic(text)
+    return dict(
+        memory=step_memory(compiled),
+        estimate=_estimate(run, candidate, target, mesh, pp, exposed, overlapped),
+        host_arrays=hlo.host_arrays(text),
+        collectives=ops,
+        kernels=dict(sorted(hlo.kernels(text).items())),
+        traffic=traffic(text),
+        dot_dtypes=dict(sorted(hlo.dot_dtypes(text).items())),
+    )
+
+
+def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
+    """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
+    the layouts or the batch cannot take (a split that does not divide). A step the compiler
+    refuses for memory is a plan that does not fit. The step forecast is added by
+    `planning.forecast.add_forecast` (two more compiles, so only where asked)."""
+    run = run_for(run, candidate)
+    mesh = make_mesh(target, candidate)
+    built = build(run, mesh, abstract=True)
+    state = state_bytes(built)
+    pp = built.plan.pipeline
+    outcome = compile_or_oom(built)
+    if outcome.program is None:
+        measured = _refused(run, candidate, target, mesh, state, pp, outcome)
+    else:
+        measured = _read(run, candidate, target, mesh, pp, outcome.program)
     plan = Plan(
         candidate=candidate,
         target=target,
@@ -380,17 +401,12 @@ def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
         global_batch=run.data.global_batch_size,
         seq_len=run.data.seq_len,
         state=state,
-        memory=step_memory(compiled),
-        host_arrays=hlo.host_arrays(text),
-        compile_seconds=seconds,
-        collectives=ops,
-        kernels=dict(sorted(hlo.kernels(text).items())),
-        estimate=estimate,
-        traffic=own,
-        dot_dtypes=dict(sorted(hlo.dot_dtypes(text).items())),
         schedule=pp,
+        compile_seconds=outcome.seconds,
+        **measured,
     )
-    from nnx_zoo.planning.moe import exchange_summary
+    if outcome.program is not None:
+        from nnx_zoo.planning.moe import exchange_summary
 
-    plan.moe = exchange_summary(plan, run.model.decoder_config())
+        plan.moe = exchange_summary(plan, run.model.decoder_config())
     return plan

@@ -18,6 +18,8 @@ import importlib.util
 import os
 import re
 
+from nnx_zoo.runtime.console import one_line
+
 # The TPU generations whose topologies give one device per chip (what jax.make_mesh wants).
 # v4 reports two devices per chip ("megacore"), which mesh construction refuses.
 TPU_GENERATIONS = ("v5p", "v5e", "v6e")
@@ -126,5 +128,6 @@ def _topology_desc(name: str, kwargs: dict):
         with native_stderr_dropped():  # libtpu: "no TPU here", five lines, one an E0000
             return topologies.get_topology_desc(**kwargs)
     except Exception as e:  # XLA's runtime errors are multi-line; keep the first line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TargetError(f"cannot build target {name!r}: {first}; valid e.g.: {_EXAMPLES}") from e
+        raise TargetError(
+            f"cannot build target {name!r}: {one_line(e)}; valid e.g.: {_EXAMPLES}"
+        ) from e

@@ -13,10 +13,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from zoo.layers.config import ATTENTION_IMPLEMENTATIONS
+from zoo.layers.config import ATTENTION_IMPLEMENTATIONS, RUNTIME_FIELDS
 from zoo.layers.lora import LoraConfig
 from zoo.layers.quant import QUANTIZATIONS
 from zoo.layers.remat import POLICIES as REMAT_POLICIES
+from zoo.registry import PRESET_DIMS
 
 SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora")
 DATA_FORMATS = ("text", "chat", "prompt_completion")  # nnx_zoo/data/chat.py's FORMATS
@@ -88,16 +89,10 @@ class ModelSection:
     # e5m2 gradients; fp8 GEMMs on H100/H200) | int8 (TPU's int8 MXU path). zoo/layers/quant.py
     quantization: str = "none"
 
-    SHAPE_FIELDS = (
-        "vocab_size",
-        "hidden_dim",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "ffn_dim",
-        "max_seq_len",
-    )
+    # What the model is (a preset's dims, overridden where set) and how it runs (with
+    # --init_from a checkpoint fixes the former and the latter still apply).
+    SHAPE_FIELDS = PRESET_DIMS
+    RUNTIME_FIELDS = RUNTIME_FIELDS
 
     def __post_init__(self):
         _finite("model", self)
@@ -122,20 +117,11 @@ class ModelSection:
 
     def overrides(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.SHAPE_FIELDS if getattr(self, k) is not None}
-        out.update(
-            dtype=self.dtype,
-            scan_layers=self.scan_layers,
-            scan_unroll=self.scan_unroll,
-            remat=self.remat,
-            attention_impl=self.attention_impl,
-            attention_interpret=self.attention_interpret,
-            moe_exchange=self.moe_exchange,
-            moe_capacity_factor=self.moe_capacity_factor,
-            pipeline_microbatches=self.pipeline_microbatches,
-            pipeline_repeats=self.pipeline_repeats,
-            quantization=self.quantization,
-        )
-        return out
+        return {**out, **self.runtime_overrides()}
+
+    def runtime_overrides(self) -> dict[str, Any]:
+        """The choices of how the model runs, not what it is."""
+        return {k: getattr(self, k) for k in self.RUNTIME_FIELDS}
 
     def decoder_config(self):
         """The zoo's frozen model config: the preset with this section's overrides."""
@@ -220,8 +206,8 @@ class TrainingSection:
     loss_chunk_size: int = 1024
     # Several processes: seconds a process that stops answering (a frozen host, a network
     # partition) may stay silent before every other process exits with one line naming it
-    # (nnx_zoo/runtime/peers.py); a killed or crashed one is noticed at once. 60: well above any pause
-    # of a live process's heartbeat thread, well below the minutes a dead host would bill.
+    # (nnx_zoo/runtime/peers.py); a killed or crashed one is noticed at once. 60: well above any
+    # pause of a live process's heartbeat thread, well below the minutes a dead host would bill.
     # JAX's own heartbeat and shutdown timeouts are derived from it. 0: no watch of our own
     # (JAX's defaults: its 100 s heartbeat timeout ends the others by SIGABRT, 51-99 s after
     # a death in the kills measured; README).

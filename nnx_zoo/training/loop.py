@@ -229,7 +229,6 @@ class LoopOptions:
     precision_peak_ratio: float = 1.0
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
-    checkpoint_every: int = 0  # 0: only at the end (and on preemption)
     seed: int = 0
     profiler: Any = None  # training.profile.StepProfiler, or None
     # Told what the loop does next ("during step 7", "while saving step 20"): what a process
@@ -333,7 +332,7 @@ class _Loop:
         o, step = self.options, self.step
         if self.checkpointer is None:
             return
-        if not force and not (o.checkpoint_every and step % o.checkpoint_every == 0):
+        if not force and not self.checkpointer.due(step):
             return  # the checkpointer would skip it; do not sync the objects for nothing
         started = time.perf_counter()
         if self.metrics:  # a step between log steps may have diverged: never save its state
@@ -389,8 +388,9 @@ def run(
 
     `train_batches` yields global arrays; `train_iter` is the Grain iterator behind it, whose
     state the checkpointer saves. `writer` is a training.metrics.MetricsWriter. The
-    checkpointer (nnx_zoo/checkpoint/manager.py) and the preemption watcher (nnx_zoo/runtime/preemption.py)
-    may each be None.
+    checkpointer (nnx_zoo/checkpoint/manager.py: it alone decides which steps are due) and
+    the preemption watcher (nnx_zoo/runtime/preemption.py) may each be None; without a
+    checkpointer nothing is saved.
     """
     loop = _Loop(trainer, options, writer, checkpointer, train_iter, start_step)
     total = options.total_steps

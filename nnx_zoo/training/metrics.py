@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from nnx_zoo.checkpoint.files import atomic_write
+from nnx_zoo.runtime.files import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

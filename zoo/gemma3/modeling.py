@@ -8,6 +8,7 @@ import dataclasses
 
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import DecoderLM
+from zoo.registry import preset_table
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,42 +24,20 @@ class Gemma3Config(DecoderConfig):
     rope_local_theta: float | None = 10_000.0
     global_every: int = 6  # five local layers, then one global
 
-    @classmethod
-    def gemma3_1b(cls, **overrides) -> Gemma3Config:
-        base = dict(
-            vocab_size=262_144,
-            hidden_dim=1152,
-            num_layers=26,
-            num_heads=4,
-            num_kv_heads=1,
-            head_dim=256,
-            ffn_dim=6912,
-            max_seq_len=32_768,
-            sliding_window=512,
-            attn_scale=256**-0.5,  # query_pre_attn_scalar
-        )
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def gemma3_4b(cls, **overrides) -> Gemma3Config:
-        base = dict(
-            vocab_size=262_208,
-            hidden_dim=2560,
-            num_layers=34,
-            num_heads=8,
-            num_kv_heads=4,
-            head_dim=256,
-            ffn_dim=10_240,
-            max_seq_len=131_072,
-            sliding_window=1024,
-            attn_scale=256**-0.5,
-            rope_scaling=(8.0,),  # linear, on the global layers only
-        )
-        return cls(**{**base, **overrides})
-
 
 class Gemma3(DecoderLM):
     """The shared decoder; every Gemma feature is a `Gemma3Config` knob."""
 
 
-PRESETS = {"gemma3-1b": Gemma3Config.gemma3_1b, "gemma3-4b": Gemma3Config.gemma3_4b}
+# query_pre_attn_scalar is the head dim, 256: queries scale by 256**-0.5.
+_1B = {"sliding_window": 512, "attn_scale": 256**-0.5}
+# rope_scaling: linear, on the global layers only.
+_4B = {"sliding_window": 1024, "attn_scale": 256**-0.5, "rope_scaling": (8.0,)}
+PRESETS = preset_table(
+    Gemma3Config,
+    {
+        # V, M, L, N, K, D, F, T (zoo.registry.PRESET_DIMS), then the other fields.
+        "gemma3-1b": (262_144, 1152, 26, 4, 1, 256, 6912, 32_768, _1B),
+        "gemma3-4b": (262_208, 2560, 34, 8, 4, 256, 10_240, 131_072, _4B),
+    },
+)

@@ -8,6 +8,7 @@ import dataclasses
 
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import DecoderLM
+from zoo.registry import preset_table
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,39 +21,16 @@ class GPT2Config(DecoderConfig):
     position: str = "learned"  # a [max_seq_len, M] table: max_seq_len is n_positions
     tie_embeddings: bool = True
 
-    @classmethod
-    def gpt2(cls, **overrides) -> GPT2Config:
-        """GPT-2 small, 124M."""
-        base = dict(
-            vocab_size=50_257,
-            hidden_dim=768,
-            num_layers=12,
-            num_heads=12,
-            num_kv_heads=12,
-            head_dim=64,
-            ffn_dim=3072,
-            max_seq_len=1024,
-        )
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def gpt2_medium(cls, **overrides) -> GPT2Config:
-        """GPT-2 medium, 355M."""
-        base = dict(
-            vocab_size=50_257,
-            hidden_dim=1024,
-            num_layers=24,
-            num_heads=16,
-            num_kv_heads=16,
-            head_dim=64,
-            ffn_dim=4096,
-            max_seq_len=1024,
-        )
-        return cls(**{**base, **overrides})
-
 
 class GPT2(DecoderLM):
     """The shared decoder with `position='learned'`, `norm='layer'`, `use_bias`, `glu=False`."""
 
 
-PRESETS = {"gpt2": GPT2Config.gpt2, "gpt2-medium": GPT2Config.gpt2_medium}
+PRESETS = preset_table(
+    GPT2Config,
+    {
+        # V, M, L, N, K, D, F, T (zoo.registry.PRESET_DIMS); T is n_positions.
+        "gpt2": (50_257, 768, 12, 12, 12, 64, 3072, 1024),  # GPT-2 small, 124M
+        "gpt2-medium": (50_257, 1024, 24, 16, 16, 64, 4096, 1024),  # 355M
+    },
+)

@@ -24,6 +24,14 @@ def _normal(rngs: nnx.Rngs, shape, spec, std=INIT_STD):
     return std * jax.random.normal(rngs.params(), shape, jnp.float32, out_sharding=spec)
 
 
+def projection_options(cfg, rngs: nnx.Rngs) -> dict:
+    """Einsum's keywords that every projection of a block takes from the config: its init
+    rngs, bias, compute dtype and quantization."""
+    return dict(
+        rngs=rngs, use_bias=cfg.use_bias, dtype=cfg.compute_dtype, quantization=cfg.quantization
+    )
+
+
 class Einsum(nnx.Module):
     """`y = einsum(eq, x, w) + b`, e.g. 'BTM,MND->BTND' for a q projection.
 

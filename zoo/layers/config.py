@@ -17,6 +17,21 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 # attention_impl values: the backends of zoo/layers/attention/, and the choice between them.
 ATTENTION_IMPLEMENTATIONS = ("xla", "splash", "cudnn", "auto")
+# Fields that say how to run a model, not what it is: a checkpoint (its config.json, a run's
+# --init_from) never fixes them, and a run's model section sets them on any architecture.
+RUNTIME_FIELDS = (
+    "dtype",
+    "scan_layers",
+    "scan_unroll",
+    "remat",
+    "attention_impl",
+    "attention_interpret",
+    "moe_exchange",
+    "moe_capacity_factor",
+    "pipeline_microbatches",
+    "pipeline_repeats",
+    "quantization",
+)
 
 
 def causal_keys_per_query(seq_len: int, window: int | None = None) -> float:
@@ -38,7 +53,7 @@ class DecoderConfig:
     ffn_dim: int  # F
     max_seq_len: int = 8192  # KV-cache length, and the table size of learned positions
     # Rows of the embedding table and columns of the LM head when more than V (0: exactly V).
-    # Set by zoo.build.fit_vocab where V does not divide the mesh axes the vocab is split on
+    # Set by zoo.plan.fit_vocab where V does not divide the mesh axes the vocab is split on
     # (GPT-2's 50257 under `tp`); the extra logits are masked out, never predicted.
     padded_vocab_size: int = 0
 

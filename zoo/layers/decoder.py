@@ -321,7 +321,11 @@ class DecoderLM(nnx.Module):
                 "KV-cache decoding (generation) does not run under a pipeline strategy; "
                 "generate with one without a `stage` axis, e.g. --sharding_strategy=fsdp"
             )
-        return pipeline.run(self, x_BTM, segments, windows, freqs_LR, self.sharding.stage_axis)
+        pp = pipeline.plan_for(self.cfg, self.sharding, jax.sharding.get_abstract_mesh())
+        # Matmul weights cast to the compute dtype once, before the loop (as the scan does).
+        blocks = self._compute_dtype_blocks()
+        stage_axis = self.sharding.stage_axis
+        return pipeline.run(blocks, self.cfg, pp, x_BTM, segments, windows, freqs_LR, stage_axis)
 
     def _scan_unroll(self) -> int:
         """Layers per scan iteration: the config's, or for 0 (auto) all of them when this

@@ -7,7 +7,7 @@ from flax import nnx
 
 from shardings.specs import MlpSharding
 from zoo.layers import remat
-from zoo.layers.basic import Einsum
+from zoo.layers.basic import Einsum, projection_options
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -23,12 +23,7 @@ class Mlp(nnx.Module):
             raise ValueError(f"activation={cfg.activation!r}; valid: {', '.join(ACTIVATIONS)}")
         self.sharding = sharding
         self.activation = cfg.activation
-        common = dict(
-            rngs=rngs,
-            use_bias=cfg.use_bias,
-            dtype=cfg.compute_dtype,
-            quantization=cfg.quantization,
-        )
+        common = projection_options(cfg, rngs)
         self.gate = Einsum("BTM,MF->BTF", (M, F), sharding.gate, **common) if cfg.glu else None
         self.up = Einsum("BTM,MF->BTF", (M, F), sharding.up, **common)
         self.down = Einsum("BTF,FM->BTM", (F, M), sharding.down, **common)

@@ -157,9 +157,9 @@ def plan_for(cfg, sharding, mesh) -> PipelinePlan | None:
     return plan(cfg.num_layers, mesh.shape[axis], cfg.pipeline_microbatches, cfg.pipeline_repeats)
 
 
-def check_batch_size(batch_size: int, cfg, sharding, mesh) -> None:
-    """Rows per forward pass cut into micro-batches that divide over the batch split."""
-    pp = plan_for(cfg, sharding, mesh)
+def check_batch_size(batch_size: int, pp: PipelinePlan | None, sharding, mesh) -> None:
+    """Rows per forward pass cut into `pp`'s micro-batches that divide over the batch split
+    (no pipeline, `pp` None: nothing to check)."""
     if pp is not None:
         check_batch(batch_size, pp, _data_shards(sharding.tokens[0], sharding.stage_axis, mesh))
 
@@ -321,14 +321,15 @@ def _unmicrobatch(a, stage_axis: str):
     )
 
 
-def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
-    """The layer stack of `model` (a DecoderLM) as a pipeline over `stage_axis`; returns
-    (x_BTM, (None, None)) as `DecoderLM._run_scanned` does (no cache, no router stats).
-    `x_BTM` and the returned rows are split over (batch axes, stage), as the strategy's
-    `batch` rule says for everything outside the layer stack."""
-    cfg = model.cfg
+def run(
+    blocks, cfg, pp: PipelinePlan, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str
+):
+    """The layer stack `blocks` (a DecoderLM's stacked blocks, matmul weights already in the
+    compute dtype) of a model configured by `cfg` as the pipeline `pp` over `stage_axis`;
+    returns (x_BTM, (None, None)) as `DecoderLM._run_scanned` does (no cache, no router
+    stats). `x_BTM` and the returned rows are split over (batch axes, stage), as the
+    strategy's `batch` rule says for everything outside the layer stack."""
     mesh = jax.sharding.get_abstract_mesh()
-    pp = plan_for(cfg, model.sharding, mesh)
     S, Mb, R, Lc = pp.stages, pp.microbatches, pp.repeats, pp.layers_per_chunk
     n = Mb // S  # micro-batches whose rows each stage brings in and takes back
     check_batch(
@@ -348,8 +349,7 @@ def run(model, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str):
         jnp.asarray(np.asarray(freqs_LR)[order].reshape(S, R, Lc, -1)), P(stage_axis)
     )
 
-    # Matmul weights cast to the compute dtype once, before the loop (as the layer scan does).
-    graphdef, weights = nnx.split(model._compute_dtype_blocks())
+    graphdef, weights = nnx.split(blocks)
     reorder = reorder_rounds(S, R)
 
     # [Mb, B/Mb, ...], Mb over `stage`: stage s holds micro-batches s*n .. (s+1)*n - 1.

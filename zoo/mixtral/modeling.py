@@ -7,6 +7,7 @@ import dataclasses
 
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import DecoderLM
+from zoo.registry import experts, preset_table
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -16,44 +17,17 @@ class MixtralConfig(DecoderConfig):
     norm_topk_prob: bool = True  # Mixtral's router always renormalises its top k
     router_aux_loss_coef: float = 0.02  # transformers' MixtralConfig default
 
-    @classmethod
-    def tiny(cls, **overrides) -> MixtralConfig:
-        """For tests and CPU runs: 8 experts, top 2."""
-        base = dict(
-            vocab_size=512,
-            hidden_dim=64,
-            num_layers=2,
-            num_heads=8,
-            num_kv_heads=4,
-            head_dim=8,
-            ffn_dim=64,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_ffn_dim=64,
-            max_seq_len=256,
-        )
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def mixtral_8x7b(cls, **overrides) -> MixtralConfig:
-        base = dict(
-            vocab_size=32_000,
-            hidden_dim=4096,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            ffn_dim=14_336,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_ffn_dim=14_336,
-            max_seq_len=32_768,
-        )
-        return cls(**{**base, **overrides})
-
 
 class Mixtral(DecoderLM):
     """The shared decoder with the MoE feed-forward in every block."""
 
 
-PRESETS = {"mixtral-tiny": MixtralConfig.tiny, "mixtral-8x7b": MixtralConfig.mixtral_8x7b}
+PRESETS = preset_table(
+    MixtralConfig,
+    {
+        # V, M, L, N, K, D, F, T (zoo.registry.PRESET_DIMS), then the experts: E, top k and
+        # each expert's F. mixtral-tiny, for tests and CPU runs.
+        "mixtral-tiny": (512, 64, 2, 8, 4, 8, 64, 256, experts(8, 2, 64)),
+        "mixtral-8x7b": (32_000, 4096, 32, 32, 8, 128, 14_336, 32_768, experts(8, 2, 14_336)),
+    },
+)

@@ -7,6 +7,7 @@ import dataclasses
 
 from zoo.layers.config import DecoderConfig
 from zoo.layers.decoder import DecoderLM
+from zoo.registry import experts, preset_table
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,48 +18,19 @@ class Qwen3MoeConfig(DecoderConfig):
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.001  # transformers' Qwen3MoeConfig default
 
-    @classmethod
-    def tiny(cls, **overrides) -> Qwen3MoeConfig:
-        """For tests and CPU runs: 8 experts (splittable by expert axes 2, 4, 8), top 2."""
-        base = dict(
-            vocab_size=512,
-            hidden_dim=64,
-            num_layers=2,
-            num_heads=8,
-            num_kv_heads=4,
-            head_dim=16,
-            ffn_dim=128,  # unused: no dense layers; kept for the config's dense fields
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_ffn_dim=64,
-            max_seq_len=256,
-            router_aux_loss_coef=0.01,
-        )
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def qwen3_30b_a3b(cls, **overrides) -> Qwen3MoeConfig:
-        base = dict(
-            vocab_size=151_936,
-            hidden_dim=2048,
-            num_layers=48,
-            num_heads=32,
-            num_kv_heads=4,
-            head_dim=128,
-            ffn_dim=6144,
-            num_experts=128,
-            num_experts_per_tok=8,
-            moe_ffn_dim=768,
-            max_seq_len=40_960,
-        )
-        return cls(**{**base, **overrides})
-
 
 class Qwen3Moe(DecoderLM):
     """The shared decoder; `num_experts` > 0 gives every block the MoE feed-forward."""
 
 
-PRESETS = {
-    "qwen3-moe-tiny": Qwen3MoeConfig.tiny,
-    "qwen3-30b-a3b": Qwen3MoeConfig.qwen3_30b_a3b,
-}
+_TINY = {**experts(8, 2, 64), "router_aux_loss_coef": 0.01}
+PRESETS = preset_table(
+    Qwen3MoeConfig,
+    {
+        # V, M, L, N, K, D, F, T (zoo.registry.PRESET_DIMS), then the experts: E, top k and
+        # each expert's F (F itself is unused: no dense layers). qwen3-moe-tiny, for tests and
+        # CPU runs: 8 experts, splittable by expert axes 2, 4, 8.
+        "qwen3-moe-tiny": (512, 64, 2, 8, 4, 16, 128, 256, _TINY),
+        "qwen3-30b-a3b": (151_936, 2048, 48, 32, 4, 128, 6144, 40_960, experts(128, 8, 768)),
+    },
+)

@@ -12,7 +12,7 @@ from shardings.specs import AttentionSharding
 from zoo.layers import remat, rope
 from zoo.layers.attention import context_parallel, dispatch
 from zoo.layers.attention.mask import Segments
-from zoo.layers.basic import Einsum, Norm
+from zoo.layers.basic import Einsum, Norm, projection_options
 
 
 class Attention(nnx.Module):
@@ -23,12 +23,7 @@ class Attention(nnx.Module):
         self.use_rope = cfg.position == "rope"
         self.implementation = cfg.attention_impl
         self.interpret = cfg.attention_interpret
-        common = dict(
-            rngs=rngs,
-            use_bias=cfg.use_bias,
-            dtype=cfg.compute_dtype,
-            quantization=cfg.quantization,
-        )
+        common = projection_options(cfg, rngs)
         self.q = Einsum("BTM,MND->BTND", (M, N, D), sharding.q, **common)
         self.k = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.k, **common)
         self.v = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.v, **common)

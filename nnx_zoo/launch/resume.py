@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from nnx_zoo.checkpoint.manager import (
-    CorruptCheckpointError,
-    checkpoint_dir,
-    complete_steps,
-    read_meta,
-)
+from nnx_zoo.checkpoint.restore import read_meta
+from nnx_zoo.checkpoint.steps import CorruptCheckpointError, checkpoint_dir, complete_steps
 from nnx_zoo.training.config import RunConfig
 
 # DataSection fields that define the document stream a saved iterator position refers to.
