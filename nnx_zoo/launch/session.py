@@ -57,6 +57,11 @@ class TrainSession:
     start_step: int | None = None  # set by `resume`
 
     @property
+    def preempted(self) -> bool:
+        """Stopped by a signal before its last step, with that step saved."""
+        return getattr(self.watcher, "stopped_at", None) is not None
+
+    @property
     def run(self) -> RunConfig:
         return self.built.config
 
