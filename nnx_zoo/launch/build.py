@@ -205,6 +205,26 @@ def model_config(run: RunConfig, init_from: str | None = None, model_cfg=None):
     return starting_from(run, init_from).model.decoder_config()
 
 
+def check_run(run: RunConfig, model_cfg, strategy, mesh):
+    """Every check of a run's layout on `mesh`, before anything is built: remat on this
+    platform, the batch and sequence splits, the attention backend, positions, the model's
+    splits, the pipeline's stages and micro-batches. ValueError (one line) naming the first
+    that fails; returns `model_cfg` with its vocab padded where the split needs it. train_main
+    (through `build`) and plan_main call this one function, so both name the same cause."""
+    platform = mesh.devices.flat[0].platform
+    remat.check_platform(model_cfg.remat, platform)
+    micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
+    check_batch(micro_batch, strategy.batch_spec(), mesh, strategy.name, seq_len=run.data.seq_len)
+    # An attention backend named in the config that cannot run here fails now, in one line,
+    # not while the step compiles.
+    check_attention(model_cfg, mesh, run.data.seq_len)
+    check_positions(model_cfg, run.data.seq_len, "data.seq_len")
+    model_cfg = fit_vocab(model_cfg, strategy, mesh)  # padded where the vocab split needs it
+    check_model_fits(model_cfg, strategy, mesh)
+    pipeline.check_batch_size(micro_batch, model_cfg, strategy.lm_sharding(), mesh)
+    return model_cfg
+
+
 def build(
     run: RunConfig,
     mesh=None,
@@ -229,17 +249,7 @@ def build(
         strategy, mesh = make_mesh(run, devices=devices, model_cfg=model_cfg)
     else:
         strategy = get_strategy(run.training.sharding_strategy)
-    platform = mesh.devices.flat[0].platform
-    remat.check_platform(model_cfg.remat, platform)
-    micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
-    check_batch(micro_batch, strategy.batch_spec(), mesh, strategy.name, seq_len=run.data.seq_len)
-    # An attention backend named in the config that cannot run here fails now, in one line,
-    # not while the step compiles.
-    check_attention(model_cfg, mesh, run.data.seq_len)
-    check_positions(model_cfg, run.data.seq_len, "data.seq_len")
-    model_cfg = fit_vocab(model_cfg, strategy, mesh)  # padded where the vocab split needs it
-    check_model_fits(model_cfg, strategy, mesh)
-    pipeline.check_batch_size(micro_batch, model_cfg, strategy.lm_sharding(), mesh)
+    model_cfg = check_run(run, model_cfg, strategy, mesh)
     tx, schedule = build_optimizer(run)
 
     if abstract:
