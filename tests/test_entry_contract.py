@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
 import tomllib
 
 import _entry
 import jax
 import pytest
-from _train_helpers import cli_flags, run_config
+from _train_helpers import child_env, cli_flags, run_config
 
 from configs.locate import names
 from nnx_zoo.launch.build import check_run
@@ -84,3 +86,27 @@ def test_plan_main_names_train_mains_cause(batch, cause):
     with pytest.raises(ValueError) as train_error:
         check_run(run, run.model.decoder_config(), strategy, mesh)
     assert lines[0] == f"error: {train_error.value}"
+
+
+def test_grain_workers_start_outside_an_absl_app():
+    """The Python API with `num_workers` (a script or notebook that never parses absl flags):
+    Grain's workers read absl flags as they start, which raised UnparsedFlagAccessError
+    (issue 40, finding 7). A fresh process is the subject: absl's parsed state is global."""
+    code = (
+        "from nnx_zoo.data.pipeline import make_dataset\n"
+        "from nnx_zoo.data.tokenizers import make_tokenizer\n"
+        "it = make_dataset('default', 'train', make_tokenizer('byte'), 64, 16,\n"
+        "                  process_index=0, process_count=1, num_workers=2)\n"
+        "print('batch', next(it)['tokens'].shape)\n"
+        "it.close()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(1),
+        cwd=_entry.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "batch (16, 64)" in result.stdout, result.stderr[-3000:]
+    assert "UnparsedFlagAccessError" not in result.stderr

@@ -83,6 +83,15 @@ class _Tokenize:
         return np.append(ids, np.int32(tok.eos_id)).astype(np.int32)
 
 
+def _absl_flags_parsed() -> None:
+    """Grain's worker processes read absl flags as they start, and raise while those are
+    unparsed: outside an absl app (the Python API, a notebook) they keep their defaults."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 def _as_is(doc):
     return doc
 
@@ -262,6 +271,7 @@ def build_dataset(
         docs = docs.repeat(None)  # reseeds the shuffle every epoch
     ds = docs.map(encode).to_iter_dataset()
     if num_workers > 0:
+        _absl_flags_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
         # Worker outputs arrive in shared memory, freed when the array is dropped; the shuffle
         # window and the packer keep chunks (views) for many steps, and at exit they would
