@@ -1,6 +1,6 @@
 """Export a run's checkpoint to Hugging Face formats.
 
-    python export_main.py --workdir=DIR [--step=N] --format=hf|peft --out=OUT
+    python export_main.py --workdir=DIR [--step=N] --format=hf|peft --out=OUT [--overwrite]
 
 hf: a merged Hugging Face checkpoint (config.json + safetensors, and the run's tokenizer
 files), for any run; a LoRA run's adapters are folded into the base weights. transformers'
@@ -8,8 +8,14 @@ files), for any run; a LoRA run's adapters are folded into the base weights. tra
 peft: a LoRA run's adapters as `adapter_model.safetensors` + `adapter_config.json`, which
 `peft.PeftModel.from_pretrained(base_model, OUT)` loads onto the base (the run's --init_from).
 
-A bad flag, workdir or format ends with exit status 2 and one line on stderr; the library
-code is in nnx_zoo/export/.
+OUT must be new or empty: a file, a run's workdir (or a path inside its checkpoints/,
+metrics.jsonl, ...) or a directory holding anything is refused, and nothing is written;
+`--overwrite` replaces an earlier export at OUT (only the files its manifest,
+OUT/.zoo-output.json, lists; anything else there is refused). The export is written beside
+OUT and renamed into place whole, so a failure leaves the earlier export, or nothing.
+
+A bad flag, workdir, format or --out ends with exit status 2 and one line on stderr; the
+library code is in nnx_zoo/export/.
 """
 
 from __future__ import annotations
@@ -31,7 +37,18 @@ _STEP = flags.DEFINE_integer(
 _FORMAT = flags.DEFINE_string(
     "format", None, "hf (merged checkpoint) | peft (LoRA adapter).", flag_values=FLAGS
 )
-_OUT = flags.DEFINE_string("out", None, "Directory to write.", flag_values=FLAGS)
+_OUT = flags.DEFINE_string(
+    "out",
+    None,
+    "Directory to write: a new or empty one (not a file, nor a run's workdir or its files).",
+    flag_values=FLAGS,
+)
+_OVERWRITE = flags.DEFINE_bool(
+    "overwrite",
+    False,
+    "Replace an earlier export at --out (only what it wrote, as its manifest lists).",
+    flag_values=FLAGS,
+)
 
 
 def main(argv):
@@ -45,9 +62,13 @@ def main(argv):
 
     try:
         out = expand(_OUT.value)
-        step = export_run(expand(_WORKDIR.value), out, _FORMAT.value, _STEP.value)
+        step = export_run(
+            expand(_WORKDIR.value), out, _FORMAT.value, _STEP.value, overwrite=_OVERWRITE.value
+        )
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         cli.usage_error(cli.device_hint(e))
+    except OSError as e:  # --out's directory cannot be written (permissions, a full disk)
+        cli.usage_error(f"--out={_OUT.value}: cannot write the export ({e.strerror or e})")
     print(f"wrote step {step} as {_FORMAT.value} to {out}", flush=True)
 
 

@@ -7,6 +7,10 @@ Writes DIR/metrics.jsonl, DIR/run_info.json, DIR/tensorboard/, DIR/loss_curve.pn
 DIR/checkpoints/ (process 0 writes the files; every process takes part in checkpoints). Run
 again with the same workdir and it resumes from the latest checkpoint. A bad flag, strategy,
 mesh, data path or config ends with exit status 2 and one line on stderr.
+
+Exit status: 0 finished; 143 stopped by SIGTERM / SIGINT with the step saved (run again to
+resume; docs/cluster.md's requeue rules match it); 2 a mistake in the flags, config or data;
+1 a failure (a diverged run, a save that could not be written, a lost peer, a bug).
 """
 
 from __future__ import annotations
@@ -29,22 +33,27 @@ def main(argv):
     from nnx_zoo.runtime import peers
 
     try:
-        _train()
+        status = _train()
     except BaseException as e:
         # Several processes: leave without JAX's exit barrier, which would wait for peers
         # that leave the same way (nnx_zoo/runtime/peers.py). Alone: as Python would.
         peers.exit_after(e)
         raise
     peers.done()
+    if status:
+        sys.exit(status)
 
 
-def _train():
+def _train() -> int:
+    """The run; returns its exit status: 0 finished, EXIT_PREEMPTED stopped by a signal and
+    saved (a scheduler requeues on it; docs/cluster.md)."""
     # Orbax, Grain and the model load once the flags are good: --help and a bad flag answer
     # without them.
     from nnx_zoo.checkpoint import write_errors
     from nnx_zoo.checkpoint.workdir import expand, hold
     from nnx_zoo.launch import session
     from nnx_zoo.runtime import console, distributed, peers
+    from nnx_zoo.runtime.preemption import EXIT_PREEMPTED
     from nnx_zoo.training.loop import DivergedError
 
     lock = None
@@ -87,6 +96,7 @@ def _train():
             cli.usage_error(cli.device_hint(e))
         try:
             session.train(prepared)
+            return EXIT_PREEMPTED if prepared.preempted else 0
         except DivergedError as e:
             peers.leave()
             # Not a mistake in the input (exit 2) nor a bug (a traceback): a run that failed.

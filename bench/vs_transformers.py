@@ -21,8 +21,8 @@ steps (both) come before round 1 and are reported apart. The 1-minute load avera
 before every round: this machine's other users slow both stacks, and a figure is only worth
 its load.
 
-JAX runs with the project's CPU flags (nnx_zoo/runtime/xla_cpu.py) and, as train_main does, huge pages
-for the host allocator where the host allows them (nnx_zoo/runtime/cpu_memory.py);
+JAX runs with the project's CPU flags (nnx_zoo/runtime/xla_cpu.py) and, as train_main does,
+huge pages for the host allocator where the host allows them (nnx_zoo/runtime/cpu_memory.py);
 ZOO_XLA_CPU_DEFAULTS=0 drops both.
 """
 
@@ -237,8 +237,8 @@ class Worker:
             target=_worker, args=(stack_name, checkpoint, tokens, child, perturb), daemon=True
         )
         # The project's processes run with huge pages for the host allocator where that helps
-        # (nnx_zoo/runtime/cpu_memory.py: train_main and eval_main restart with it); torch's as a user
-        # starts it. A spawned worker takes the environment it is started with.
+        # (nnx_zoo/runtime/cpu_memory.py: train_main and eval_main restart with it); torch's as a
+        # user starts it. A spawned worker takes the environment it is started with.
         saved = dict(os.environ)
         if stack_name == "jax":
             from nnx_zoo.runtime.cpu_memory import huge_page_environ

@@ -65,23 +65,63 @@ def _one_process(workdir: str, strategy: str, overrides: dict | None = None) -> 
     return train_losses(workdir)
 
 
-def _two_processes(workdir: str, strategy: str, overrides: dict | None = None) -> list[str]:
+# Slurm derives the coordinator's port from the job id: 61440 + SLURM_JOB_ID % 4096.
+_SLURM_PORTS = range(65535 - 2**12 + 1, 65536)
+
+
+def _slurm_env(i: int, port: int, workdir: str) -> dict[str, str]:
+    """What `srun --ntasks=2` on one node sets for task i (the variables JAX and
+    nnx_zoo/runtime/distributed.py read), with a job id that maps to `port`.
+
+    And a compilation cache of the pair's own: under Slurm's variables JAX gives each process
+    other compile options than with flags, so in the session's shared cache one process could
+    find its step compiled and the other not; the first waits in gloo's context set-up (a
+    30 s deadline) for the other's compile and fails. Both compiling keeps them in step."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": os.path.join(os.path.dirname(workdir), "slurm-jax-cache"),
+        "SLURM_JOB_ID": str(4096 * 1000 + port - _SLURM_PORTS.start),
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_PROCID": str(i),
+        "SLURM_LOCALID": str(i),
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+    }
+
+
+def _free_slurm_port() -> int:
+    for port in np.random.default_rng().permutation(np.array(_SLURM_PORTS)):
+        if portpicker.is_port_free(int(port)):
+            return int(port)
+    raise RuntimeError("no free port in Slurm's coordinator range")
+
+
+def _two_processes(
+    workdir: str, strategy: str, overrides: dict | None = None, *, slurm: bool = False
+) -> list[str]:
     """train_main as two processes of 4 devices each; their stdout, after checking that both
-    exit 0, that only process 0 speaks, and the mesh they record."""
-    port = portpicker.pick_unused_port()
+    exit 0, that only process 0 speaks, and the mesh they record. `slurm`: started as srun
+    starts them, with Slurm's variables and no process flags (JAX finds its coordinator)."""
+    port = _free_slurm_port() if slurm else portpicker.pick_unused_port()
+
+    def process_flags(i):
+        if slurm:
+            return []
+        return [f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"]
+
     children = [
         subprocess.Popen(
             [
                 sys.executable,
                 TRAIN_MAIN,
                 f"--workdir={workdir}",
-                f"--coordinator_address=localhost:{port}",
-                "--num_processes=2",
-                f"--process_id={i}",
+                *process_flags(i),
                 f"--sharding_strategy={strategy}",
                 *cli_flags({**RUN, **CASES[strategy][3], **(overrides or {})}),
             ],
-            env=child_env(num_devices=4),
+            env={**child_env(num_devices=4), **(_slurm_env(i, port, workdir) if slurm else {})},
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -117,15 +157,36 @@ def _two_processes(workdir: str, strategy: str, overrides: dict | None = None) -
 RTOL = 1e-5
 
 
+@pytest.fixture(scope="module")
+def hsdp_pair(tmp_path_factory) -> list[float]:
+    """The hsdp run as two processes started with explicit flags: its losses."""
+    workdir = str(tmp_path_factory.mktemp("hsdp_pair") / "two")
+    _two_processes(workdir, "hsdp")
+    return train_losses(workdir)
+
+
 @pytest.mark.parametrize("strategy", ["hsdp", "fsdp_ep"])
-def test_two_processes_equal_one(tmp_path, strategy):
-    _two_processes(str(tmp_path / "two"), strategy)
-    two_process = train_losses(str(tmp_path / "two"))
+def test_two_processes_equal_one(tmp_path, strategy, request):
+    if strategy == "hsdp":
+        two_process = request.getfixturevalue("hsdp_pair")
+    else:
+        _two_processes(str(tmp_path / "two"), strategy)
+        two_process = train_losses(str(tmp_path / "two"))
     # Only process 0 writes: one metrics file, one line per step.
     assert len(two_process) == RUN["training.steps"]
     one_process = _one_process(str(tmp_path / "one"), strategy)
     np.testing.assert_allclose(two_process, one_process, rtol=RTOL)
     assert one_process[0] - one_process[-1] > 0.5  # the losses move: equality means something
+
+
+def test_slurm_variables_form_the_run(tmp_path, hsdp_pair):
+    """Two processes as `srun --ntasks=2` starts them (docs/cluster.md): Slurm's variables and
+    no --coordinator_address / --num_processes / --process_id. They find each other (JAX's
+    Slurm detection: the first node of SLURM_STEP_NODELIST, a port from SLURM_JOB_ID) and run
+    the explicit-flags run, loss for loss: the same processes, devices and collectives."""
+    out, _ = _two_processes(str(tmp_path / "slurm"), "hsdp", slurm=True)
+    assert "2 processes" in out
+    np.testing.assert_array_equal(train_losses(str(tmp_path / "slurm")), hsdp_pair)
 
 
 def test_a_run_moves_between_one_and_two_processes(tmp_path, capsys):

@@ -13,9 +13,9 @@ with one process:
       within the peer timeout, with one line on stderr naming process 1 and the newest
       complete checkpoint;
   K2  both started again: resumes from that checkpoint; SIGTERM to both mid-run: one save,
-      at one step, and both exit 0;
+      at one step, and both exit EXIT_PREEMPTED (143, what a scheduler requeues on);
   K3  both started again: resumes from K2's save; SIGTERM to process 1 only: process 0 stops
-      at the same step (the all-gathered flag), one save, both exit 0.
+      at the same step (the all-gathered flag), one save, both exit EXIT_PREEMPTED.
 K's metrics.jsonl must then hold every step to K3's stop once, with A's losses, gradient
 norms and learning rates exactly (float32 values compared as the JSON floats they were
 written as): K2 and K3 each resumed bit for bit. Resuming from K3's save is the same restore
@@ -37,6 +37,7 @@ from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
 
 from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
 from nnx_zoo.runtime import peers
+from nnx_zoo.runtime.preemption import EXIT_PREEMPTED
 from nnx_zoo.training.metrics import read_metrics
 
 STEPS = 20
@@ -274,7 +275,8 @@ def _preempt(workdir: str, name: str, after: int, targets: tuple[int, ...]) -> d
     launch.wait_for(lambda: max(logged_steps(workdir), default=0) >= after + 2, "the signal")
     for i in targets:
         launch.procs[i].send_signal(signal.SIGTERM)
-    launch.finish()
+    # Preempted and saved: a status a scheduler tells from a finished run, on both processes.
+    launch.finish(expect=(EXIT_PREEMPTED, EXIT_PREEMPTED))
     _no_failure(launch)
     steps = complete_steps(checkpoint_dir(workdir), warn=False)
     return dict(out=launch.out(0), saved=steps, logged=logged_steps(workdir))

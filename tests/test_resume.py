@@ -5,7 +5,7 @@ One chain of subprocesses on 8 simulated devices (fsdp_tp on the default (4, 2) 
   B1 the same run, SIGKILLed as soon as its first checkpoint is complete (mid-run, possibly
      while a later save is being written; its metrics.jsonl has lines past that checkpoint);
   B2 started again on the same workdir: resumes, and gets SIGTERM mid-run -> saves at the
-     step it is on, waits, exits 0;
+     step it is on, waits, exits EXIT_PREEMPTED (143);
   B3 started again: resumes from B2's step and finishes.
 B's metrics.jsonl must then hold every step once, with A's losses, gradient norms and
 validation loss exactly (float32 values compared as the JSON floats they were written as).
@@ -21,6 +21,7 @@ import time
 import pytest
 
 from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
+from nnx_zoo.runtime.preemption import EXIT_PREEMPTED
 from nnx_zoo.training.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +117,7 @@ def chain(tmp_path_factory):
         log_b2,
     )
     proc.send_signal(signal.SIGTERM)
-    finish(proc, log_b2)
+    finish(proc, log_b2, expect_rc=EXIT_PREEMPTED)  # saved: a status a scheduler requeues on
     term_step = complete_steps(ckpts)[-1]
     term_logged = logged_steps(workdir)
 

@@ -160,7 +160,7 @@ def hold(workdir: str, *, checkpoints: bool = True) -> WorkdirLock | None:
         else:
             if warning:
                 warn(warning)
-    _raise_everywhere(error, f"process 0 could not take the workdir {workdir} (see its error)")
+    raise_everywhere(error, f"process 0 could not take the workdir {workdir} (see its error)")
     return lock
 
 
@@ -174,10 +174,10 @@ def check_writable_everywhere(workdir: str, flag: str = "--workdir") -> None:
             check_writable(workdir, flag)
         except ValueError as e:
             error = str(e)
-    _raise_everywhere(error, f"process 0 cannot write {flag}={workdir} (see its error)")
+    raise_everywhere(error, f"process 0 cannot write {flag}={workdir} (see its error)")
 
 
-def _raise_everywhere(error: str, elsewhere: str) -> None:
+def raise_everywhere(error: str, elsewhere: str) -> None:
     """Raise ValueError(error) on process 0 and ValueError(elsewhere) on the others when
     process 0 had an error, so no process waits for a collective the others never reach."""
     import jax

@@ -320,6 +320,15 @@ def load_records(
     source: str, split: str, data_format: str, validation_fraction: float
 ) -> grain.MapDataset:
     """The checked records of `source` in `split` (the same hash split as text documents)."""
+    return grain.MapDataset.source(
+        [r for _, r in _keyed_records(source, split, data_format, validation_fraction)]
+    )
+
+
+def _keyed_records(
+    source: str, split: str, data_format: str, validation_fraction: float
+) -> list[tuple[str, dict]]:
+    """(where, record): `where` names the file and line (JSONL) or row (Parquet)."""
     if split not in sources.SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {sources.SPLITS}")
     if source == sources.DEFAULT_SOURCE:
@@ -328,16 +337,106 @@ def load_records(
             "not 'default'"
         )
     keyed = [
-        (f"{os.path.basename(path)}:{i}", record)
+        (path, i, record)
         for path in sources._expand(source)
         for i, record in enumerate(_read_records(path, data_format))
     ]
     in_val = np.array(
-        [sources._in_validation(k, validation_fraction) for k, _ in keyed], dtype=bool
+        [
+            sources._in_validation(f"{os.path.basename(path)}:{i}", validation_fraction)
+            for path, i, _ in keyed
+        ],
+        dtype=bool,
     )
-    kept = [r for (_, r), keep in zip(keyed, sources._keep(in_val, split), strict=True) if keep]
+    kept = [
+        (f"{path} record {i + 1}", r)
+        for (path, i, r), keep in zip(keyed, sources._keep(in_val, split), strict=True)
+        if keep
+    ]
     if not kept:
         raise ValueError(sources._no_documents(source, split, len(keyed), validation_fraction))
+    return kept
+
+
+# What a record longer than seq_len becomes (data.chat_overflow; training/config.py's
+# CHAT_OVERFLOW): never split into rows, which would train an answer without its prompt.
+OVERFLOW = ("drop", "truncate_left", "error")
+
+
+def encode_records(
+    source: str,
+    split: str,
+    data_format: str,
+    validation_fraction: float,
+    tokenizer: Tokenizer,
+    template: ChatTemplate | None,
+    *,
+    seq_len: int,
+    overflow: str = "drop",
+    notes: list[str] | None = None,
+) -> grain.MapDataset:
+    """The records of `source` in `split`, encoded ({'tokens', 'loss_mask'}), each at most
+    `seq_len` tokens by the `overflow` policy, and only those holding a trained token.
+
+    Every record is encoded here, once, while the run is built: a template that raises, a
+    role it does not know, a record too long under `overflow='error'`, and a split with no
+    trained token at all (conversations without an assistant turn: the loss would be 0 and
+    the gradient nothing) are each a ValueError (one line) before the first step. What was
+    dropped or cut is counted in one line appended to `notes`."""
+    if overflow not in OVERFLOW:
+        raise ValueError(f"data.chat_overflow={overflow!r}; valid: {', '.join(OVERFLOW)}")
+    keyed = _keyed_records(source, split, data_format, validation_fraction)
+    kept, too_long, cut, untrained, longest = [], 0, 0, 0, 0
+    for where, record in keyed:
+        encoded = encode_record(record, tokenizer, template)
+        length = len(encoded["tokens"])
+        if length > seq_len:
+            longest = max(longest, length)
+            if overflow == "error":
+                raise ValueError(
+                    f"{where}: {length} tokens, more than data.seq_len={seq_len}; raise "
+                    "data.seq_len, or set data.chat_overflow=drop (leave such records out) or "
+                    "truncate_left (keep their last seq_len tokens)"
+                )
+            if overflow == "drop":
+                too_long += 1
+                continue
+            encoded = {k: v[-seq_len:] for k, v in encoded.items()}
+            cut += 1
+        if not encoded["loss_mask"].any():
+            untrained += 1
+            continue
+        kept.append(encoded)
+    what = "conversations" if data_format == "chat" else "records"
+    where = f"data.source={source!r} ({split} split)"
+    if not kept:
+        reasons = []
+        if untrained:
+            trained = "assistant turn" if data_format == "chat" else "completion"
+            reasons.append(f"{untrained} hold no trained token (no {trained} to learn)")
+        if too_long:
+            reasons.append(
+                f"{too_long} are longer than data.seq_len={seq_len} (the longest {longest} "
+                "tokens; data.chat_overflow=drop)"
+            )
+        raise ValueError(
+            f"{where}: nothing to train on: of its {len(keyed)} {what}, {'; '.join(reasons)}"
+        )
+    counts = []
+    if too_long:
+        counts.append(
+            f"dropped {too_long} of {len(keyed)} {what} longer than data.seq_len={seq_len} "
+            f"(the longest {longest} tokens; data.chat_overflow=drop)"
+        )
+    if cut:
+        counts.append(
+            f"kept the last {seq_len} tokens of {cut} of {len(keyed)} {what} longer than "
+            f"data.seq_len (the longest {longest}; data.chat_overflow=truncate_left)"
+        )
+    if untrained:
+        counts.append(f"left out {untrained} {what} with no trained token")
+    if counts and notes is not None:
+        notes.append(f"{where}: {'; '.join(counts)}")
     return grain.MapDataset.source(kept)
 
 
@@ -395,33 +494,3 @@ def leading_specials(tokenizer: Tokenizer) -> list[int]:
         bos = tokenizer._sp.bos_id()
         return [bos] if bos >= 0 else []
     return []
-
-
-class EncodeRecord:
-    """Grain map: checked record -> tokens and loss mask (a class so it pickles to workers)."""
-
-    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None):
-        self.tokenizer, self.template = tokenizer, template
-
-    def __call__(self, record: dict) -> dict[str, np.ndarray]:
-        return encode_record(record, self.tokenizer, self.template)
-
-
-def _list(record: dict, key: str) -> list:
-    value = record.get(key)
-    return value if isinstance(value, list) else []
-
-
-def check_first_record(records: grain.MapDataset, tokenizer, template) -> None:
-    """Encode the first record now, and the first one holding each role not seen before, so
-    that a template that raises, or a role it does not know, fails while the run is built
-    (one line), not in a data worker."""
-    seen: set[str] = set()
-    for i in range(len(records)):
-        record = records[i]
-        roles = {
-            m["role"] for key in ("messages", "prompt", "completion") for m in _list(record, key)
-        }
-        if i == 0 or not roles <= seen:
-            encode_record(record, tokenizer, template)
-            seen |= roles

@@ -5,10 +5,13 @@ Documents come from nnx_zoo/data/sources.py (the `source` string, the train/vali
 Pipeline, in this order and why:
   shuffle/repeat  seeded, reshuffled each epoch; training repeats forever, evaluation makes one
                   pass in file order.
-  tokenize        text -> ids + EOS (in Grain's read threads).
+  tokenize        text -> ids + EOS (in Grain's read threads); a text longer than
+                  chunking.LONG_TEXT_CHARS passes on as text.
   mp_prefetch     optional worker processes. Placed before anything stateful so the output does
                   not depend on the number of workers (after packing, it would).
-  chunk           documents longer than seq_len become several documents of <= seq_len tokens.
+  chunk           documents longer than seq_len become several documents of <= seq_len tokens,
+                  one at a time; a long text is tokenized here, piece by piece, so memory does
+                  not grow with the length of one document (nnx_zoo/data/chunking.py).
   window shuffle  (when shuffling) mixes the chunks of `shuffle_window` consecutive chunks, so
                   one long file does not fill a whole batch with its consecutive pieces.
   pack            grain FirstFitPackIterDataset into rows of seq_len.
@@ -49,6 +52,7 @@ import grain
 import jax
 import numpy as np
 
+from nnx_zoo.data.chunking import ChunkDocuments, is_long_text
 from nnx_zoo.data.position import GlobalPosition
 from nnx_zoo.data.sources import DEFAULT_VALIDATION_FRACTION, load_documents
 from nnx_zoo.data.tokenizers import Tokenizer
@@ -62,8 +66,10 @@ class _Tokenize:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
 
-    def __call__(self, doc: str | np.ndarray) -> np.ndarray:
+    def __call__(self, doc: str | np.ndarray) -> np.ndarray | str:
         tok = self.tokenizer
+        if is_long_text(doc):  # the chunker tokenizes it in pieces (data/chunking.py)
+            return doc
         if isinstance(doc, str):
             encode_np = getattr(tok, "encode_np", None)
             ids = encode_np(doc) if encode_np else np.asarray(tok.encode(doc), dtype=np.int32)
@@ -77,22 +83,22 @@ class _Tokenize:
         return np.append(ids, np.int32(tok.eos_id)).astype(np.int32)
 
 
-class _SplitIntoChunks(grain.experimental.FlatMapTransform):
-    """ids (or {'tokens', 'loss_mask'}) -> [{'tokens': chunk, ...}] with chunks of at most
-    seq_len: each packs as a document, its loss mask cut alongside."""
+def _absl_flags_parsed() -> None:
+    """Grain's worker processes read absl flags as they start, and raise while those are
+    unparsed: outside an absl app (the Python API, a notebook) they keep their defaults."""
+    from absl import flags
 
-    max_fan_out = 1 << 20  # only MapDataset flat maps check it; documents may be long
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
 
-    def flat_map(self, doc) -> list[dict[str, np.ndarray]]:
-        doc = doc if isinstance(doc, dict) else {"tokens": doc}
-        n, T = len(doc["tokens"]), self.seq_len
-        return [{k: v[i : i + T] for k, v in doc.items()} for i in range(0, n, T)]
+def _as_is(doc):
+    return doc
 
 
 def _copy(doc):
+    if isinstance(doc, str):
+        return doc
     return {k: np.array(v) for k, v in doc.items()} if isinstance(doc, dict) else np.array(doc)
 
 
@@ -188,6 +194,8 @@ def build_dataset(
     shuffle_window: int = 1024,
     data_format: str = "text",
     chat_template=None,
+    chat_overflow: str = "drop",
+    notes: list[str] | None = None,
 ) -> grain.IterDataset:
     """The batches of `source`/`split` for this process, as a Grain IterDataset.
 
@@ -214,10 +222,14 @@ def build_dataset(
         pack tighter.
       shuffle_window: chunks shuffled together after chunking (when shuffling). Memory is
         about shuffle_window * seq_len * 4 bytes; a restore replays at most one window.
-      data_format: 'text' (documents), 'chat' or 'prompt_completion' (records, nnx_zoo/data/chat.py):
+      data_format: 'text' (documents), 'chat' or 'prompt_completion' (records,
+        nnx_zoo/data/chat.py):
         then batches also carry `loss_mask` [B, T], 1 where the token is a trained target
         (assistant turns, completions), packed and chunked with its tokens.
       chat_template: a data.chat.ChatTemplate, for chat records.
+      chat_overflow: what a record longer than seq_len becomes: 'drop' | 'truncate_left' |
+        'error' (data.chat.encode_records); records are never split into rows.
+      notes: where to append the one-line count of records dropped or cut.
 
     `iter(dataset)` gives a grain DatasetIterator of dicts of int32 arrays [B, T] (`tokens`,
     `segment_ids`, `positions`) with JSON-able `get_state()` / `set_state()`; `make_dataset`
@@ -241,9 +253,18 @@ def build_dataset(
     else:
         from nnx_zoo.data import chat
 
-        docs = chat.load_records(source, split, data_format, validation_fraction)
-        chat.check_first_record(docs, tokenizer, chat_template)
-        encode = chat.EncodeRecord(tokenizer, chat_template)
+        docs = chat.encode_records(
+            source,
+            split,
+            data_format,
+            validation_fraction,
+            tokenizer,
+            chat_template,
+            seq_len=seq_len,
+            overflow=chat_overflow,
+            notes=notes,
+        )
+        encode = _as_is  # encoded while building: each record fits a row, never split
         keys = ("tokens", "segment_ids", "positions", "loss_mask")
     if shuffle:
         docs = docs.shuffle(seed=seed)
@@ -251,12 +272,13 @@ def build_dataset(
         docs = docs.repeat(None)  # reseeds the shuffle every epoch
     ds = docs.map(encode).to_iter_dataset()
     if num_workers > 0:
+        _absl_flags_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
         # Worker outputs arrive in shared memory, freed when the array is dropped; the shuffle
         # window and the packer keep chunks (views) for many steps, and at exit they would
         # still hold it. A copy lets each segment go at once.
         ds = ds.map(_copy)
-    ds = grain.experimental.FlatMapIterDataset(ds, _SplitIntoChunks(seq_len))
+    ds = ChunkDocuments(ds, seq_len, tokenizer)
     if shuffle and shuffle_window > 1:
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
     ds = grain.experimental.FirstFitPackIterDataset(

@@ -2,8 +2,8 @@
 and the state of the stages after it (chunking, window shuffle, packing, batching), the same
 for every process count and every number of Grain worker processes.
 
-Every process runs the same pipeline over the same documents (nnx_zoo/data/pipeline.py), so its Grain
-state is the same on every process. Only the reading stage's state depends on
+Every process runs the same pipeline over the same documents (nnx_zoo/data/pipeline.py), so
+its Grain state is the same on every process. Only the reading stage's state depends on
 `num_workers`: in-process it is `{"next_index": N}`; with W workers, `mp_prefetch` reads
 documents i, i+W, i+2W, ... in worker i and interleaves the workers in turn, so its state holds
 each worker's count and the next worker. The global form replaces that stage's state by

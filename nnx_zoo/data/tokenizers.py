@@ -81,6 +81,36 @@ class ByteTokenizer(Tokenizer):
     def __repr__(self) -> str:
         return "ByteTokenizer()"
 
+    def save_pretrained(self, directory: str) -> None:
+        """This tokenizer as Hugging Face files in `directory`: a `tokenizer.json` (byte-level
+        BPE without merges, so each UTF-8 byte is its own id, EOS `BYTE_EOS_TOKEN` = 256) and a
+        `tokenizer_config.json`, which transformers' AutoTokenizer loads and which encode and
+        decode exactly as this class does."""
+        from tokenizers import Tokenizer as _HfTok
+        from tokenizers import decoders, models, pre_tokenizers
+
+        tok = _HfTok(models.BPE(vocab=_gpt2_unicode_to_byte(), merges=[]))
+        # No regex split: the text's bytes go whole to the (merge-free) model, one id each.
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([BYTE_EOS_TOKEN])
+        assert tok.token_to_id(BYTE_EOS_TOKEN) == self.eos_id
+        os.makedirs(directory, exist_ok=True)
+        tok.save(os.path.join(directory, "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": BYTE_EOS_TOKEN,
+            "model_max_length": 1 << 30,
+            "clean_up_tokenization_spaces": False,
+        }
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+
+
+# The name of the byte tokenizer's EOS (id 256) in its Hugging Face files.
+BYTE_EOS_TOKEN = "<|endoftext|>"
+
 
 def _gpt2_unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: the printable character standing for each byte."""

@@ -3,8 +3,8 @@
     lm = ZooLM(model, mesh, tokenizer, rows=8)
     lm_eval.simple_evaluate(model=lm, tasks=["zoo_facts"], task_manager=...)
 
-The model is one already laid out on its mesh (any strategy: nnx_zoo/evaluation/model.py loads a run's
-checkpoint or a Hugging Face directory). Strings become ids by the harness's Hugging Face
+The model is one already laid out on its mesh (any strategy: nnx_zoo/evaluation/model.py loads a
+run's checkpoint or a Hugging Face directory). Strings become ids by the harness's Hugging Face
 backend conventions (nnx_zoo/evaluation/harness_tokens.py). `loglikelihood` and
 `loglikelihood_rolling` requests are packed into rows and scored many per call
 (nnx_zoo/evaluation/harness_batch.py); `generate_until` runs batches of prompts through the KV cache

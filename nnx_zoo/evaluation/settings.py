@@ -28,7 +28,8 @@ class EvalSettings:
     loss_chunk_size: int
     # The attention backend to evaluate with (xla|cudnn|splash|auto); None: the run's own.
     attention_impl: str | None = None
-    # text | chat | prompt_completion (nnx_zoo/data/chat.py): the run's; chat data counts answers only.
+    # text | chat | prompt_completion (nnx_zoo/data/chat.py): the run's; chat data counts answers
+    # only.
     data_format: str = "text"
 
 

@@ -8,12 +8,24 @@ import os
 FORMATS = ("hf", "peft")
 
 
-def export_run(workdir: str, out: str, fmt: str, step: int | None = None) -> int:
+COMMAND = "export_main"
+
+
+def export_run(
+    workdir: str, out: str, fmt: str, step: int | None = None, *, overwrite: bool = False
+) -> int:
     """Write checkpoint `step` (default: the latest) of the run in `workdir` to `out` as
     `fmt`: 'hf' (merged weights through zoo.save_pretrained, for any run, plus the run's
-    tokenizer files when it has them) or 'peft' (the LoRA adapters). Returns the step."""
+    tokenizer files: the byte tokenizer as a tokenizer.json) or 'peft' (the LoRA adapters).
+    Returns the step.
+
+    `out` is checked first (nnx_zoo/checkpoint/outputs.py): a file, a run's directory (or its
+    checkpoints/, ...), or a directory holding anything is refused (ValueError), except, with
+    `overwrite`, an earlier export's; the export is written beside `out` and renamed into
+    place whole, with a manifest of what it wrote."""
     import jax
 
+    from nnx_zoo.checkpoint import outputs
     from nnx_zoo.checkpoint.restore import read_meta
     from nnx_zoo.evaluation import model as eval_model
     from nnx_zoo.evaluation.settings import from_run_info, run_config
@@ -24,6 +36,7 @@ def export_run(workdir: str, out: str, fmt: str, step: int | None = None) -> int
         raise FileNotFoundError(
             f"--workdir={workdir} is not a directory; it names a train_main run (its checkpoints/)"
         )
+    outputs.check_out_everywhere(out, COMMAND, overwrite=overwrite)
     step, meta = read_meta(workdir, step)
     run_info = meta.get("run_info") or {}
     run = run_config(run_info)
@@ -34,18 +47,23 @@ def export_run(workdir: str, out: str, fmt: str, step: int | None = None) -> int
         )
     settings = from_run_info(run_info)
     model, mesh, step = eval_model.load_from_checkpoint(workdir, run_info, settings, step)
+    writer = jax.process_index() == 0
+    staging = outputs.staging_dir(out, clear=writer)
     with jax.set_mesh(mesh):
         if fmt == "peft":
             from nnx_zoo.export.peft import save_peft
 
-            save_peft(model, out, lora_section=run.lora, base_model=run_info.get("init_from"))
+            save_peft(model, staging, lora_section=run.lora, base_model=run_info.get("init_from"))
         else:
             from zoo import save_pretrained
             from zoo.layers.lora import merge_lora
 
             merge_lora(model)
-            save_pretrained(model, out)
-            _copy_tokenizer(settings.tokenizer, out)
+            save_pretrained(model, staging)
+            if writer:
+                _write_tokenizer(settings.tokenizer, staging)
+    if writer:
+        outputs.publish(staging, out, COMMAND, format=fmt, workdir=workdir, step=step)
     return step
 
 
@@ -58,13 +76,14 @@ _TOKENIZER_FILES = (
 )
 
 
-def _copy_tokenizer(spec: str, out: str) -> None:
+def _write_tokenizer(spec: str, out: str) -> None:
     """The run's tokenizer files beside the weights, so the export loads on its own."""
     import shutil
 
-    import jax
+    if spec == "byte":
+        from nnx_zoo.data.tokenizers import ByteTokenizer
 
-    if spec == "byte" or jax.process_index() != 0:
+        ByteTokenizer().save_pretrained(out)
         return
     path = os.path.expanduser(spec)
     directory = path if os.path.isdir(path) else os.path.dirname(path)

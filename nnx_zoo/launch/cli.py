@@ -412,7 +412,12 @@ def _unknown_field_message(error: Exception) -> str | None:
 
 def config_file_message(error: Exception) -> str:
     """One line for a --config file that did not load (nnx_zoo/training/config_file.py)."""
+    from configs.locate import names
     from nnx_zoo.training.config_file import load_error_message
 
     given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
-    return load_error_message(error, given[-1] if given else DEFAULT_CONFIG)
+    path = given[-1] if given else DEFAULT_CONFIG
+    message = load_error_message(error, path)
+    if not os.path.exists(path.partition(":")[0]):  # a typo'd name: say which ones exist
+        message += f"; shipped configs: {', '.join(names())}, or a path to a config file"
+    return message

@@ -41,12 +41,15 @@ def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
         seed=d.shuffle_seed,
         text_field=d.text_field,
         validation_fraction=d.validation_fraction,
+        chat_overflow=d.chat_overflow,
     )
-    train_iter = data.make_dataset(d.source, "train", num_workers=d.num_workers, **common)
     notes = []
+    train_iter = data.make_dataset(
+        d.source, "train", num_workers=d.num_workers, notes=notes, **common
+    )
     try:
         val_dataset = data.build_dataset(
-            d.source, "validation", num_batches=run.training.eval_batches, **common
+            d.source, "validation", num_batches=run.training.eval_batches, notes=notes, **common
         )
     except data.NoValidationSplitError as e:  # one document: train on it, validate nothing
         val_dataset = None

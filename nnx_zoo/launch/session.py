@@ -50,6 +50,11 @@ class TrainSession:
     saved: tuple[int, RunConfig] | None = None
 
     @property
+    def preempted(self) -> bool:
+        """Stopped by a signal before its last step, with that step saved."""
+        return getattr(self.watcher, "stopped_at", None) is not None
+
+    @property
     def run(self) -> RunConfig:
         return self.built.config
 

@@ -10,9 +10,9 @@ import json
 
 import jax
 
-from nnx_zoo.launch.build import starting_from
+from nnx_zoo.launch.build import plan_run, starting_from
 from nnx_zoo.planning.chips import chip_for, chip_name_for
-from nnx_zoo.planning.compile import Target, make_target, run_for
+from nnx_zoo.planning.compile import Candidate, Target, make_mesh, make_target, run_for
 from nnx_zoo.planning.moe import load_from_run, load_summary
 from nnx_zoo.planning.report import table
 from nnx_zoo.planning.search import (
@@ -189,16 +189,34 @@ def build(request: Request):
         cfg = run.model.decoder_config()
         slices = num_granules(list(target.devices))
         mesh_shapes = {s: get_strategy(s).default_mesh_shape(n, cfg, slices) for s in names}
+    if not auto and len(names) == 1:
+        # The plan of one run, as train_main would start it: train_main's own checks name
+        # what is wrong with it (the stages, the batch over its axes, ...), once, before any
+        # candidate is filtered or compiled.
+        _check_as_train_main(run, target, names[0], mesh_shapes[names[0]], remats, micro)
     candidates = candidate_space(
         run, target, names, remats, micro, mesh_shapes, choose_pipeline=auto
     )
     if not candidates:
         raise ValueError(
             f"no candidate: batch {run.data.global_batch_size} does not split into "
-            f"micro-batches {list(micro)} over the data axis of {n} devices; use a batch that "
-            f"is a multiple of {n}"
+            f"micro-batches {list(micro)} over the batch axes of any mesh of {n} devices; use "
+            f"a batch that is a multiple of {n}"
         )
     return run, target, candidates, auto
+
+
+def _check_as_train_main(run, target: Target, name: str, shape, remats, micro) -> None:
+    """ValueError (train_main's line for the same flags) for the first remat / micro-batch
+    count whose run train_main would refuse on `target`'s devices."""
+    for remat in remats:
+        for k in micro:
+            candidate = Candidate(name, tuple(shape), remat, k, 0)
+            if run.data.global_batch_size % k:
+                raise ValueError(
+                    f"batch {run.data.global_batch_size} does not split into {k} micro-batches"
+                )
+            plan_run(run_for(run, candidate), make_mesh(target, candidate))
 
 
 def _measured_load(request: Request, run):

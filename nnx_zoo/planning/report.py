@@ -71,7 +71,8 @@ def table(plans: list[Plan]) -> str:
     lines.append("")
     lines.append(
         "GiB per device; peak = XLA's peak, or arguments + outputs + temporaries if larger. "
-        "forecast_s: what a step should take (nnx_zoo/planning/estimate.py); bound_s: compute at peak, "
+        "forecast_s: what a step should take (nnx_zoo/planning/estimate.py); bound_s: compute "
+        "at peak, "
         "no step is faster; '-': no forecast (simulated CPU, compile refused)."
     )
     for p in plans:

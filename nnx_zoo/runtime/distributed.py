@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 
 import jax
@@ -37,9 +38,9 @@ def detected_cluster() -> str | None:
 
 def jax_timeouts(peer_timeout_s: float) -> dict[str, int]:
     """`jax.distributed.initialize`'s timeouts for a run whose peers are watched with this
-    bound (nnx_zoo/runtime/peers.py). JAX's heartbeat ends every process by LOG(FATAL) (SIGABRT and a
-    fatal-error dump) once one is silent that long, and its exit barrier waits that long for
-    the slowest process: twice the bound, so that the watch, which exits with one line, acts
+    bound (nnx_zoo/runtime/peers.py). JAX's heartbeat ends every process by LOG(FATAL) (SIGABRT
+    and a fatal-error dump) once one is silent that long, and its exit barrier waits that long
+    for the slowest process: twice the bound, so that the watch, which exits with one line, acts
     first and JAX's runtime is the backstop should the watch's thread not run. 0: JAX's
     defaults (100 s heartbeat, 300 s shutdown)."""
     if not peer_timeout_s:
@@ -97,6 +98,21 @@ def _join(peer_timeout_s: float, **where) -> None:
     # process run on until killed. Without it, such a SIGTERM ends the process.
     jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(**where, **jax_timeouts(peer_timeout_s))
+    if not where and slurm_one_task_per_node():
+        # From Slurm's variables JAX makes each task see one GPU (its SLURM_LOCALID), as if
+        # a task ran per GPU; a task per host owns all of them (the CUDA_VISIBLE_DEVICES
+        # Slurm sets still applies). Before any backend starts, so it takes effect.
+        jax.config.update("jax_cuda_visible_devices", "all")
+        jax.config.update("jax_rocm_visible_devices", "all")
+
+
+def slurm_one_task_per_node() -> bool:
+    """Inside a Slurm step that runs one task on every node (`--ntasks-per-node=1`)."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return False
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "")  # e.g. '1(x4)' or '8,8'
+    counts = re.findall(r"(\d+)(?:\(x\d+\))?", per_node)
+    return bool(counts) and all(c == "1" for c in counts)
 
 
 def to_global(local_batch: Mapping[str, np.ndarray], mesh, batch_spec: P) -> dict[str, jax.Array]:

@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT -> save at the current step, wait for the write, exit 0.
+"""SIGTERM / SIGINT -> save at the current step, wait for the write, exit `EXIT_PREEMPTED`.
 
 Schedulers (SLURM, Kubernetes, cloud TPU/GPU maintenance) send SIGTERM some seconds before
 they kill a job. The handler only sets a flag (a signal handler must not touch JAX or Orbax:
@@ -17,6 +17,11 @@ With several processes, the signal may reach them at different steps (or only so
 each process contributes its flag to a tiny all-gather at every check, so all of them see the
 same answer at the same step and write the same checkpoint. One process skips the collective.
 
+A run stopped this way exits with status `EXIT_PREEMPTED` (143, what a shell reports for a
+process ended by SIGTERM), on every process, once its checkpoint is written: a scheduler's
+requeue rule (Slurm's job script, a Kubernetes podFailurePolicy) tells it from a finished run
+(0), a mistake in the input (2) and a failure (1). docs/cluster.md shows the rules.
+
 A second SIGINT while the first is being handled restores Python's default behaviour
 (KeyboardInterrupt), so Ctrl-C twice still aborts a save that hangs.
 """
@@ -31,6 +36,9 @@ import numpy as np
 from absl import logging
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Stopped by a signal with the state saved: 128 + SIGTERM, as a shell reports a process that
+# SIGTERM ended, so rules written for unhandled preemptions match a saved one too.
+EXIT_PREEMPTED = 128 + signal.SIGTERM
 
 
 class PreemptionWatcher:

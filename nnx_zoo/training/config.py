@@ -21,6 +21,7 @@ from zoo.registry import PRESET_DIMS
 
 SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora")
 DATA_FORMATS = ("text", "chat", "prompt_completion")  # nnx_zoo/data/chat.py's FORMATS
+CHAT_OVERFLOW = ("drop", "truncate_left", "error")  # nnx_zoo/data/chat.py's OVERFLOW
 
 
 def _fail(section: str, field: str, value: Any, why: str) -> None:
@@ -144,12 +145,18 @@ class DataSection:
     # (role/content), rendered with the tokenizer dir's chat template, loss on the assistant
     # turns | prompt_completion: records with `prompt` and `completion`, loss on completions.
     format: str = "text"
+    # A chat / prompt_completion record longer than seq_len (never split: its answer would
+    # train without its prompt): drop it (counted in one line at start) | truncate_left (keep
+    # its last seq_len tokens) | error (stop, naming it).
+    chat_overflow: str = "drop"
 
     def __post_init__(self):
         _finite("data", self)
         _positive("data", self, "seq_len", "global_batch_size")
         if self.format not in DATA_FORMATS:
             _fail("data", "format", self.format, f"valid: {', '.join(DATA_FORMATS)}")
+        if self.chat_overflow not in CHAT_OVERFLOW:
+            _fail("data", "chat_overflow", self.chat_overflow, f"valid: {', '.join(CHAT_OVERFLOW)}")
         if self.num_workers < 0:
             _fail("data", "num_workers", self.num_workers, "must be >= 0")
         if not 0 < self.validation_fraction < 1:

@@ -53,9 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 
 # Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets: the one table of
-# chip peaks (nnx_zoo/planning/chips.py takes its chips' figures from here). Looked up by substring of
-# `jax.Device.device_kind`, first match wins, so more specific names come first ('TPU v5 lite'
-# before 'TPU v5', 'H100 PCIe' before 'H100').
+# chip peaks (nnx_zoo/planning/chips.py takes its chips' figures from here). Looked up by
+# substring of `jax.Device.device_kind`, first match wins, so more specific names come first
+# ('TPU v5 lite' before 'TPU v5', 'H100 PCIe' before 'H100').
 # float32: on GPUs, XLA runs float32 matmuls as TF32 by default (jax's default matmul
 # precision), half the bf16 rate; on TPUs, default precision runs float32 matmuls as one bf16
 # pass, so the bf16 rate applies.

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardings.mesh import compile_platform
+from shardings.mesh import check_batch, compile_platform
 from shardings.specs import BlockSharding, LmSharding
 from zoo import loss
 from zoo.layers import pipeline, remat, rope
@@ -86,6 +86,17 @@ class Block(nnx.Module):
         return x_BTM + h_BTM, (kv, router_stats)
 
 
+def _needs_trace(sharding: LmSharding) -> bool:
+    """A layout whose model runs shard_map regions (pipeline stages, context-parallel
+    attention), which an eager call cannot enter."""
+    return sharding.stage_axis is not None or context_parallel.seq_axis(sharding.tokens) is not None
+
+
+@nnx.jit(static_argnames=("packed",))
+def _traced_call(model, tokens_BT, segment_ids, positions, packed):
+    return model(tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed)
+
+
 class DecoderLM(nnx.Module):
     def __init__(self, cfg: DecoderConfig, sharding: LmSharding, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -152,7 +163,27 @@ class DecoderLM(nnx.Module):
     # -- forward -------------------------------------------------------------------------
 
     def __call__(self, tokens_BT, *, segment_ids, positions, packed=True):
-        """Logits [B, T, V] in float32 (`forward` also gives the cache and routing stats)."""
+        """Logits [B, T, V] in float32 (`forward` also gives the cache and routing stats).
+
+        B must divide over the mesh axes the layout splits it over (ValueError naming B, the
+        axes and their size). Called outside jit under a pipeline or context-parallel layout,
+        whose shard_map regions need a trace, it runs itself under `nnx.jit`."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:
+            check_batch(
+                tokens_BT.shape[0],
+                self.sharding.tokens,
+                mesh,
+                "model input tokens [B, T]",
+                seq_len=tokens_BT.shape[1],
+            )
+            # Inputs made without a layout (jnp.zeros under the mesh) take the model's.
+            tokens_BT, segment_ids, positions = (
+                jax.sharding.reshard(a, self.sharding.tokens)
+                for a in (tokens_BT, segment_ids, positions)
+            )
+        if _needs_trace(self.sharding) and not isinstance(tokens_BT, jax.core.Tracer):
+            return _traced_call(self, tokens_BT, segment_ids, positions, packed)
         return self.forward(
             tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed
         ).logits_BTV
