@@ -132,6 +132,7 @@ def runtime_overrides(model: ModelSection) -> dict:
         moe_capacity_factor=model.moe_capacity_factor,
         pipeline_microbatches=model.pipeline_microbatches,
         pipeline_repeats=model.pipeline_repeats,
+        pipeline_schedule=model.pipeline_schedule,
         quantization=model.quantization,
     )
 
