@@ -117,6 +117,14 @@ class PipelinePlan(NamedTuple):
         return (self.stages - 1) / self.iterations
 
     @property
+    def head_factor(self) -> int:
+        """How many times its share of the rows' LM head and loss a device runs: 1 under
+        GPipe and circular (after the loop, each stage on its own rows); S under 1F1B (the
+        last stage runs every micro-batch's inside the loop, and every other stage the same
+        code in SPMD, its result unused)."""
+        return self.stages if self.schedule == "1f1b" else 1
+
+    @property
     def in_flight(self) -> int:
         """Micro-batches whose saved activations (what the remat policy keeps, per layer of
         the stage) a device holds at the peak. GPipe and circular: every iteration's,
