@@ -1,4 +1,5 @@
 """Pipeline parallelism over the `stage` mesh axis: GPipe and circular schedules, one loop.
+(1F1B: zoo/layers/pipeline_1f1b.py.)
 
 The stacked layer weights `[L, ...]` are stored split on L over `stage` (the strategy's
 `layers` rule), so stage s holds layers s*L/S .. (s+1)*L/S - 1 and the global arrays are the
@@ -45,14 +46,11 @@ restore of the parameters and both Adam moments, LoRA adapters).
 As in MaxText's circular pipeline (layers/pipeline.py), every stage runs every iteration
 (SPMD): bubble iterations compute on stale values whose results are never stored.
 Memory is GPipe's: the backward pass keeps every iteration's activations (per layer, what
-the model's remat policy saves). Not done: a 1F1B schedule, whose activation memory is bounded
-by the stages in flight. Under jax.grad the backward loop runs only after the whole forward
-loop, so it needs a custom VJP whose forward runs forward and backward items in one loop and
-accumulates the weight gradients in its carry (each iteration: one micro-batch forward, one
-backward with `jax.vjp` of the stage work, its residuals in a ring of S fixed-shape slots),
-and the final norm, LM head and loss moved inside the pipeline's last stage, so that the
-backward of micro-batch m can start before micro-batch m+1's forward ends: the model would
-return a loss rather than activations (README, "Pipeline parallelism", lists the blockers).
+the model's remat policy saves), since `jax.grad` transposes this forward loop into a backward
+loop that starts after the last forward iteration. `pipeline_schedule=1f1b` keeps 2S-1
+micro-batches' instead: one loop does a forward and a backward per iteration, with the final
+norm, LM head and loss inside it (zoo/layers/pipeline_1f1b.py, which reuses this module's
+pieces); under that schedule this loop still runs the forward alone (evaluation, logits).
 
 jax 0.10.2 gives the shard_map's operands and results, at its boundary, the shardings of
 `in_specs` / `out_specs` alone (`stage`), closed on the explicit axes: replicated over
@@ -387,6 +385,22 @@ def stage_policy(cfg, mesh):
     return jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
 
 
+def block_call_fn(graphdef, windows):
+    """`call(w, x, seg_m, window, inv_freq_R)`: one layer, `nnx.merge(graphdef, w)`, on one
+    micro-batch; `window` is ignored when every layer's is the same (then static, as the
+    attention backends that need a static window want it)."""
+    uniform_window = len(set(windows)) == 1
+    static_window = (windows[0] or None) if uniform_window else None
+
+    def call(w, x, seg_m, window, inv_freq_R):
+        block = nnx.merge(graphdef, w)
+        win = static_window if uniform_window else window
+        x, _ = block(x, seg_m, window=win, inv_freq_R=inv_freq_R, kv=None)
+        return x
+
+    return call
+
+
 def stage_work_fn(cfg, graphdef, policy, windows):
     """`stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR)`: repeat r's Lc layers of
     this stage on one micro-batch, inside the pipeline's shard_map.
@@ -396,8 +410,7 @@ def stage_work_fn(cfg, graphdef, policy, windows):
     backward pass re-slices them rather than keeping a copy of the stage's weights per
     iteration (9 copies, 7 GiB a device, for 8B on 2 stages with Mb = 8). The block runs
     without its own remat inside, which would recompute it twice."""
-    uniform_window = len(set(windows)) == 1
-    static_window = (windows[0] or None) if uniform_window else None
+    call = block_call_fn(graphdef, windows)
 
     def stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR):
         @functools.partial(jax.checkpoint, policy=policy)
@@ -405,10 +418,8 @@ def stage_work_fn(cfg, graphdef, policy, windows):
             def take(w):
                 return checkpoint_name(w[r, j], _STAGE_WEIGHTS)
 
-            block = nnx.merge(graphdef, jax.tree.map(take, weights_RL))
-            win = static_window if uniform_window else windows_RL[r, j]
-            x, _ = block(x, seg_m, window=win, inv_freq_R=freqs_RLR[r, j], kv=None)
-            return x
+            w = jax.tree.map(take, weights_RL)
+            return call(w, x, seg_m, windows_RL[r, j], freqs_RLR[r, j])
 
         Lc = jax.tree.leaves(weights_RL)[0].shape[1]
         with quant.unquantized_residuals():

@@ -26,14 +26,16 @@ then (S-1)F + Mb(F+B) + (S-1)B = (Mb+S-1)(F+B), GPipe's, so the bubble is GPipe'
 (S-1)/(Mb+S-1); as in GPipe, every stage runs every iteration's work (SPMD) and bubble
 iterations compute on values no result reads.
 
-Residuals. The forward of micro-batch m is `jax.vjp` of the stage's layers; the leaves of
-its pullback (the residuals: what the remat policy saves per layer, e.g. under `full` each
-layer's input, Lc x `[b, T, M]`) are written into slot m mod K of fixed-shape ring buffers
-in the carry, K = 2S-1, and read back by m's backward 2(S-1-s) iterations later; stage 0
-holds the most in flight (2S-1; an asynchronous runtime holds S - s, but here each hand-on
-costs an iteration each way). Leaves that are the stage's weights themselves (residuals of
-the layers' checkpoints, which re-slice them) are not copied into the ring: the backward
-takes them from the loop-invariant stack, so no slot holds a copy of the weights.
+Residuals. The forward of micro-batch m runs each of the stage's layers as `jax.vjp` (under
+the remat policy, as GPipe's layers run under it); the leaves of the layers' pullbacks (the
+residuals: what the policy saves per layer, e.g. under `full` each layer's input, Lc x
+`[b, T, M]`) are written into slot m mod K of fixed-shape ring buffers in the carry,
+K = 2S-1, and read back by m's backward 2(S-1-s) iterations later; stage 0 holds the most in
+flight (2S-1; an asynchronous runtime holds S - s, but here each hand-on costs an iteration
+each way). A layer's weight slice, a residual of its pullback, is not copied into the ring:
+the backward slices it again from the loop-invariant stack, so no slot holds weights. The
+backward walks the layers in reverse and adds each layer's weight gradient into its slice of
+the loop's sums in place, so no stage-sized gradient exists per micro-batch.
 
 Costs against GPipe, both stated in docs/pipeline-1f1b.md: the LM head and loss run on the
 last stage for every micro-batch (GPipe runs them after the loop on each stage's own rows,
@@ -45,13 +47,15 @@ The weight gradients accumulate in the weights' compute dtype over micro-batches
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardings.specs import axes_of, normalize
-from zoo.layers import pipeline
+from zoo.layers import pipeline, quant
 from zoo.layers.attention import Segments
 from zoo.lm_head_loss import chunk_nll, chunked_token_nll
 
@@ -186,7 +190,7 @@ class _Loop:
         cfg, stage_axis = self.cfg, self.sharding.stage_axis
         mesh = jax.sharding.get_abstract_mesh()
         pp = pipeline.plan_for(cfg, self.sharding, mesh)
-        S, Mb = pp.stages, pp.microbatches
+        S, Mb, Lc = pp.stages, pp.microbatches, pp.layers_per_chunk
         K = pp.in_flight  # ring slots: stage 0's micro-batches in flight, 2S-1
         pipeline.check_batch(
             x_BTM.shape[0],
@@ -196,9 +200,8 @@ class _Loop:
         windows_SRL, freqs_SRLR = pipeline.layer_tables(
             cfg, self.windows, self.freqs_LR, pp, stage_axis
         )
-        stage_work = pipeline.stage_work_fn(
-            cfg, self.graphdef, pipeline.stage_policy(cfg, mesh), self.windows
-        )
+        call = pipeline.block_call_fn(self.graphdef, self.windows)
+        policy = pipeline.stage_policy(cfg, mesh)
         # [Mb, B/Mb, ...], Mb over `stage`: stage s holds micro-batches s*n .. (s+1)*n - 1.
         inputs = pipeline.microbatch(x_BTM, Mb, stage_axis)
         rows = tuple(pipeline.microbatch(a, Mb, stage_axis) for a in rows)
@@ -210,23 +213,61 @@ class _Loop:
         def local(w_leaves, n_leaves, head_w, inputs, rows, windows_SRL, freqs_SRLR):
             s = jax.lax.axis_index(stage_axis)
             last = s == S - 1
-            # Local weights [Lc, ...] -> [1, Lc, ...]: repeat 0 of stage_work's [R, Lc].
-            weights_L = jax.tree.unflatten(w_def, [w[None] for w in w_leaves])
-            weight_leaves = jax.tree.leaves(weights_L)
-            windows_RL, freqs_RLR = windows_SRL[0], freqs_SRLR[0]
+            windows_L, freqs_LR = windows_SRL[0, 0], freqs_SRLR[0, 0]  # [1, 1, Lc] -> [Lc]
             # Stage 0 feeds the pipeline (only its buffers are read); the ids, positions,
             # targets and mask travel with the activations.
             feed = tuple(pipeline.to_stage_0(a, stage_axis, S) for a in (inputs, *rows))
 
+            def layer_weights(j):
+                """Layer j's weights, sliced from the stage's loop-invariant stack."""
+                return jax.tree.unflatten(
+                    w_def, [jax.lax.dynamic_index_in_dim(w, j, 0, False) for w in w_leaves]
+                )
+
             def stage_forward(x, ids_m, pos_m):
+                """(y, residuals stacked over the stage's layers, the pullbacks' treedef):
+                each layer's forward as `jax.vjp` under the remat policy; its weight slice,
+                a residual of its pullback, is not kept (the backward slices it again)."""
                 seg = Segments.self_attention(ids_m, pos_m, packed=packed)
+                treedefs = []
 
-                def layers(weights, x):
-                    return stage_work(weights, x, seg, 0, windows_RL, freqs_RLR)
+                def one(x, j):
+                    @functools.partial(jax.checkpoint, policy=policy)
+                    def layer(w, x):
+                        return call(w, x, seg, windows_L[j], freqs_LR[j])
 
-                y, pullback = jax.vjp(layers, weights_L, x)
-                saved, treedef = residuals.split(pullback, weight_leaves)
-                return y, saved, treedef
+                    w = layer_weights(j)
+                    with quant.unquantized_residuals():
+                        y, pullback = jax.vjp(layer, w, x)
+                    saved, treedef = residuals.split(pullback, jax.tree.leaves(w))
+                    treedefs.append(treedef)
+                    return y, saved
+
+                y, saved = jax.lax.scan(one, x, jnp.arange(Lc))
+                return y, saved, treedefs[0]
+
+            def stage_backward(cot, saved, treedef, d_weights):
+                """The stage's backward from its output's cotangent: layer by layer in
+                reverse, each layer's weight gradient added into its slice of `d_weights`
+                (the loop's sums, updated in place), the input's cotangent out."""
+
+                def one(carry, xs):
+                    d_x, d_weights = carry
+                    saved_j, j = xs
+                    w = layer_weights(j)
+                    d_w, d_x = residuals.join(treedef, saved_j, jax.tree.leaves(w))(d_x)
+                    d_weights = [
+                        jax.lax.dynamic_update_index_in_dim(
+                            acc, jax.lax.dynamic_index_in_dim(acc, j, 0, False) + d, j, 0
+                        )
+                        for acc, d in zip(d_weights, jax.tree.leaves(d_w), strict=True)
+                    ]
+                    return (d_x, d_weights), None
+
+                (d_x, d_weights), _ = jax.lax.scan(
+                    one, (cot, d_weights), (saved, jnp.arange(Lc)), reverse=True
+                )
+                return d_x, d_weights
 
             # Shapes of the ring's slots, from a trace whose results nothing reads (XLA
             # drops its work): the stage's forward on the first micro-batch's shapes.
@@ -268,16 +309,14 @@ class _Loop:
                 saved = [
                     jax.lax.dynamic_index_in_dim(r, m % K, 0, keepdims=False) for r in carry["ring"]
                 ]
-                pullback = residuals.join(treedef, saved, weight_leaves)
-                d_weights, d_x = pullback(cot)
-                grads = jax.tree.map(jnp.add, carry["d_weights"], d_weights)
+                d_x, d_weights = stage_backward(cot, saved, treedef, carry["d_weights"])
                 slot = m % Mb
                 old = jax.lax.dynamic_index_in_dim(carry["d_inputs"], slot, 0, keepdims=False)
                 d_inputs = jax.lax.dynamic_update_index_in_dim(
                     carry["d_inputs"], jnp.where(valid & (s == 0), d_x, old), slot, 0
                 )
                 sent = jax.lax.ppermute(d_x, stage_axis, backward_ring)
-                return {**carry, "cot": sent, "d_weights": grads, "d_inputs": d_inputs}
+                return {**carry, "cot": sent, "d_weights": d_weights, "d_inputs": d_inputs}
 
             def warmup(carry, t):
                 carry, _ = forward_half(carry, t)
@@ -307,18 +346,19 @@ class _Loop:
             def cooldown(carry, t):
                 return backward_half(carry, t, treedef0, None), None
 
-            carry = {
-                "state": tuple(jnp.zeros_like(f[0]) for f in feed),
-                "ring": ring0,
+            # Each loop carries only what it uses, so no buffer lives longer than it must.
+            fwd = {"state": tuple(jnp.zeros_like(f[0]) for f in feed), "ring": ring0}
+            fwd, _ = jax.lax.scan(warmup, fwd, jnp.arange(S - 1))
+            sums = {
                 "cot": jnp.zeros_like(feed[0][0]),
-                "d_weights": jax.tree.map(jnp.zeros_like, weights_L),
+                "d_weights": [jnp.zeros_like(w) for w in w_leaves],
                 "d_norm": [jnp.zeros_like(n) for n in n_leaves],
                 "d_head": jnp.zeros_like(head_w),
                 "loss": jnp.zeros((), jnp.float32),
                 "d_inputs": jnp.zeros_like(feed[0]),
             }
-            carry, _ = jax.lax.scan(warmup, carry, jnp.arange(S - 1))
-            carry, _ = jax.lax.scan(steady, carry, jnp.arange(S - 1, Mb + S - 1))
+            carry, _ = jax.lax.scan(steady, {**fwd, **sums}, jnp.arange(S - 1, Mb + S - 1))
+            del carry["state"]
             carry, _ = jax.lax.scan(cooldown, carry, jnp.arange(Mb + S - 1, Mb + 2 * S - 2))
 
             # The head, norm and loss counted on the last stage only: summed over `stage`
@@ -326,9 +366,8 @@ class _Loop:
             total = jax.lax.psum(carry["loss"], stage_axis)
             d_norm = [jax.lax.psum(d, stage_axis) for d in carry["d_norm"]]
             d_head = jax.lax.psum(carry["d_head"], stage_axis)
-            d_w = [d[0] for d in jax.tree.leaves(carry["d_weights"])]
             d_inputs = pipeline.from_stage_0(carry["d_inputs"], s, stage_axis, S)
-            return total, d_w, d_norm, d_head, d_inputs
+            return total, carry["d_weights"], d_norm, d_head, d_inputs
 
         split = P(stage_axis)
         total, d_w, d_norm, d_head, d_inputs = jax.shard_map(
