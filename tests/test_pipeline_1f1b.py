@@ -173,3 +173,15 @@ def test_1f1b_temporaries_do_not_grow_with_micro_batches():
     assert per_microbatch > 20 * rows_bytes, (per_microbatch, rows_bytes)
     assert grown < per_microbatch, (one_f_one_b, gpipe)
     assert grown <= 8 * rows_bytes, (one_f_one_b, rows_bytes)
+
+
+def test_lora_under_1f1b_is_one_line():
+    from zoo import create_model
+    from zoo.layers.lora import LoraConfig, add_lora
+
+    strategy = get_strategy("fsdp_pp")
+    cfg = get_config("tiny").replace(pipeline_schedule="1f1b")
+    with jax.set_mesh(strategy.make_mesh(shape=(2, 4))):
+        model = nnx.eval_shape(lambda: create_model(cfg, strategy, rngs=nnx.Rngs(0)))
+        with pytest.raises(ValueError, match="do not train under pipeline_schedule=1f1b"):
+            add_lora(model, LoraConfig(rank=4, alpha=8.0), nnx.Rngs(0))
