@@ -84,9 +84,10 @@ def record_outputs():
         def call(self, *args, **kwargs):
             out = fn(self, *args, **kwargs)
             value = out[0] if isinstance(out, tuple) else out
-            records.append(
-                (cls.__name__, normalize(declared_out(self), value.ndim), live_spec(value))
-            )
+            # A call that names its result's layout declares it (the final norm inside the
+            # 1F1B pipeline's loop, where the rows are not split over `stage`).
+            declared = kwargs.get("out_sharding") or declared_out(self)
+            records.append((cls.__name__, normalize(declared, value.ndim), live_spec(value)))
             return out
 
         return call

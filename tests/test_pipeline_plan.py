@@ -230,8 +230,14 @@ def test_auto_searches_the_pipelines_with_the_micro_batches_it_chose():
         run, target, ["fsdp_pp"], ("full",), (1, 2), {"fsdp_pp": (2, 4)}, choose_pipeline=True
     )
     # 16 rows over data 4: 4 rows per data shard -> 4 micro-batches; 2 accumulation steps:
-    # 2 rows -> 2.
-    assert [c.pipeline_microbatches for c in auto] == [4, 2]
+    # 2 rows -> 2. Each with both schedules the config leaves to pipeline_repeats=1
+    # (tests/test_pipeline_1f1b_plan.py checks the choice between them).
+    assert [(c.pipeline_microbatches, c.pipeline_schedule) for c in auto] == [
+        (4, "gpipe"),
+        (4, "1f1b"),
+        (2, "gpipe"),
+        (2, "1f1b"),
+    ]
     assert run_for(run, auto[0]).model.pipeline_microbatches == 4
     result = search(run, target, auto[:1])
     assert result.best is not None and result.best.candidate == auto[0]

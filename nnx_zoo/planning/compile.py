@@ -46,6 +46,8 @@ class Candidate:
     # Pipeline strategies: the micro-batches the pipeline cuts each forward pass into, as
     # `auto` chose them (`planning.search.pipeline_microbatches`); 0: the config's.
     pipeline_microbatches: int = 0
+    # Pipeline strategies: the schedule (gpipe | 1f1b), as `auto` chose it; "": the config's.
+    pipeline_schedule: str = ""
 
     def describe(self) -> str:
 
@@ -54,6 +56,8 @@ class Candidate:
         text = f"{self.strategy} mesh {mesh} remat={self.remat} micro_batches={self.micro_batches}"
         if self.pipeline_microbatches:
             text += f" pipeline_microbatches={self.pipeline_microbatches}"
+        if self.pipeline_schedule:
+            text += f" pipeline_schedule={self.pipeline_schedule}"
         return text
 
 
@@ -174,6 +178,10 @@ class Plan:
             # Pipeline strategies: (S-1)/(micro-batches*repeats + S-1); 0 for the others.
             "pipeline_bubble": self.estimate.bubble,
             "pipeline_microbatches": self.schedule.microbatches if self.schedule else None,
+            # gpipe | circular | 1f1b, and the micro-batches whose saved activations a
+            # device holds at the peak: Mb*R + S-1, or 2S-1 under 1F1B.
+            "pipeline_schedule": self.schedule.schedule if self.schedule else None,
+            "pipeline_in_flight": self.schedule.in_flight if self.schedule else None,
             # The bound: compute at peak plus the communication it cannot hide.
             "bound_step_seconds": self.estimate.step_seconds,
             "bound_mfu": self.estimate.mfu,
@@ -278,6 +286,8 @@ def run_for(run, candidate: Candidate):
     model = dataclasses.replace(run.model, remat=candidate.remat)
     if candidate.pipeline_microbatches:
         model = dataclasses.replace(model, pipeline_microbatches=candidate.pipeline_microbatches)
+    if candidate.pipeline_schedule:
+        model = dataclasses.replace(model, pipeline_schedule=candidate.pipeline_schedule)
     optimizer = dataclasses.replace(run.optimizer, micro_batches=candidate.micro_batches)
     return dataclasses.replace(run, training=training, model=model, optimizer=optimizer)
 

@@ -292,10 +292,11 @@ def estimate_step(
     if pipeline is not None:
         bubble = pipeline.bubble
         # The layers run every iteration, bubble included; the LM head runs once, on each
-        # stage's own rows (zoo/layers/pipeline.py).
+        # stage's own rows (zoo/layers/pipeline.py), or under 1F1B on every row's on one
+        # stage (`head_factor`: S, zoo/layers/pipeline_1f1b.py).
         head = 6.0 * cfg.hidden_dim * cfg.vocab_size * tokens / num_devices
         work = pipeline.microbatches * pipeline.repeats
-        executed = (executed - head) * pipeline.iterations / work + head
+        executed = (executed - head) * pipeline.iterations / work + head * pipeline.head_factor
     quantized = quantized_flops_per_token(cfg, remat) * tokens / num_devices
     peak_low = peak_flops(chip, getattr(cfg, "quantization", "none"))
     compute = (executed - quantized) / chip.peak_bf16_flops + quantized / peak_low
@@ -396,7 +397,8 @@ def forecast_step(
     its rows at a time, every one of the schedule's Mb*R + S-1 iterations (bubble included:
     SPMD stages compute on stale values there), so the layers' matmul, attention and
     memory-bound time stretch by iterations / (Mb*R); the LM head runs once, on the stage's
-    own rows. `memory_bytes` is then the in-stage twin's (planning.forecast._in_stage)."""
+    own rows (1F1B: S times that, `PipelinePlan.head_factor`). `memory_bytes` is then the
+    in-stage twin's (planning.forecast._in_stage)."""
     if chip.hbm_bytes_per_s is None or chip.platform not in KERNEL_GAP_SECONDS:
         return None
     tokens = global_batch * seq_len
@@ -413,8 +415,9 @@ def forecast_step(
     # Rows a device's matmuls see: its data shard of one micro-batch (tensor parallelism
     # splits the weights, not the rows).
     rows = per_device * tensor_parallel / micro_batches
-    stretch, head_share, launches = 1.0, 0.0, 1.0
+    stretch, head_share, head_factor, launches = 1.0, 0.0, 1, 1.0
     if pipeline is not None:
+        head_factor = pipeline.head_factor
         rows *= pipeline.stages / pipeline.microbatches
         stretch = pipeline.iterations / (pipeline.microbatches * pipeline.repeats)
         head_share = 6.0 * cfg.hidden_dim * cfg.vocab_size / matmul
@@ -430,9 +433,10 @@ def forecast_step(
     )
     attention_s = attention_flops / (chip.peak_bf16_flops * a_eff)
     memory_s = memory_bytes / (chip.hbm_bytes_per_s * HBM_EFFICIENCY)
-    # The layers' share stretches over the bubble, the head's does not. Memory-bound time all
-    # stretches: the optimizer's share, which runs once, is over-counted by the bubble.
-    matmul_s *= head_share + (1.0 - head_share) * stretch
+    # The layers' share stretches over the bubble, the head's does not (1F1B: it runs S
+    # times a device's share). Memory-bound time all stretches: the optimizer's share, which
+    # runs once, is over-counted by the bubble.
+    matmul_s *= head_share * head_factor + (1.0 - head_share) * stretch
     attention_s *= stretch
     memory_s *= stretch
     host_s = kernels * launches * KERNEL_GAP_SECONDS[chip.platform]

@@ -44,7 +44,8 @@ def _in_stage(candidate):
     sizes = dict(zip(strategy.axes, candidate.mesh_shape, strict=True))
     sizes["data"] *= sizes.pop("stage")
     shape = tuple(sizes[a] for a in get_strategy(inner).axes)
-    return dataclasses.replace(candidate, strategy=inner, mesh_shape=shape)
+    # No pipeline, so no schedule: GPipe's and 1F1B's twins are one compile.
+    return dataclasses.replace(candidate, strategy=inner, mesh_shape=shape, pipeline_schedule="")
 
 
 def add_forecast(run, plan: Plan) -> Forecast | None:

@@ -24,6 +24,7 @@ def table(plans: list[Plan]) -> str:
         "mesh",
         "remat",
         "k",
+        "pipeline",
         "params",
         "opt",
         "grads",
@@ -47,6 +48,8 @@ def table(plans: list[Plan]) -> str:
                 "x".join(f"{a}{n}" for a, n in p.mesh.items()),
                 c.remat,
                 str(c.micro_batches),
+                # A pipeline's schedule and micro-batches whose activations it keeps at once.
+                f"{p.schedule.schedule}/{p.schedule.in_flight}" if p.schedule else "-",
                 _gib(p.state.params),
                 _gib(p.state.optimizer),
                 _gib(p.state.gradients),
@@ -71,6 +74,7 @@ def table(plans: list[Plan]) -> str:
     lines.append("")
     lines.append(
         "GiB per device; peak = XLA's peak, or arguments + outputs + temporaries if larger. "
+        "pipeline: schedule/micro-batches in flight (whose saved activations a device holds). "
         "forecast_s: what a step should take (nnx_zoo/planning/estimate.py); bound_s: compute "
         "at peak, "
         "no step is faster; '-': no forecast (simulated CPU, compile refused)."

@@ -106,8 +106,20 @@ def candidate_space(
                         pm = pipeline_microbatches(sizes[stage_axis], rows)
                         if not pm:
                             continue
-                    out.append(Candidate(name, tuple(shape), remat, k, pm))
+                    for schedule in _schedules(cfg, stage_axis, choose_pipeline):
+                        out.append(Candidate(name, tuple(shape), remat, k, pm, schedule))
     return out
+
+
+def _schedules(cfg, stage_axis, choose_pipeline: bool) -> tuple[str, ...]:
+    """The pipeline schedules to try ("": the config's, as train_main would run it). `auto`
+    tries GPipe and 1F1B where the config leaves the schedule to pipeline_repeats and that is
+    1: the same bubble, 1F1B keeping 2S-1 micro-batches' activations instead of Mb+S-1 at the
+    cost of the LM head's work on one stage for every row (`PipelinePlan.head_factor`)."""
+    auto_gpipe = cfg.pipeline_schedule == "auto" and cfg.pipeline_repeats == 1
+    if stage_axis is None or not choose_pipeline or not auto_gpipe:
+        return ("",)
+    return ("gpipe", "1f1b")
 
 
 def pipeline_microbatches(stages: int, rows: int) -> int:
@@ -272,7 +284,11 @@ def _schedule(cfg, c: Candidate):
     stages = dict(zip(get_strategy(c.strategy).axes, c.mesh_shape, strict=True))[stage_axis]
     try:
         return pipeline.plan(
-            cfg.num_layers, stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
+            cfg.num_layers,
+            stages,
+            cfg.pipeline_microbatches,
+            cfg.pipeline_repeats,
+            cfg.pipeline_schedule,
         )
     except ValueError:
         return None
@@ -286,8 +302,10 @@ def _at_least_as_much_remat(a: str, b: str) -> bool:
 
 
 def _dominated(c: Candidate, fitted: Candidate) -> bool:
+    # A schedule is part of the layout: 1F1B's memory and time differ from GPipe's.
     return (
-        (c.strategy, c.mesh_shape) == (fitted.strategy, fitted.mesh_shape)
+        (c.strategy, c.mesh_shape, c.pipeline_schedule)
+        == (fitted.strategy, fitted.mesh_shape, fitted.pipeline_schedule)
         and _at_least_as_much_remat(c.remat, fitted.remat)
         and c.micro_batches >= fitted.micro_batches
         and c != fitted
@@ -299,11 +317,12 @@ def _cannot_fit(c: Candidate, failed: list[Plan], memory: int) -> str | None:
     no such variant says so."""
     for plan in failed:
         f = plan.candidate
-        same_layout = (c.strategy, c.mesh_shape, c.pipeline_microbatches) == (
-            f.strategy,
-            f.mesh_shape,
-            f.pipeline_microbatches,
-        )
+        same_layout = (
+            c.strategy,
+            c.mesh_shape,
+            c.pipeline_microbatches,
+            c.pipeline_schedule,
+        ) == (f.strategy, f.mesh_shape, f.pipeline_microbatches, f.pipeline_schedule)
         if not same_layout or c == f or not _at_least_as_much_remat(f.remat, c.remat):
             continue
         if c.micro_batches <= f.micro_batches:
@@ -344,9 +363,44 @@ def _why(best: Plan, plans: list[Plan], skipped) -> str:
             f"next best {runner.candidate.describe()} at "
             f"{runner.predicted.step_seconds:.4g} s ({runner.predicted_from})"
         )
+    schedule = _schedule_why(best, plans, skipped)
+    if schedule:
+        parts.append(schedule)
     no_fit = sum(not p.fits for p in plans)
     parts.append(f"{len(plans)} compiled, {no_fit} did not fit, {len(skipped)} ruled out")
     return "; ".join(parts)
+
+
+def _schedule_why(best: Plan, plans: list[Plan], skipped) -> str:
+    """Why the pick's pipeline schedule over the other one `auto` tried for the same layout
+    (GPipe or 1F1B: `_schedules`); "" when it tried none."""
+    c = best.candidate
+    if not c.pipeline_schedule:
+        return ""
+
+    def twin(other: Candidate) -> bool:
+        return other != c and dataclasses.replace(other, pipeline_schedule=c.pipeline_schedule) == c
+
+    mine = f"pipeline_schedule={c.pipeline_schedule}"
+    for p in plans:
+        if not twin(p.candidate):
+            continue
+        other = p.candidate.pipeline_schedule
+        if not p.fits:
+            return (
+                f"{mine}: {other} needs {p.required_bytes / GiB:.1f} GiB (its in-flight "
+                f"micro-batches {p.schedule.in_flight if p.schedule else '?'} against "
+                f"{best.schedule.in_flight if best.schedule else '?'}), over the chip's "
+                f"{best.target.chip.memory_bytes / GiB:.1f}"
+            )
+        return (
+            f"{mine}: {other} fits in {p.required_bytes / GiB:.1f} GiB but predicts "
+            f"{p.predicted.step_seconds:.4g} s"
+        )
+    for other, why in skipped:
+        if twin(other):
+            return f"{mine}: {other.pipeline_schedule} not compiled ({why})"
+    return mine
 
 
 def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -> str:

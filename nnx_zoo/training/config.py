@@ -15,6 +15,7 @@ from typing import Any
 
 from zoo.layers.config import ATTENTION_IMPLEMENTATIONS, RUNTIME_FIELDS
 from zoo.layers.lora import LoraConfig
+from zoo.layers.pipeline_schedules import resolve_schedule
 from zoo.layers.quant import QUANTIZATIONS
 from zoo.layers.remat import POLICIES as REMAT_POLICIES
 from zoo.registry import PRESET_DIMS
@@ -86,6 +87,10 @@ class ModelSection:
     # (S-1)/(micro-batches*repeats + S-1)).
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
+    # auto (gpipe for repeats 1, circular above) | gpipe | circular | 1f1b (repeats 1: a
+    # forward and a backward per iteration, the loss inside the pipeline, so a device keeps
+    # at most 2 x stages micro-batches' activations, not every one; docs/pipeline-1f1b.md).
+    pipeline_schedule: str = "auto"
     # Projections (q/k/v/o, MLP) in low precision, forward and backward: none | fp8 (e4m3,
     # e5m2 gradients; fp8 GEMMs on H100/H200) | int8 (TPU's int8 MXU path). zoo/layers/quant.py
     quantization: str = "none"
@@ -104,6 +109,10 @@ class ModelSection:
             _fail("model", "pipeline_microbatches", self.pipeline_microbatches, "valid: >= 0")
         if self.pipeline_repeats < 1:
             _fail("model", "pipeline_repeats", self.pipeline_repeats, "valid: >= 1 (1: GPipe)")
+        try:
+            resolve_schedule(self.pipeline_schedule, self.pipeline_repeats)
+        except ValueError as e:  # its line names the field, its value and what is valid
+            raise ValueError(f"config model.{e}") from None
         for name, valid in (
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),

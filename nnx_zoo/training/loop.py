@@ -6,9 +6,11 @@ in place). The `model` / `optimizer` objects are brought up to date from it (`Tr
 only where something needs them: a checkpoint save, and the end of training.
 
 Nothing here knows a model family: a model is anything with
-`model.token_nll(tokens_BT, segment_ids=..., positions=..., chunk_size=..., packed=...) ->
-(nll_BT, mask_BT, MoE routing statistics or None for a dense model)`: the LM
-head fused with the loss over chunks of `chunk_size` tokens per device (0: full logits).
+`model.nll_sum(tokens_BT, segment_ids=..., positions=..., loss_mask_BT=..., chunk_size=...,
+packed=...) -> (summed NLL over the counted positions, their count, MoE routing statistics or
+None for a dense model)`: the LM head fused with the loss over chunks of `chunk_size` tokens
+per device (0: full logits); under a 1F1B pipeline, the sum whose gradient the pipeline
+computes in its own loop.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.training.optim import accumulate_gradients
-from zoo.loss import answer_mask
 
 Batch = Mapping[str, jax.Array]
 
@@ -42,21 +43,18 @@ class DivergedError(FloatingPointError):
         super().__init__(f"training diverged: {what} at step {step}; {kept}")
 
 
-def _token_nll(model, batch: Batch, packed: bool, chunk_size: int):
-    nll_BT, mask_BT, moe = model.token_nll(
+def _nll_sum(model, batch: Batch, packed: bool, chunk_size: int):
+    # Chat / instruction data (`loss_mask`): only the trained targets (answers, completions)
+    # count. The loss is then the mean over those tokens of the whole global batch: sums and
+    # counts add over micro-batches and devices before the one division.
+    return model.nll_sum(
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
+        loss_mask_BT=batch.get("loss_mask"),
         chunk_size=chunk_size,
         packed=packed,
     )
-    if "loss_mask" in batch:
-        # Chat / instruction data: only the trained targets (answers, completions) count.
-        # The loss is then the mean over those tokens of the whole global batch: sums and
-        # counts add over micro-batches and devices before the one division.
-        mask_BT = answer_mask(mask_BT, batch["loss_mask"])
-        nll_BT = jnp.where(mask_BT, nll_BT, 0.0)
-    return nll_BT, mask_BT, moe
 
 
 def loss_sum(
@@ -65,28 +63,32 @@ def loss_sum(
     """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
     needs (sums add across micro-batches; means would not). `packed=False` states that each
     row is one document from index 0, then padding (attention then needs no document mask)."""
-    nll_BT, mask_BT, _ = _token_nll(model, batch, packed, chunk_size)
-    return jnp.sum(nll_BT), jnp.sum(mask_BT)
+    total, count, _ = _nll_sum(model, batch, packed, chunk_size)
+    return total, count
 
 
 def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
     """(the objective summed over counted tokens, (their count, metric sums)).
 
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
-    the config's `router_aux_loss_coef`; see `objective_from_nll`.
+    the config's `router_aux_loss_coef`; see `objective_from_sums`.
     """
-    nll_BT, mask_BT, moe = _token_nll(model, batch, packed, chunk_size)
+    total, count, moe = _nll_sum(model, batch, packed, chunk_size)
     coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
-    return objective_from_nll(nll_BT, mask_BT, moe, coef)
+    return objective_from_sums(total, count, moe, coef)
 
 
 def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
-    """`train_loss_sum` from the per-token NLL. The aux loss is added once per counted
-    token, so that dividing by the count gives transformers' `loss + coef * aux_loss`; the
-    sums carry the aux loss and the per-expert load (mean over layers), each times the count.
+    """`objective_from_sums` from the per-token NLL and which positions count."""
+    return objective_from_sums(jnp.sum(nll_BT), jnp.sum(mask_BT), moe, aux_coef)
+
+
+def objective_from_sums(total, count, moe, aux_coef: float):
+    """`train_loss_sum` from the summed NLL and the count. The aux loss is added once per
+    counted token, so that dividing by the count gives transformers' `loss + coef *
+    aux_loss`; the sums carry the aux loss and the per-expert load (mean over layers), each
+    times the count.
     """
-    count = jnp.sum(mask_BT)
-    total = jnp.sum(nll_BT)
     sums = {}
     if moe is not None:
         total = total + aux_coef * moe.aux_loss * count

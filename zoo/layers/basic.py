@@ -172,7 +172,9 @@ class Norm(nnx.Module):
             else None
         )
 
-    def __call__(self, x):
+    def __call__(self, x, out_sharding=None):
+        """`out_sharding`: the result's layout instead of `sharding.out` (the final norm
+        inside a pipeline's 1F1B loop, whose rows are not split over `stage` there)."""
         x32 = x.astype(jnp.float32)
         if self.kind == "layer":
             x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
@@ -181,4 +183,5 @@ class Norm(nnx.Module):
         y = y * scale
         if self.bias is not None:
             y = y + self.bias[...]
-        return jax.sharding.reshard(y.astype(self.dtype), self.sharding.out)
+        out = self.sharding.out if out_sharding is None else out_sharding
+        return jax.sharding.reshard(y.astype(self.dtype), out)

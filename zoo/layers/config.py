@@ -12,6 +12,7 @@ import math
 import jax.numpy as jnp
 
 from zoo.layers import quant, remat
+from zoo.layers.pipeline_schedules import resolve_schedule
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -30,6 +31,7 @@ RUNTIME_FIELDS = (
     "moe_capacity_factor",
     "pipeline_microbatches",
     "pipeline_repeats",
+    "pipeline_schedule",
     "quantization",
 )
 
@@ -128,6 +130,12 @@ class DecoderConfig:
     # layer chunk r*S + s on stage s). Ignored by the other strategies.
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
+    # The schedule (zoo/layers/pipeline.py): 'auto' (gpipe for repeats 1, circular above),
+    # 'gpipe', 'circular' (repeats >= 2) or '1f1b' (repeats 1: one forward and one backward
+    # per iteration, the final norm, LM head and loss inside the loop, so a stage keeps the
+    # activations of at most 2S-1 micro-batches instead of every one; zoo/layers/
+    # pipeline_1f1b.py).
+    pipeline_schedule: str = "auto"
     # Operands of the attention and MLP projections (q, k, v, o, gate, up, down), forward and
     # backward: 'none' (the compute dtype) | 'fp8' (e4m3 / e5m2 gradients, per-tensor scales)
     # | 'int8' (per-row/column scales); see zoo/layers/quant.py. The LM head, the MoE router
@@ -146,6 +154,13 @@ class DecoderConfig:
                 f"pipeline_microbatches={self.pipeline_microbatches}, pipeline_repeats="
                 f"{self.pipeline_repeats}; valid: microbatches >= 0 (0: one per stage), "
                 "repeats >= 1 (1: GPipe)"
+            )
+        resolve_schedule(self.pipeline_schedule, self.pipeline_repeats)
+        if self.pipeline_schedule == "1f1b" and remat.POLICIES[self.remat].offloads:
+            raise ValueError(
+                f"remat={self.remat!r} under pipeline_schedule='1f1b': the in-flight "
+                "micro-batches' saved activations sit in the loop's device buffers, so "
+                "nothing would move to host memory; use full, dots or another policy"
             )
         quant.check(self.quantization)
         if self.scan_unroll < 0:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from shardings.mesh import check_batch, compile_platform
 from shardings.specs import BlockSharding, LmSharding
 from zoo import loss
-from zoo.layers import pipeline, remat, rope
+from zoo.layers import pipeline, pipeline_1f1b, remat, rope
 from zoo.layers.attention import Attention, Segments, context_parallel
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
@@ -34,6 +34,12 @@ VOCAB_DIMS = {"embed/table": 0, "lm_head/weight": 1}
 class LmOutput(NamedTuple):
     logits_BTV: jax.Array
     cache: object  # KVCache, or None when called without one
+    router_stats: object  # MoeStats, or None for a dense model
+
+
+class NllSum(NamedTuple):
+    total: jax.Array  # next-token NLL summed over the counted positions, float32
+    count: jax.Array  # how many positions count
     router_stats: object  # MoeStats, or None for a dense model
 
 
@@ -201,6 +207,49 @@ class DecoderLM(nnx.Module):
         logits_BTV = drop_vocab_padding(self._logits(x_BTM), self.cfg.vocab_size)
         return LmOutput(logits_BTV, new_cache, stats)
 
+    def nll_sum(
+        self,
+        tokens_BT,
+        *,
+        segment_ids,
+        positions,
+        loss_mask_BT=None,
+        chunk_size: int = 0,
+        packed=True,
+    ) -> NllSum:
+        """The next-token NLL summed over the positions that count, their count, and the MoE
+        routing statistics: what training differentiates (sums add over micro-batches and
+        devices before the one division by the count).
+
+        `loss_mask_BT` (chat / instruction data): only positions whose target token is
+        marked count. `chunk_size` as in `token_nll`. Under a pipeline strategy with
+        `pipeline_schedule=1f1b` the sum comes from the pipeline itself, which runs the final
+        norm, the LM head and the loss inside its loop and computes the gradient as it goes
+        (zoo/layers/pipeline_1f1b.py); every other configuration sums `token_nll`.
+        """
+        if self._runs_1f1b():
+            targets_BT, mask_BT = loss.target_mask(tokens_BT, segment_ids)
+            if loss_mask_BT is not None:
+                mask_BT = loss.answer_mask(mask_BT, loss_mask_BT)
+            x_BTM = self._embed(tokens_BT, positions)
+            segments = Segments.self_attention(segment_ids, positions, packed=packed)
+            total = pipeline_1f1b.nll_sum(self, x_BTM, segments, targets_BT, mask_BT, chunk_size)
+            return NllSum(total, jnp.sum(mask_BT), None)
+        nll_BT, mask_BT, stats = self.token_nll(
+            tokens_BT,
+            segment_ids=segment_ids,
+            positions=positions,
+            chunk_size=chunk_size,
+            packed=packed,
+        )
+        if loss_mask_BT is not None:
+            mask_BT = loss.answer_mask(mask_BT, loss_mask_BT)
+            nll_BT = jnp.where(mask_BT, nll_BT, 0.0)
+        return NllSum(jnp.sum(nll_BT), jnp.sum(mask_BT), stats)
+
+    def _runs_1f1b(self) -> bool:
+        return self.sharding.stage_axis is not None and self.cfg.pipeline_schedule == "1f1b"
+
     def token_nll(
         self,
         tokens_BT,
@@ -250,12 +299,7 @@ class DecoderLM(nnx.Module):
                 context_parallel.to_balanced(a, cp_axis)
                 for a in (tokens_BT, segment_ids, positions)
             )
-        with jax.named_scope("embed"):
-            x_BTM = self.embed(tokens_BT)
-            if cfg.embed_scale:
-                x_BTM = x_BTM * jnp.asarray(cfg.hidden_dim**0.5, x_BTM.dtype)
-            if self.position_embed is not None:
-                x_BTM = x_BTM + self.position_embed(positions)
+        x_BTM = self._embed(tokens_BT, positions)
 
         # `packed=False` states one document per row from index 0, then padding: attention
         # backends that take sequence lengths (cuDNN) then need no document mask.
@@ -287,6 +331,17 @@ class DecoderLM(nnx.Module):
         k_LBSKD, v_LBSKD = new_kv
         new_cache = KVCache(k_LBSKD, v_LBSKD, *kv_ctx[:2], cache.index + tokens_BT.shape[1])
         return x_BTM, new_cache, stats
+
+    def _embed(self, tokens_BT, positions):
+        """The token (and learned position) embeddings, scaled where the family scales them."""
+        cfg = self.cfg
+        with jax.named_scope("embed"):
+            x_BTM = self.embed(tokens_BT)
+            if cfg.embed_scale:
+                x_BTM = x_BTM * jnp.asarray(cfg.hidden_dim**0.5, x_BTM.dtype)
+            if self.position_embed is not None:
+                x_BTM = x_BTM + self.position_embed(positions)
+        return x_BTM
 
     def _call_block(self, block, x_BTM, segments, window, inv_freq_R, kv):
         def call(block, x_BTM):
@@ -382,10 +437,10 @@ class DecoderLM(nnx.Module):
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if self.cfg.is_moe else None
         return x_BTM, (new_kv, stacked)
 
-    def _head(self):
+    def _head(self, out_spec=None):
         """(weight, logits_fn): the float32 LM head `[M, V]` (or, tied, the embedding table
         `[V, M]`) and `logits_fn(x_BCM, weight)` -> float32 logits, soft-capped if the
-        family caps them."""
+        family caps them, laid out as `out_spec` (None: the strategy's logits layout)."""
         cfg = self.cfg
         tied = self.lm_head is None
         weight = self.embed.table[...] if tied else self.lm_head.weight[...]
@@ -396,7 +451,7 @@ class DecoderLM(nnx.Module):
                 weight,
                 tied=tied,
                 dtype=cfg.compute_dtype,
-                out_spec=self.sharding.lm_head.out,
+                out_spec=self.sharding.lm_head.out if out_spec is None else out_spec,
                 softcap=cfg.final_logit_softcap,
                 vocab_size=cfg.vocab_size,
             )

@@ -195,6 +195,14 @@ def add_lora(model, config: LoraConfig, rngs: nnx.Rngs) -> list[str]:
             "(its masks would repeat every step); use lora.dropout=0 there, or a strategy "
             "without a `stage` axis"
         )
+    if model.sharding.stage_axis is not None and model.cfg.pipeline_schedule == "1f1b":
+        # The 1F1B loop computes every stage weight's gradient as it goes
+        # (zoo/layers/pipeline_1f1b.py): the frozen base weights' too, a third of the
+        # backward's matmuls spent on gradients nobody reads; not built for adapters.
+        raise ValueError(
+            "LoRA adapters do not train under pipeline_schedule=1f1b; use "
+            "pipeline_schedule=gpipe (or auto) with a pipeline strategy"
+        )
     found = []
     for target in config.targets:
         modules = _target_modules(model, target)

@@ -1,4 +1,5 @@
 """Pipeline parallelism over the `stage` mesh axis: GPipe and circular schedules, one loop.
+(1F1B: zoo/layers/pipeline_1f1b.py.)
 
 The stacked layer weights `[L, ...]` are stored split on L over `stage` (the strategy's
 `layers` rule), so stage s holds layers s*L/S .. (s+1)*L/S - 1 and the global arrays are the
@@ -8,7 +9,7 @@ Rows. Outside the layer stack the batch is split over `stage` as well as the bat
 strategy's `batch` rule, `stage` minor-most): each stage embeds, and runs the final norm,
 the LM head and the loss on, its own rows, so nothing there runs once per stage. The batch
 is cut into `Mb` micro-batches (a multiple of S) such that each stage's rows are Mb/S whole
-micro-batches' shares of every data shard (`_microbatch`: no communication). Stage k sends
+micro-batches' shares of every data shard (`microbatch`: no communication). Stage k sends
 its micro-batches to stage 0 (S-1 collective-permutes), and after the loop stage 0 sends
 each stage back its own (S-1 more).
 
@@ -45,14 +46,11 @@ restore of the parameters and both Adam moments, LoRA adapters).
 As in MaxText's circular pipeline (layers/pipeline.py), every stage runs every iteration
 (SPMD): bubble iterations compute on stale values whose results are never stored.
 Memory is GPipe's: the backward pass keeps every iteration's activations (per layer, what
-the model's remat policy saves). Not done: a 1F1B schedule, whose activation memory is bounded
-by the stages in flight. Under jax.grad the backward loop runs only after the whole forward
-loop, so it needs a custom VJP whose forward runs forward and backward items in one loop and
-accumulates the weight gradients in its carry (each iteration: one micro-batch forward, one
-backward with `jax.vjp` of the stage work, its residuals in a ring of S fixed-shape slots),
-and the final norm, LM head and loss moved inside the pipeline's last stage, so that the
-backward of micro-batch m can start before micro-batch m+1's forward ends: the model would
-return a loss rather than activations (README, "Pipeline parallelism", lists the blockers).
+the model's remat policy saves), since `jax.grad` transposes this forward loop into a backward
+loop that starts after the last forward iteration. `pipeline_schedule=1f1b` keeps 2S-1
+micro-batches' instead: one loop does a forward and a backward per iteration, with the final
+norm, LM head and loss inside it (zoo/layers/pipeline_1f1b.py, which reuses this module's
+pieces); under that schedule this loop still runs the forward alone (evaluation, logits).
 
 jax 0.10.2 gives the shard_map's operands and results, at its boundary, the shardings of
 `in_specs` / `out_specs` alone (`stage`), closed on the explicit axes: replicated over
@@ -80,6 +78,7 @@ from jax.sharding import PartitionSpec as P
 from shardings.specs import axes_of, normalize
 from zoo.layers import quant, remat
 from zoo.layers.attention import Segments
+from zoo.layers.pipeline_schedules import resolve_schedule
 
 # The name a layer's weight slice carries, so that the remat around a layer recomputes it (a
 # dynamic slice of weights already resident) instead of keeping one slice per iteration for
@@ -90,29 +89,61 @@ _STAGE_WEIGHTS = "pipeline_stage_weights"
 class PipelinePlan(NamedTuple):
     stages: int  # S, the size of the `stage` mesh axis
     microbatches: int  # Mb
-    repeats: int  # R (1: GPipe, > 1: circular)
+    repeats: int  # R (1: GPipe or 1F1B, > 1: circular)
     layers_per_chunk: int  # Lc = L / (S*R)
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b (never "auto": `plan` resolves it)
 
     @property
     def iterations(self) -> int:
+        """The schedule's length in units of one stage's work on one micro-batch (its
+        forward, and later or interleaved, its backward): Mb*R + S-1. 1F1B's loop runs
+        Mb + 2(S-1) iterations (`loop_iterations`), but its first S-1 do forwards only and
+        its last S-1 backwards only, so it takes as long as GPipe's."""
         return self.microbatches * self.repeats + self.stages - 1
 
     @property
+    def loop_iterations(self) -> int:
+        """Iterations of the loop that runs the schedule (GPipe and circular: of the forward
+        loop; the backward runs as many)."""
+        if self.schedule == "1f1b":
+            return self.microbatches + 2 * (self.stages - 1)
+        return self.iterations
+
+    @property
     def bubble(self) -> float:
-        """The idle fraction of each stage's time: (S-1) / (Mb*R + S-1)."""
+        """The idle fraction of each stage's time: (S-1) / (Mb*R + S-1), 1F1B's as GPipe's."""
         return (self.stages - 1) / self.iterations
 
     @property
-    def schedule(self) -> str:
-        return "gpipe" if self.repeats == 1 else "circular"
+    def head_factor(self) -> int:
+        """How many times its share of the rows' LM head and loss a device runs: 1 under
+        GPipe and circular (after the loop, each stage on its own rows); S under 1F1B (the
+        last stage runs every micro-batch's inside the loop, and every other stage the same
+        code in SPMD, its result unused)."""
+        return self.stages if self.schedule == "1f1b" else 1
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose saved activations (what the remat policy keeps, per layer of
+        the stage) a device holds at the peak. GPipe and circular: every iteration's,
+        Mb*R + S-1, since the backward starts after the whole forward. 1F1B: 2S - 1 on
+        stage 0 (S - s on stage s in an asynchronous runtime; in this lock-step loop every
+        hand-on takes an iteration, each way, so stage s holds 2(S-1-s) + 1, and every
+        stage allocates stage 0's)."""
+        if self.schedule == "1f1b":
+            return 2 * self.stages - 1
+        return self.iterations
 
 
-def plan(num_layers: int, stages: int, microbatches: int, repeats: int) -> PipelinePlan:
+def plan(
+    num_layers: int, stages: int, microbatches: int, repeats: int, schedule: str = "auto"
+) -> PipelinePlan:
     """The schedule for these sizes (`microbatches` 0: one per stage), or ValueError with
     one line saying what would be valid."""
     mb = microbatches or stages
     if repeats < 1:
         raise ValueError(f"pipeline_repeats={repeats}; valid: 1 (GPipe) or more (circular)")
+    schedule = resolve_schedule(schedule, repeats)
     if num_layers % (stages * repeats):
         raise ValueError(
             f"num_layers={num_layers} does not divide by stages x repeats = {stages} x "
@@ -131,7 +162,7 @@ def plan(num_layers: int, stages: int, microbatches: int, repeats: int) -> Pipel
             f"use {stages * (mb // stages)} or {stages * (mb // stages + 1)} (or 0: one per "
             "stage)"
         )
-    return PipelinePlan(stages, mb, repeats, num_layers // (stages * repeats))
+    return PipelinePlan(stages, mb, repeats, num_layers // (stages * repeats), schedule)
 
 
 def check_batch(batch_size: int, pp: PipelinePlan, data_shards: int) -> None:
@@ -154,17 +185,23 @@ def plan_for(cfg, sharding, mesh) -> PipelinePlan | None:
         raise ValueError("a pipeline strategy splits the stacked layers: set scan_layers=True")
     if cfg.is_moe:
         raise ValueError("MoE layers do not run under a pipeline strategy yet; use fsdp_ep")
-    return plan(cfg.num_layers, mesh.shape[axis], cfg.pipeline_microbatches, cfg.pipeline_repeats)
+    return plan(
+        cfg.num_layers,
+        mesh.shape[axis],
+        cfg.pipeline_microbatches,
+        cfg.pipeline_repeats,
+        cfg.pipeline_schedule,
+    )
 
 
 def check_batch_size(batch_size: int, pp: PipelinePlan | None, sharding, mesh) -> None:
     """Rows per forward pass cut into `pp`'s micro-batches that divide over the batch split
     (no pipeline, `pp` None: nothing to check)."""
     if pp is not None:
-        check_batch(batch_size, pp, _data_shards(sharding.tokens[0], sharding.stage_axis, mesh))
+        check_batch(batch_size, pp, data_shards(sharding.tokens[0], sharding.stage_axis, mesh))
 
 
-def _data_shards(entry, stage_axis, mesh) -> int:
+def data_shards(entry, stage_axis, mesh) -> int:
     """The batch split but `stage` (the blocks' batch split)."""
     return math.prod(mesh.shape[a] for a in axes_of(entry) if a != stage_axis)
 
@@ -282,7 +319,7 @@ def _schedule_chunks(w, stage, stage_axis: str, reorder: _Reorder, R: int, Lc: i
     )
 
 
-def _microbatch(a, mb: int, stage_axis: str):
+def microbatch(a, mb: int, stage_axis: str):
     """[B, ...] with B split over (batch axes, stage) -> [Mb, B/Mb, ...] with Mb over
     `stage` and B/Mb over the batch axes, with no communication: each device's B/(D*S) rows
     are Mb/S micro-batches' shares, micro-batch s*Mb/S + j being stage s's j-th slice of
@@ -301,8 +338,8 @@ def _microbatch(a, mb: int, stage_axis: str):
     return a.reshape(mb, D * b, *rest, out_sharding=P(stage_axis, data_entry, *rest_spec))
 
 
-def _unmicrobatch(a, stage_axis: str):
-    """The inverse of `_microbatch`: [Mb, B/Mb, ...] -> [B, ...] split over (batch axes,
+def unmicrobatch(a, stage_axis: str):
+    """The inverse of `microbatch`: [Mb, B/Mb, ...] -> [B, ...] split over (batch axes,
     stage)."""
     mesh = jax.typeof(a).sharding.mesh
     spec = normalize(jax.typeof(a).sharding.spec, a.ndim)
@@ -321,25 +358,11 @@ def _unmicrobatch(a, stage_axis: str):
     )
 
 
-def run(
-    blocks, cfg, pp: PipelinePlan, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str
-):
-    """The layer stack `blocks` (a DecoderLM's stacked blocks, matmul weights already in the
-    compute dtype) of a model configured by `cfg` as the pipeline `pp` over `stage_axis`;
-    returns (x_BTM, (None, None)) as `DecoderLM._run_scanned` does (no cache, no router
-    stats). `x_BTM` and the returned rows are split over (batch axes, stage), as the
-    strategy's `batch` rule says for everything outside the layer stack."""
-    mesh = jax.sharding.get_abstract_mesh()
-    S, Mb, R, Lc = pp.stages, pp.microbatches, pp.repeats, pp.layers_per_chunk
-    n = Mb // S  # micro-batches whose rows each stage brings in and takes back
-    check_batch(
-        x_BTM.shape[0], pp, _data_shards(jax.typeof(x_BTM).sharding.spec[0], stage_axis, mesh)
-    )
-
-    # Per-layer tables in schedule order, [S, R, Lc]: stage s, repeat r reads row (s, r).
+def layer_tables(cfg, windows, freqs_LR, pp: PipelinePlan, stage_axis: str):
+    """(windows_SRL, freqs_SRLR): the per-layer attention windows and rope tables in schedule
+    order, `[S, R, Lc(, ...)]` laid out over `stage` (stage s, repeat r reads row (s, r))."""
+    S, R, Lc = pp.stages, pp.repeats, pp.layers_per_chunk
     order = chunk_order(cfg.num_layers, S, R)
-    uniform_window = len(set(windows)) == 1
-    static_window = (windows[0] or None) if uniform_window else None
     # Laid out over `stage` before the shard_map: jax >= 0.12 refuses an input whose layout
     # differs from its in_spec rather than resharding it.
     windows_SRL = jax.sharding.reshard(
@@ -348,47 +371,124 @@ def run(
     freqs_SRLR = jax.sharding.reshard(
         jnp.asarray(np.asarray(freqs_LR)[order].reshape(S, R, Lc, -1)), P(stage_axis)
     )
+    return windows_SRL, freqs_SRLR
 
-    graphdef, weights = nnx.split(blocks)
-    reorder = reorder_rounds(S, R)
 
-    # [Mb, B/Mb, ...], Mb over `stage`: stage s holds micro-batches s*n .. (s+1)*n - 1.
-    # Self-attention: the keys' ids and positions are the queries'.
-    inputs = _microbatch(x_BTM, Mb, stage_axis)
-    ids = _microbatch(segments.q_ids_BT, Mb, stage_axis)
-    pos = _microbatch(segments.q_positions_BT, Mb, stage_axis)
-
-    # Each layer's weights are sliced from the stage's (loop-invariant) stack inside the
-    # layer's own checkpoint, under the model's remat policy, which never saves them: so the
-    # backward pass re-slices them rather than keeping a copy of the stage's weights per
-    # iteration (9 copies, 7 GiB a device, for 8B on 2 stages with Mb = 8). The block runs
-    # without its own remat inside, which would recompute it twice.
+def stage_policy(cfg, mesh):
+    """The remat policy each layer of a stage runs under: the model's, or for remat 'none'
+    one that saves everything but the layer's weight slice (`_STAGE_WEIGHTS`)."""
     device = getattr(mesh, "abstract_device", None)
     if cfg.remat != "none" and device is not None:
         remat.check_platform(cfg.remat, device.platform)
-    policy = (
-        remat.policy(cfg.remat)
-        if cfg.remat != "none"
-        else jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
-    )
+    if cfg.remat != "none":
+        return remat.policy(cfg.remat)
+    return jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
+
+
+def block_call_fn(graphdef, windows):
+    """`call(w, x, seg_m, window, inv_freq_R)`: one layer, `nnx.merge(graphdef, w)`, on one
+    micro-batch; `window` is ignored when every layer's is the same (then static, as the
+    attention backends that need a static window want it)."""
+    uniform_window = len(set(windows)) == 1
+    static_window = (windows[0] or None) if uniform_window else None
+
+    def call(w, x, seg_m, window, inv_freq_R):
+        block = nnx.merge(graphdef, w)
+        win = static_window if uniform_window else window
+        x, _ = block(x, seg_m, window=win, inv_freq_R=inv_freq_R, kv=None)
+        return x
+
+    return call
+
+
+def stage_work_fn(cfg, graphdef, policy, windows):
+    """`stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR)`: repeat r's Lc layers of
+    this stage on one micro-batch, inside the pipeline's shard_map.
+
+    Each layer's weights are sliced from the stage's (loop-invariant) stack inside the
+    layer's own checkpoint, under the model's remat policy, which never saves them: so the
+    backward pass re-slices them rather than keeping a copy of the stage's weights per
+    iteration (9 copies, 7 GiB a device, for 8B on 2 stages with Mb = 8). The block runs
+    without its own remat inside, which would recompute it twice."""
+    call = block_call_fn(graphdef, windows)
 
     def stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR):
-        """Repeat r's Lc layers of this stage on one micro-batch."""
-
         @functools.partial(jax.checkpoint, policy=policy)
         def layer(weights_RL, x, j):
             def take(w):
                 return checkpoint_name(w[r, j], _STAGE_WEIGHTS)
 
-            block = nnx.merge(graphdef, jax.tree.map(take, weights_RL))
-            win = static_window if uniform_window else windows_RL[r, j]
-            x, _ = block(x, seg_m, window=win, inv_freq_R=freqs_RLR[r, j], kv=None)
-            return x
+            w = jax.tree.map(take, weights_RL)
+            return call(w, x, seg_m, windows_RL[r, j], freqs_RLR[r, j])
 
+        Lc = jax.tree.leaves(weights_RL)[0].shape[1]
         with quant.unquantized_residuals():
             x, _ = jax.lax.scan(lambda x, j: (layer(weights_RL, x, j), None), x, jnp.arange(Lc))
         return x
 
+    return stage_work
+
+
+def to_stage_0(a, stage_axis: str, S: int):
+    """Inside the shard_map: every stage k sends stage 0 its micro-batches (S-1
+    collective-permutes); stage 0's result holds all of them in order (only its is read)."""
+    sent = [jax.lax.ppermute(a, stage_axis, [(k, 0)]) for k in range(1, S)]
+    return jnp.concatenate([a, *sent], axis=0)
+
+
+def from_stage_0(buf, s, stage_axis: str, S: int):
+    """The inverse of `to_stage_0`: stage 0 keeps its own n = Mb/S micro-batches of `buf`
+    and sends stage k the k-th n (S-1 collective-permutes), so each stage gets back the
+    rows it brought in."""
+    n = buf.shape[0] // S
+    out = buf[:n]
+    for k in range(1, S):
+        received = jax.lax.ppermute(buf[k * n : (k + 1) * n], stage_axis, [(0, k)])
+        out = jnp.where(s == k, received, out)
+    return out
+
+
+def run(
+    blocks, cfg, pp: PipelinePlan, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str
+):
+    """The layer stack `blocks` (a DecoderLM's stacked blocks, matmul weights already in the
+    compute dtype) of a model configured by `cfg` as the pipeline `pp` over `stage_axis`;
+    returns (x_BTM, (None, None)) as `DecoderLM._run_scanned` does (no cache, no router
+    stats). `x_BTM` and the returned rows are split over (batch axes, stage), as the
+    strategy's `batch` rule says for everything outside the layer stack."""
+    graphdef, weights = nnx.split(blocks)
+    x_BTM = run_stack(cfg, pp, stage_axis, graphdef, weights, x_BTM, segments, windows, freqs_LR)
+    return x_BTM, (None, None)
+
+
+def run_stack(
+    cfg,
+    pp: PipelinePlan,
+    stage_axis: str,
+    graphdef,
+    weights,
+    x_BTM,
+    segments: Segments,
+    windows,
+    freqs_LR,
+):
+    """The forward pipeline (GPipe / circular) `pp` over `stage_axis` of the stacked blocks
+    `nnx.merge(graphdef, weights)` on `x_BTM` (rows split over (batch axes, stage)); the same
+    rows out. Under `pipeline_schedule=1f1b` this is the forward alone (evaluation, logits)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    S, Mb, R, Lc = pp.stages, pp.microbatches, pp.repeats, pp.layers_per_chunk
+    check_batch(
+        x_BTM.shape[0], pp, data_shards(jax.typeof(x_BTM).sharding.spec[0], stage_axis, mesh)
+    )
+    windows_SRL, freqs_SRLR = layer_tables(cfg, windows, freqs_LR, pp, stage_axis)
+    reorder = reorder_rounds(S, R)
+
+    # [Mb, B/Mb, ...], Mb over `stage`: stage s holds micro-batches s*n .. (s+1)*n - 1.
+    # Self-attention: the keys' ids and positions are the queries'.
+    inputs = microbatch(x_BTM, Mb, stage_axis)
+    ids = microbatch(segments.q_ids_BT, Mb, stage_axis)
+    pos = microbatch(segments.q_positions_BT, Mb, stage_axis)
+    stage_work = stage_work_fn(cfg, graphdef, stage_policy(cfg, mesh), windows)
     ring = [(s, (s + 1) % S) for s in range(S)]
 
     def local(weights, inputs, ids, pos, windows_SRL, freqs_SRLR):
@@ -400,13 +500,8 @@ def run(
         )
         windows_RL, freqs_RLR = windows_SRL[0], freqs_SRLR[0]
 
-        # Stage 0 feeds the pipeline: every stage k sends it its n micro-batches (S-1
-        # collective-permutes). Only stage 0's buffers are read.
-        def to_stage_0(a):
-            sent = [jax.lax.ppermute(a, stage_axis, [(k, 0)]) for k in range(1, S)]
-            return jnp.concatenate([a, *sent], axis=0)
-
-        buf0, ids_buf, pos_buf = to_stage_0(inputs), to_stage_0(ids), to_stage_0(pos)
+        # Stage 0 feeds the pipeline. Only stage 0's buffers are read.
+        buf0, ids_buf, pos_buf = (to_stage_0(a, stage_axis, S) for a in (inputs, ids, pos))
 
         def iteration(carry, t):
             buf, state = carry
@@ -434,13 +529,8 @@ def run(
 
         state0 = (jnp.zeros_like(buf0[0]), jnp.zeros_like(ids_buf[0]), jnp.zeros_like(pos_buf[0]))
         (buf, _), _ = jax.lax.scan(iteration, (buf0, state0), jnp.arange(pp.iterations))
-        # Stage 0 holds the outputs; it keeps its own n micro-batches and sends stage k the
-        # k-th n (S-1 collective-permutes), so each stage gets back the rows it brought in.
-        out = buf[:n]
-        for k in range(1, S):
-            received = jax.lax.ppermute(buf[k * n : (k + 1) * n], stage_axis, [(0, k)])
-            out = jnp.where(s == k, received, out)
-        return out
+        # Stage 0 holds the outputs; each stage gets back the rows it brought in.
+        return from_stage_0(buf, s, stage_axis, S)
 
     w_specs = jax.tree.map(lambda w: P(stage_axis), weights)
     split = P(stage_axis)
@@ -456,4 +546,4 @@ def run(
         axis_names={stage_axis},
         check_vma=False,
     )(weights, inputs, ids, pos, windows_SRL, freqs_SRLR)
-    return _unmicrobatch(out, stage_axis), (None, None)
+    return unmicrobatch(out, stage_axis)
