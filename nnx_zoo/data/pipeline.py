@@ -52,6 +52,7 @@ import numpy as np
 from nnx_zoo.data.position import GlobalPosition
 from nnx_zoo.data.sources import DEFAULT_VALIDATION_FRACTION, load_documents
 from nnx_zoo.data.tokenizers import Tokenizer
+from nnx_zoo.runtime import absl_flags
 
 # ----------------------------------------------------------------------------- pipeline
 
@@ -202,8 +203,8 @@ def build_dataset(
       process_index, process_count: which rows of each global batch this process keeps;
         default jax.process_index() and jax.process_count(). They change neither the global
         batches nor the iterator's state.
-      num_workers: worker processes for reading and tokenizing (0 = in this process). Needs absl
-        flags parsed (run under absl.app.run). Changes neither the batches nor the state.
+      num_workers: worker processes for reading and tokenizing (0 = in this process); from
+        any entry point, absl app or not. Changes neither the batches nor the state.
       shuffle: default True for 'train', False otherwise.
       repeat: repeat forever; default True for 'train'. Otherwise one pass, the last batch padded.
       num_batches: yield exactly this many batches; without repeat, all-padding batches follow
@@ -251,6 +252,9 @@ def build_dataset(
         docs = docs.repeat(None)  # reseeds the shuffle every epoch
     ds = docs.map(encode).to_iter_dataset()
     if num_workers > 0:
+        # Grain reads absl flags as it starts the workers; outside an absl app (a bench, a
+        # notebook, a plain script) they are unparsed and it would raise.
+        absl_flags.mark_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
         # Worker outputs arrive in shared memory, freed when the array is dropped; the shuffle
         # window and the packer keep chunks (views) for many steps, and at exit they would

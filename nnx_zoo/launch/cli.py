@@ -135,10 +135,9 @@ def run_main(main, flag_values, *, doc: str, argv: list[str] | None = None) -> N
 def mark_global_flags_parsed() -> None:
     """Libraries read absl's global flags (Grain's worker processes do, as they start) and
     raise while those are unparsed: outside an absl app, they keep their defaults, parsed."""
-    from absl import flags
+    from nnx_zoo.runtime.absl_flags import mark_parsed
 
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
+    mark_parsed()
 
 
 def _flags_help(flag_values) -> str:
