@@ -193,10 +193,10 @@ def trace_breakdown(profile_dir: str, program: str | None = None) -> dict[str, d
 # First match wins: GPU kernel names, or on a CPU the aten ops'.
 _TORCH_RULES = (
     ("collectives", r"nccl|all_reduce|allreduce|all_gather|reduce_scatter"),
-    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("optimizer", r"adam|multi_tensor|foreach|Optimizer\.step"),
     ("lm_head_loss", r"cross_entropy|log_softmax|nll_loss|logsumexp"),
     ("attention", r"flash|fmha|attention|sdpa|_efficient_attention|cudnn"),
-    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|aten::mm$|aten::addmm|aten::bmm|sm90_|sm80_"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|aten::(mm|addmm|bmm|linear)$|sm90_|sm80_"),
     (
         "norm_rotary_elementwise",
         r"triton_|elementwise|vectorized|reduce|rms|norm|silu|mul|add|cat|neg|pow|rsqrt|mean|sin|cos",
@@ -211,31 +211,44 @@ def torch_category(name: str) -> str:
     return "other"
 
 
-def _leaves(events: list[dict]) -> list[dict]:
-    """The innermost of nested events on each thread (an aten::linear holds its addmm)."""
+def _outermost(events: list[dict]) -> list[tuple[str, dict]]:
+    """(category, event) for nested CPU events: the outermost event a rule names (an
+    `aten::linear` with the `aten::mm` inside it, `Optimizer.step#AdamW.step` with its
+    elementwise ops), and innermost events under none that a rule names."""
     out = []
     by_thread: dict[tuple, list[dict]] = defaultdict(list)
     for e in events:
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        stack: list[tuple[float, bool]] = []  # (end, named) of the open ancestors
         for i, e in enumerate(evs):
+            while stack and stack[-1][0] <= e["ts"]:
+                stack.pop()
             end = e["ts"] + e.get("dur", 0)
-            child = i + 1 < len(evs) and evs[i + 1]["ts"] < end
-            if not child:
-                out.append(e)
+            category = torch_category(e["name"])
+            inside_named = any(named for _, named in stack)
+            has_child = i + 1 < len(evs) and evs[i + 1]["ts"] < end
+            if not inside_named and (category != "other" or not has_child):
+                out.append((category, e))
+            stack.append((end, category != "other" or inside_named))
     return out
 
 
 def torch_breakdown(path: str, steps: int | None = None) -> dict[str, dict]:
     events = [e for e in _load_trace(path) if e.get("ph") == "X"]
-    gpu = [e for e in events if e.get("cat") == "kernel"]
-    chosen = gpu or _leaves([e for e in events if e.get("cat") == "cpu_op"])
+    marks = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+    gpu = [(torch_category(e["name"]), e) for e in events if e.get("cat") == "kernel"]
+    host = [
+        e
+        for e in events
+        if e.get("cat") in ("cpu_op", "user_annotation") and e["name"] not in marks
+    ]
+    chosen = gpu or _outermost(host)
     if not chosen:
         raise ValueError(f"{path} holds no GPU kernel and no cpu_op event")
-    marks = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
     steps = steps or max(1, len(marks))
-    kernels = [(torch_category(e["name"]), float(e["ts"]), float(e.get("dur", 0))) for e in chosen]
+    kernels = [(c, float(e["ts"]), float(e.get("dur", 0))) for c, e in chosen]
     return _timed_rows(kernels, steps)
 
 
