@@ -252,7 +252,7 @@ def torch_breakdown(path: str, steps: int | None = None) -> dict[str, dict]:
     return _timed_rows(kernels, steps)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", help="a jax.profiler log dir (WORKDIR/profile)")
     parser.add_argument("--program", help="the traced step's HLO text (default: beside it)")
@@ -265,7 +265,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--remat", help="remat policy")
     parser.add_argument("--override", action="append", help="section.field=value")
     parser.add_argument("--json", action="store_true", help="one JSON object per table")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     tables = []
     timed = [
         ("ms/step", "seconds_ms", ".2f"),

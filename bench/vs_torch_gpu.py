@@ -284,7 +284,7 @@ def table(rows: list[dict], tokens_per_step: int, jax_row: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="llama3_1b", help="configs/<name>.py")
     parser.add_argument("--batch", type=int, help="rows per step (default: the config's)")
@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--override", action="append", help="section.field=value (jax rows)")
     parser.add_argument("--no_fp8", action="store_true", help="skip the fp8 row")
+    parser.add_argument("--no_torch", action="store_true", help="skip the torch rows")
     parser.add_argument(
         "--torch_compile", default="auto", choices=("auto", "on", "off"), help="auto: on a GPU"
     )
@@ -310,7 +311,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fp8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hf_config", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.child == "jax":
         print(json.dumps(_jax_child(args)), flush=True)
         return
@@ -335,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     checkpointing = {"auto": [False] if args.device == "cpu" else [False, True]}.get(
         args.torch_checkpointing, [False, True] if args.torch_checkpointing == "both" else [False]
     )
+    if args.no_torch:
+        checkpointing = []
     for ckpt in checkpointing:
         extra = [f"--hf_config={spec_path}"] + (["--checkpointing"] if ckpt else [])
         if args.torch_trace and not ckpt:
