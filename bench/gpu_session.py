@@ -4,8 +4,10 @@
     pip download --no-deps --only-binary=:all: --python-version 3.12 \\
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \\
         -d .whl grain ml-collections tensorboardX array-record portpicker
-    # on the GPU machine (the device tool: carry=[".whl"]), from the repository root:
-    python -m bench.gpu_session --out=$OUT                 # ~8 minutes on one H200
+    # on the GPU machine (the device tool: carry=[".whl"]), from the repository root, in two
+    # calls of under 10 minutes (stage estimates are guesses until a session prints real ones):
+    python -m bench.gpu_session --out=$OUT --stages=env,table,fp8_loss
+    python -m bench.gpu_session --out=$OUT --stages=long,8b,unroll,remat_none,xla_flags
     python -m bench.gpu_session --dry-run                  # the commands, nothing run
 
 Stages, in order (--stages picks some; each is skipped, saying so, when what is left of
@@ -20,6 +22,7 @@ Stages, in order (--stages picks some; each is skipped, saying so, when what is 
   long        bench/vs_torch_gpu.py at 4 x 8192 (jax, torch + compile)
   8b          llama3_8b at the largest batch plan_main fits on one H200 (16 x 2048, remat
               full, XLA_PYTHON_CLIENT_MEM_FRACTION=0.95): its tokens/s
+  unroll      the bf16 step with its 16 layers unrolled (no scan: docs/speed.md)
   remat_none  the bf16 step with remat none (the forecast's 13%-under row)
   xla_flags   the bf16 step with each GPU XLA flag the issue names, one at a time
 
@@ -126,6 +129,9 @@ def stages(out: str) -> dict[str, tuple[int, list[tuple[dict, list[str]]]]]:
             ],
         ),  # fmt: skip
         "remat_none": (60, [({}, [*jax_only, "--override=model.remat=none"])]),
+        # All 16 layers unrolled: no scan stacking (222e9 -> 147e9 bytes counted, 19.2 ->
+        # 17.4 GB temp, docs/speed.md); compiles ~2x longer.
+        "unroll": (90, [({}, [*jax_only, "--override=model.scan_unroll=16"])]),
         "xla_flags": (
             60 * len(XLA_FLAG_CANDIDATES),
             [({"XLA_FLAGS": flag}, jax_only) for flag in XLA_FLAG_CANDIDATES],
@@ -191,8 +197,11 @@ def compare_losses(out: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_session"))
-    parser.add_argument("--stages", default="env,table,fp8_loss,long,8b,remat_none,xla_flags")
-    parser.add_argument("--budget_s", type=float, default=480.0)
+    parser.add_argument(
+        "--stages", default="env,table,fp8_loss,long,8b,unroll,remat_none,xla_flags"
+    )
+    # The device tool allows 600 s per command: leave room for start-up and the copy back.
+    parser.add_argument("--budget_s", type=float, default=560.0)
     parser.add_argument("--dry-run", dest="dry_run", action="store_true")
     parser.add_argument("--env", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compare_losses", help=argparse.SUPPRESS)
