@@ -420,3 +420,39 @@ def test_worker_processes_change_neither_the_batches_nor_the_position(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0 and "MP_OK" in proc.stdout, proc.stderr[-3000:]
+
+
+_PLAIN_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from nnx_zoo import data
+    from nnx_zoo.data.tokenizers import ByteTokenizer
+
+    # No absl app: a bench, a notebook or a user's own script builds the pipeline like this.
+    if __name__ == "__main__":
+        it = data.make_dataset(sys.argv[1], "train", ByteTokenizer(), 32, 4,
+                               process_index=0, process_count=1, num_workers=2)
+        batch = next(it)
+        it.close()
+        print("PLAIN_OK", sorted(batch), batch["tokens"].shape)
+    """
+)
+
+
+def test_worker_processes_start_outside_an_absl_app(tmp_path):
+    """Grain reads absl flags as it starts workers; the pipeline marks them parsed itself, so
+    a plain Python process (no absl.app.run) reads batches with workers (issue 36 item 4)."""
+    script = tmp_path / "plain.py"
+    script.write_text(_PLAIN_SCRIPT)
+    source = _write_txt(tmp_path / "docs.txt", _doc_texts(50))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, str(script), source],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PLAIN_OK ['positions', 'segment_ids', 'tokens'] (4, 32)" in proc.stdout, proc.stderr

@@ -257,3 +257,28 @@ def test_a_pipeline_stretches_the_layers_by_its_schedule():
     )
     assert piped.host_seconds == pytest.approx(flat.host_seconds * 5 / 2, rel=1e-12)  # L/S per
     assert piped.mfu < flat.mfu  # the same model FLOPs in a longer step
+
+
+def test_quantized_projections_run_at_their_peak_times_the_quantized_ratio():
+    """fp8 projections: their FLOPs at the fp8 peak and QUANTIZED_EFFICIENCY_RATIO x the bf16
+    efficiency (calibrated on issue 36's measured H200 fp8 row); the rest stays bf16."""
+    import dataclasses
+
+    from nnx_zoo.planning.estimate import QUANTIZED_EFFICIENCY_RATIO, quantized_flops_per_token
+
+    chip = dataclasses.replace(CHIP, peak_fp8_flops=2e15)
+    cfg = dataclasses.replace(CFG, quantization="fp8")
+    f = forecast_step(
+        cfg, seq_len=T, global_batch=B, num_devices=1, micro_batches=1, tensor_parallel=1,
+        remat="none", chip=chip, flash=True, memory_bytes=1e9, kernels=1000,
+        exposed_comm=0.0, overlapped_comm=0.0,
+    )  # fmt: skip
+    quantized = quantized_flops_per_token(cfg, "none") * B * T
+    assert 0 < quantized < MATMUL_FLOPS
+    ratio = QUANTIZED_EFFICIENCY_RATIO["gpu"]
+    assert 0 < ratio < 1
+    expected = (MATMUL_FLOPS - quantized) / (1e15 * 0.68) + quantized / (2e15 * 0.68 * ratio)
+    assert f.matmul_seconds == pytest.approx(expected, rel=1e-12)
+    # Faster than bf16, slower than the fp8 peak would make it.
+    assert expected < MATMUL_S
+    assert expected > (MATMUL_FLOPS - quantized) / (1e15 * 0.68) + quantized / (2e15 * 0.68)

@@ -162,7 +162,7 @@ def test_a_gpu_holds_what_jaxs_allocator_may_take(monkeypatch):
     assert chip_for("v5p:2x2x2").memory_bytes == 95 * GiB
     assert chip_for("h100:8", memory_gib=10).memory_bytes == 10 * GiB
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
-    assert chip_for("h200:8").memory_bytes == int(0.9 * 141e9)
+    assert chip_for("h200:8").memory_bytes == int(0.9 * 139 * GiB)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     assert chip_for("h100:8").memory_bytes == 80 * 10**9
     monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR")

@@ -33,6 +33,7 @@ def test_profile_steps_and_step_time_breakdown(tmp_path):
     assert len(traces) == 1, os.listdir(workdir)
     assert os.path.getsize(traces[0]) > 1000
     assert glob.glob(os.path.join(os.path.dirname(traces[0]), "*.trace.json.gz"))
+    _check_breakdown(os.path.join(workdir, "profile"))
 
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"loss"' in line]
@@ -54,3 +55,23 @@ def test_bad_profile_steps_exit_2_with_one_line(value, tmp_path):
     assert result.returncode == 2
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     assert "profile_steps" in lines[-1] and "START:END" in lines[-1], result.stderr[-2000:]
+
+
+def _check_breakdown(profile_dir):
+    """bench/step_breakdown.py on that trace: the compiled step written beside it names every
+    traced kernel, so each lands in its category; the categories and the host gaps are the
+    traced steps' time (CPU threads run kernels side by side, so they may add up to more)."""
+    from bench.step_breakdown import HOST_GAPS, trace_breakdown
+    from nnx_zoo.training.profile import PROGRAM_FILE
+
+    assert os.path.getsize(os.path.join(profile_dir, PROGRAM_FILE)) > 1000
+    rows = trace_breakdown(profile_dir)
+    wall = rows.pop("step (wall)")
+    assert wall["seconds"] > 0 and wall["kernels"] > 10
+    for category in ("gemm", "lm_head_loss", "norm_rotary_elementwise", "optimizer"):
+        assert rows[category]["seconds"] > 0 and rows[category]["kernels"] > 0, (category, rows)
+    assert 0 <= rows[HOST_GAPS]["seconds"] < wall["seconds"]
+    covered = sum(r["seconds"] for c, r in rows.items() if c != HOST_GAPS)
+    assert covered + rows[HOST_GAPS]["seconds"] >= 0.99 * wall["seconds"]
+    # Named kernels outside every scope (embedding, casts) are a minority of the time.
+    assert rows["other"]["seconds"] < 0.5 * covered

@@ -4,9 +4,19 @@
 vocabularies (Llama 3: V = 128256, 4 GiB per 8192 tokens), and the plain path keeps them,
 plus a one-hot of the same size, for the backward pass. Here a scan over chunks of C
 positions computes one chunk's logits `[B, C, V]`, reduces them to the log-sum-exp and the
-target logit, and drops them; the chunk body is rematerialised, so the backward pass
-recomputes one chunk's logits at a time too. The head weight's gradient accumulates across
-chunks in float32 (the scan's carry), whatever the compute dtype.
+target logit, and drops them; the backward pass recomputes one chunk's logits at a time.
+
+Its gradient is written by hand (`_chunks_nll`, a custom VJP), because what autodiff of a
+rematerialised chunk compiles to moves ~4x the bytes (llama3_1b, 8 x 2048 tokens, compiled
+for H100: 120 GB per step of memory-bound traffic in the head, against 30 GB here; docs/speed.md):
+
+- the weight is cast to the compute dtype once, not once per chunk in the backward pass;
+- the forward pass keeps each position's log-sum-exp (4 bytes a token), so the backward
+  pass turns the recomputed logits into their gradient `softmax - one_hot` in one
+  elementwise pass, without the max and sum reductions again;
+- both matmuls produce float32 (`preferred_element_type`), so the logits are not rounded
+  to bf16 before the softmax, and the weight gradient accumulates across chunks in the
+  float32 carry, an addition XLA fuses into the GEMM (no separate pass over `[V, M]`).
 
 Exact under every layout: with the vocab split (`V/model`), the log-sum-exp's max and sum
 are reductions over a split dim, which XLA completes across the shards; the target logit is
@@ -16,13 +26,39 @@ is built besides the chunk's logits (the comparison with the vocab ids fuses int
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from shardings.specs import axes_of, entry_size, normalize, split_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """How hidden states become logits (`head_logits`' arguments besides x and the weight):
+    hashable, so the chunked loss's custom VJP can take it as a static argument."""
+
+    tied: bool  # the weight is the embedding table `[V, M]`, not a head `[M, V]`
+    dtype: Any  # the compute dtype both matmul operands are cast to
+    out_spec: Any  # the logits' PartitionSpec `[B, T, V]`, or None outside a mesh
+    softcap: float | None = None  # Gemma's `cap * tanh(z / cap)`, or None
+    vocab_size: int | None = None  # columns from here on are padding (None: none are)
+
+    def logits(self, x_BCM, weight):
+        return head_logits(
+            x_BCM,
+            weight,
+            tied=self.tied,
+            dtype=self.dtype,
+            out_spec=self.out_spec,
+            softcap=self.softcap,
+            vocab_size=self.vocab_size,
+        )
 
 
 def head_logits(
@@ -42,19 +78,27 @@ def head_logits(
 
     `weight` is the LM head `[M, V]`, or with `tied` the embedding table `[V, M]`; both are
     cast to the compute `dtype` here, so the caller differentiates the float32 parameter.
+    The matmul accumulates and returns float32 whatever `dtype` is.
     `softcap`: Gemma's `cap * tanh(z / cap)` on the final logits, or None. Columns from
     `vocab_size` on (a padded vocab's; None: all are tokens) are set to the lowest float32,
     so they weigh nothing in a softmax or log-sum-exp, an argmax never picks them, and no
     gradient reaches them.
     """
+    raw_BCV = _raw_logits(x_BCM, weight.astype(dtype), tied, out_spec)
+    return _finish(raw_BCV, softcap, vocab_size)
+
+
+def _raw_logits(x_BCM, weight, tied: bool, out_spec):
+    """float32 `x @ weight` (before any soft-cap), the weight already in the compute dtype."""
     eq = "...M,VM->...V" if tied else "...M,MV->...V"
     if out_spec is not None and x_BCM.ndim == 4:
         out_spec = P(*tuple(out_spec)[:2], None, *tuple(out_spec)[2:])
-    logits_BCV = _head_einsum(x_BCM.astype(dtype), weight.astype(dtype), eq, out_spec).astype(
-        jnp.float32
-    )
-    if softcap:
-        logits_BCV = softcap * jnp.tanh(logits_BCV / softcap)
+    return _head_einsum(x_BCM.astype(weight.dtype), weight, eq, out_spec)
+
+
+def _finish(raw_BCV, softcap: float | None, vocab_size: int | None):
+    """The raw logits soft-capped, and the padding columns set to the lowest float32."""
+    logits_BCV = softcap * jnp.tanh(raw_BCV / softcap) if softcap else raw_BCV
     if vocab_size is not None and logits_BCV.shape[-1] > vocab_size:
         logits_BCV = jnp.where(
             _vocab_ids(logits_BCV) < vocab_size, logits_BCV, jnp.finfo(jnp.float32).min
@@ -64,13 +108,14 @@ def head_logits(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _head_einsum(x, w, eq, out_spec):
-    """`einsum(eq, x, w)` whose weight gradient is computed as a dot of (x, g), which comes
-    out in the weight's own dim order. JAX's own transpose rule computes dot(g, x), `[V, M]`
-    for an `[M, V]` head, then transposes: in the chunk loop XLA then keeps the float32
-    accumulator in the transposed layout and copies it back to the weight's after the loop
-    (the compiled 8B step on TPU: two float32 copies of the head's shard, and a layout copy
-    of each chunk's bf16 logit gradient)."""
-    return jnp.einsum(eq, x, w, out_sharding=out_spec)
+    """float32 `einsum(eq, x, w)` whose weight gradient is computed as a dot of (x, g), which
+    comes out in the weight's own dim order. JAX's own transpose rule computes dot(g, x),
+    `[V, M]` for an `[M, V]` head, then transposes: in a chunk loop XLA then keeps the
+    float32 accumulator in the transposed layout and copies it back to the weight's after
+    the loop (the compiled 8B step on TPU: two float32 copies of the head's shard, and a
+    layout copy of each chunk's bf16 logit gradient). The incoming float32 gradient is cast
+    to the operands' dtype first, so both gradient matmuls run in it."""
+    return jnp.einsum(eq, x, w, out_sharding=out_spec, preferred_element_type=jnp.float32)
 
 
 def _head_einsum_fwd(x, w, eq, out_spec):
@@ -79,16 +124,23 @@ def _head_einsum_fwd(x, w, eq, out_spec):
 
 def _head_einsum_bwd(eq, out_spec, residuals, g):
     x, w = residuals
+    dx_eq, dw_eq = _grad_equations(eq, x.ndim)
+    # Each gradient in its primal's layout (a weight split on M gets its reduce-scatter).
+    x_spec, w_spec = (None, None) if out_spec is None else (_spec(x), _spec(w))
+    g = g.astype(x.dtype)
+    dx = jnp.einsum(dx_eq, g, w, out_sharding=x_spec)
+    dw = jnp.einsum(dw_eq, x, g, out_sharding=w_spec)
+    return dx, dw
+
+
+def _grad_equations(eq: str, x_ndim: int) -> tuple[str, str]:
+    """(dx, dw) einsum equations of `eq` = 'x,w->out': dx = 'out,w->x', dw = 'x,out->w'."""
     lhs, rhs = eq.split("->")[0].split(",")
     out = eq.split("->")[1]
     # Spell the leading dims out: `...` cannot be summed away in an einsum's output.
-    lead = "abcdefgh"[: x.ndim - len(lhs.replace("...", ""))]
+    lead = "abcdefgh"[: x_ndim - len(lhs.replace("...", ""))]
     lhs, out = lhs.replace("...", lead), out.replace("...", lead)
-    # Each gradient in its primal's layout (a weight split on M gets its reduce-scatter).
-    x_spec, w_spec = (None, None) if out_spec is None else (_spec(x), _spec(w))
-    dx = jnp.einsum(f"{out},{rhs}->{lhs}", g, w, out_sharding=x_spec)
-    dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, g, out_sharding=w_spec)
-    return dx, dw
+    return f"{out},{rhs}->{lhs}", f"{lhs},{out}->{rhs}"
 
 
 def _spec(x):
@@ -123,8 +175,34 @@ def drop_vocab_padding(logits_BTV, vocab_size: int):
     return logits_BTV[..., :vocab_size]
 
 
+def _logsumexp_and_target(logits_BCV, targets_BC):
+    """(log-sum-exp, the target's logit) per position, in ONE pass over the logits: a
+    reduction whose accumulator is (running max m, sum of exp(z - m), target logit), the
+    online softmax's. `jax.nn.logsumexp` reads the logits twice (max, then sum), and the
+    target logit a third time; at a large vocabulary each pass is the size of the logits
+    (llama3_1b, 8 x 2048 tokens: 8.4 GB a pass). No one-hot is built: the comparison with
+    the vocab ids fuses into the reduction."""
+    is_target_BCV = _vocab_ids(logits_BCV) == targets_BC[..., None]
+    lowest = np.float32(np.finfo(np.float32).min)  # not -inf: exp(-inf - -inf) is nan
+
+    def combine(a, b):
+        (max_a, sum_a, target_a), (max_b, sum_b, target_b) = a, b
+        m = jnp.maximum(max_a, max_b)
+        return m, sum_a * jnp.exp(max_a - m) + sum_b * jnp.exp(max_b - m), target_a + target_b
+
+    max_BC, sum_BC, target_BC = jax.lax.reduce(
+        (logits_BCV, jnp.ones_like(logits_BCV), jnp.where(is_target_BCV, logits_BCV, 0.0)),
+        (lowest, np.float32(0.0), np.float32(0.0)),
+        combine,
+        (logits_BCV.ndim - 1,),
+    )
+    return max_BC + jnp.log(sum_BC), target_BC
+
+
 def chunk_nll(logits_BCV, targets_BC):
-    """log-sum-exp minus the target's logit, per position, without a one-hot."""
+    """log-sum-exp minus the target's logit, per position, without a one-hot: the plain
+    differentiable form (the pipeline's 1F1B loop differentiates it as it runs; the chunked
+    loss above has its own backward)."""
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     is_target_BCV = _vocab_ids(logits_BCV) == targets_BC[..., None]
     target_logit_BC = jnp.sum(jnp.where(is_target_BCV, logits_BCV, 0.0), axis=-1)
@@ -165,14 +243,14 @@ def _unroll(x) -> bool:
     return mesh.size > 1 and device is not None and device.platform == "cpu"
 
 
-def chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size: int):
+def chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, head: Head, chunk_size: int):
     """Per-position NLL `[B, T]` (0 where `mask_BT` is False), over chunks of about
     `chunk_size` tokens per device.
 
-    `logits_fn(x, weight)` gives float32 logits `[B, C, V]` (or `[B, S, C, V]`), laid out
-    like the full ones. T need not divide by C: the last chunk is padded with masked
-    positions. With T split over S devices (context parallelism) each device walks its own
-    T/S positions: a chunk is `[B, S, C]`, split on S as T was.
+    `head` says how `x` and `weight` make float32 logits `[B, C, V]` (or `[B, S, C, V]`),
+    laid out like the full ones (`Head.logits`). T need not divide by C: the last chunk is
+    padded with masked positions. With T split over S devices (context parallelism) each
+    device walks its own T/S positions: a chunk is `[B, S, C]`, split on S as T was.
     """
     B, T, M = x_BTM.shape
     sharding = jax.typeof(x_BTM).sharding
@@ -198,15 +276,7 @@ def chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size:
     if S == 1:  # the common case stays [B, C, ...]
         x_nBSCM, targets_nBSC = x_nBSCM[:, :, 0], targets_nBSC[:, :, 0]
 
-    # Saves nothing: the backward pass recomputes this chunk's logits from its inputs.
-    @jax.checkpoint
-    def one_chunk(weight, x_chunk, targets_chunk):
-        return chunk_nll(logits_fn(x_chunk, weight), targets_chunk)
-
-    def step(carry, xs):
-        return carry, one_chunk(weight, *xs)
-
-    _, nll = jax.lax.scan(step, None, (x_nBSCM, targets_nBSC), unroll=_unroll(x_BTM))
+    nll = _chunks_nll(head, _unroll(x_BTM), x_nBSCM, weight, targets_nBSC)
     if S == 1:
         nll = nll[:, :, None]
     nll_BST = jnp.moveaxis(nll, 0, 2).reshape(B, S, n * C)[:, :, :Tl]
@@ -215,3 +285,84 @@ def chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size:
     else:
         nll_BT = jnp.reshape(nll_BST, (B, T), out_sharding=jax.typeof(mask_BT).sharding.spec)
     return jnp.where(mask_BT, nll_BT, 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunks_nll(head: Head, unroll: bool, x_nBCM, weight, targets_nBC):
+    """NLL `[n, B, C]` of every chunk (`[n, B, S, C, M]` inputs with T split: `[n, B, S,
+    C]`), the scan over chunks `n` forward and backward written out (the module doc says
+    why)."""
+    return _chunks_nll_fwd(head, unroll, x_nBCM, weight, targets_nBC)[0]
+
+
+def _chunks_nll_fwd(head: Head, unroll: bool, x_nBCM, weight, targets_nBC):
+    weight_c = weight.astype(head.dtype)  # once: every chunk, forward and backward, reads it
+
+    def step(_, xs):
+        x_BCM, targets_BC = xs
+        raw_BCV = _raw_logits(x_BCM, weight_c, head.tied, head.out_spec)
+        logits_BCV = _finish(raw_BCV, head.softcap, head.vocab_size)
+        lse_BC, target_logit_BC = _logsumexp_and_target(logits_BCV, targets_BC)
+        return None, (lse_BC - target_logit_BC, lse_BC)
+
+    _, (nll_nBC, lse_nBC) = jax.lax.scan(step, None, (x_nBCM, targets_nBC), unroll=unroll)
+    return nll_nBC, (x_nBCM, weight, weight_c, targets_nBC, lse_nBC)
+
+
+def _chunks_nll_bwd(head: Head, unroll: bool, residuals, g_nBC):
+    x_nBCM, weight, weight_c, targets_nBC, lse_nBC = residuals
+    eq = "...M,VM->...V" if head.tied else "...M,MV->...V"
+    dx_eq, dw_eq = _grad_equations(eq, x_nBCM.ndim - 1)
+    # Each gradient in its primal's layout (a weight split on M gets its reduce-scatter).
+    w_spec = None if head.out_spec is None else _spec(weight)
+
+    def chunk_grads(xs):
+        x_BCM, targets_BC, lse_BC, g_BC = xs
+        x_BCM = x_BCM.astype(weight_c.dtype)
+        raw_BCV = _raw_logits(x_BCM, weight_c, head.tied, head.out_spec)
+        dlogits_BCV = _logits_grad(head, raw_BCV, targets_BC, lse_BC, g_BC).astype(head.dtype)
+        x_spec = None if head.out_spec is None else _spec(x_BCM)
+        dx_BCM = jnp.einsum(dx_eq, dlogits_BCV, weight_c, out_sharding=x_spec)
+        dw = jnp.einsum(
+            dw_eq, x_BCM, dlogits_BCV, out_sharding=w_spec, preferred_element_type=jnp.float32
+        )
+        return dx_BCM, dw
+
+    def step(dw_acc, xs):
+        dx_BCM, dw = chunk_grads(xs)
+        # Accumulated in float32 whatever the compute dtype; XLA folds the addition into the
+        # GEMM (its output fusion / cuBLAS's beta = 1), so it costs no pass of its own.
+        return dw_acc + dw, dx_BCM
+
+    # The first chunk's weight gradient starts the sum: a zero-filled float32 accumulator
+    # would be one more write of the whole weight.
+    xs = (x_nBCM, targets_nBC, lse_nBC, g_nBC)
+    dx_BCM, dw = chunk_grads(jax.tree.map(lambda a: a[0], xs))
+    if x_nBCM.shape[0] > 1:
+        dw, dx_nBCM = jax.lax.scan(step, dw, jax.tree.map(lambda a: a[1:], xs), unroll=unroll)
+        dx_nBCM = jnp.concatenate([dx_BCM[None], dx_nBCM])
+    else:
+        dx_nBCM = dx_BCM[None]
+    return dx_nBCM.astype(x_nBCM.dtype), dw.astype(weight.dtype), None
+
+
+def _logits_grad(head: Head, raw_BCV, targets_BC, lse_BC, g_BC):
+    """d(g * nll) / d(raw logits): `g * (softmax - one_hot)`, through the soft-cap; 0 in
+    the padding columns. One elementwise pass over the chunk's logits (the forward pass's
+    log-sum-exp gives the softmax without a reduction)."""
+    logits_BCV = raw_BCV
+    if head.softcap:
+        tanh_BCV = jnp.tanh(raw_BCV / head.softcap)
+        logits_BCV = head.softcap * tanh_BCV
+    vocab_ids = _vocab_ids(raw_BCV)
+    probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
+    if head.vocab_size is not None and raw_BCV.shape[-1] > head.vocab_size:
+        probs_BCV = jnp.where(vocab_ids < head.vocab_size, probs_BCV, 0.0)
+    one_hot_BCV = (vocab_ids == targets_BC[..., None]).astype(jnp.float32)
+    dlogits_BCV = (probs_BCV - one_hot_BCV) * g_BC[..., None]
+    if head.softcap:
+        dlogits_BCV = dlogits_BCV * (1.0 - tanh_BCV * tanh_BCV)
+    return dlogits_BCV
+
+
+_chunks_nll.defvjp(_chunks_nll_fwd, _chunks_nll_bwd)

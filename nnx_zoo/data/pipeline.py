@@ -56,6 +56,7 @@ from nnx_zoo.data.chunking import ChunkDocuments, is_long_text
 from nnx_zoo.data.position import GlobalPosition
 from nnx_zoo.data.sources import DEFAULT_VALIDATION_FRACTION, load_documents
 from nnx_zoo.data.tokenizers import Tokenizer
+from nnx_zoo.runtime import absl_flags
 
 # ----------------------------------------------------------------------------- pipeline
 
@@ -81,15 +82,6 @@ class _Tokenize:
                     f"[0, {tok.vocab_size}); was the ArrayRecord written with another tokenizer?"
                 )
         return np.append(ids, np.int32(tok.eos_id)).astype(np.int32)
-
-
-def _absl_flags_parsed() -> None:
-    """Grain's worker processes read absl flags as they start, and raise while those are
-    unparsed: outside an absl app (the Python API, a notebook) they keep their defaults."""
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
 
 
 def _as_is(doc):
@@ -210,8 +202,8 @@ def build_dataset(
       process_index, process_count: which rows of each global batch this process keeps;
         default jax.process_index() and jax.process_count(). They change neither the global
         batches nor the iterator's state.
-      num_workers: worker processes for reading and tokenizing (0 = in this process). Needs absl
-        flags parsed (run under absl.app.run). Changes neither the batches nor the state.
+      num_workers: worker processes for reading and tokenizing (0 = in this process); from
+        any entry point, absl app or not. Changes neither the batches nor the state.
       shuffle: default True for 'train', False otherwise.
       repeat: repeat forever; default True for 'train'. Otherwise one pass, the last batch padded.
       num_batches: yield exactly this many batches; without repeat, all-padding batches follow
@@ -272,7 +264,9 @@ def build_dataset(
         docs = docs.repeat(None)  # reseeds the shuffle every epoch
     ds = docs.map(encode).to_iter_dataset()
     if num_workers > 0:
-        _absl_flags_parsed()
+        # Grain reads absl flags as it starts the workers; outside an absl app (a bench, a
+        # notebook, a plain script) they are unparsed and it would raise.
+        absl_flags.mark_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
         # Worker outputs arrive in shared memory, freed when the array is dropped; the shuffle
         # window and the packer keep chunks (views) for many steps, and at exit they would

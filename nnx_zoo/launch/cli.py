@@ -125,20 +125,14 @@ def run_main(main, flag_values, *, doc: str, argv: list[str] | None = None) -> N
         sys.exit(0)
 
     def parse(args):
+        from nnx_zoo.runtime import absl_flags
+
         rest = parse_flags(args, flag_values)
-        mark_global_flags_parsed()
+        # Libraries (Grain's workers) read absl's global flags; app.run wants them parsed.
+        absl_flags.mark_parsed()
         return rest
 
     app.run(main, argv=argv, flags_parser=parse)
-
-
-def mark_global_flags_parsed() -> None:
-    """Libraries read absl's global flags (Grain's worker processes do, as they start) and
-    raise while those are unparsed: outside an absl app, they keep their defaults, parsed."""
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
 
 
 def _flags_help(flag_values) -> str:

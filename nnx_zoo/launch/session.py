@@ -212,9 +212,21 @@ def _loop_options(session: TrainSession) -> LoopOptions:
         eval_every=run.training.eval_every,
         seed=run.training.seed,
         # Every process traces its own devices (one file per host under <workdir>/profile).
-        profiler=StepProfiler(parse_steps(run.logging.profile_steps), session.workdir),
+        profiler=StepProfiler(
+            parse_steps(run.logging.profile_steps), session.workdir, program=_program(built)
+        ),
         on_phase=peers.note,
     )
+
+
+def _program(built):
+    """() -> the compiled train step's HLO text, or None before it is compiled."""
+
+    def text():
+        compiled = built.trainer.compiled
+        return compiled.as_text() if compiled is not None else None
+
+    return text
 
 
 def train(session: TrainSession) -> list[dict]:

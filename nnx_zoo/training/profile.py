@@ -8,8 +8,13 @@ is JAX's own profiler, no platform tool.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import jax
+
+from nnx_zoo.checkpoint.files import atomic_write
+
+PROGRAM_FILE = "train_step.hlo.txt"  # the traced step's compiled program, beside its trace
 
 
 def parse_steps(text: str) -> tuple[int, int] | None:
@@ -32,14 +37,28 @@ def parse_steps(text: str) -> tuple[int, int] | None:
 class StepProfiler:
     """Starts the trace before step START runs and stops it once step END-1 has finished."""
 
-    def __init__(self, steps: tuple[int, int] | None, workdir: str):
+    def __init__(
+        self,
+        steps: tuple[int, int] | None,
+        workdir: str,
+        program: Callable[[], str | None] | None = None,
+    ):
+        """`program()`: the compiled train step's HLO text (None: not compiled ahead of time),
+        written beside the trace as `PROGRAM_FILE`: the trace names each kernel by its HLO
+        instruction, and bench/step_breakdown.py reads what that instruction is from it."""
         self.steps = steps
         self.log_dir = os.path.join(workdir, "profile")
+        self.program = program
         self.active = False
 
     def before(self, step: int) -> None:
         """Call with the number of the step about to run (1-based)."""
         if self.steps and step == self.steps[0] and not self.active:
+            text = self.program() if self.program is not None else None
+            if text and jax.process_index() == 0:
+                os.makedirs(self.log_dir, exist_ok=True)
+                path = os.path.join(self.log_dir, PROGRAM_FILE)
+                atomic_write(path, lambda f: f.write(text.encode()))
             jax.profiler.start_trace(self.log_dir)
             self.active = True
 

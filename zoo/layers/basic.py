@@ -175,6 +175,10 @@ class Norm(nnx.Module):
     def __call__(self, x, out_sharding=None):
         """`out_sharding`: the result's layout instead of `sharding.out` (the final norm
         inside a pipeline's 1F1B loop, whose rows are not split over `stage` there)."""
+        with jax.named_scope("norm"):  # profiles and bench/step_breakdown.py read the name
+            return self._normalize(x, out_sharding)
+
+    def _normalize(self, x, out_sharding):
         x32 = x.astype(jnp.float32)
         if self.kind == "layer":
             x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)

@@ -24,7 +24,7 @@ from zoo.layers.config import DecoderConfig
 from zoo.layers.kv_cache import KVCache, LayerCache
 from zoo.layers.mlp import Mlp
 from zoo.layers.moe import Moe, moe_stats
-from zoo.lm_head_loss import chunked_token_nll, drop_vocab_padding, head_logits
+from zoo.lm_head_loss import Head, chunked_token_nll, drop_vocab_padding
 
 # Params with a vocab dim, by path, and which dim it is: the rows a padded vocab
 # (cfg.padded_vocab_size) adds, which checkpoints and Hugging Face files convert.
@@ -275,10 +275,8 @@ class DecoderLM(nnx.Module):
         else:
             targets_BT, mask_BT = loss.target_mask(tokens_BT, segment_ids)
             with jax.named_scope("lm_head_loss"):
-                weight, logits_fn = self._head()
-                nll_BT = chunked_token_nll(
-                    x_BTM, weight, targets_BT, mask_BT, logits_fn, chunk_size
-                )
+                weight, head = self._head()
+                nll_BT = chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, head, chunk_size)
         return TokenNll(nll_BT, mask_BT, stats)
 
     def hidden(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True):
@@ -391,10 +389,13 @@ class DecoderLM(nnx.Module):
         if jnp.dtype(dtype) == jnp.float32:
             return self.blocks
         graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+        # The matmul weights: 2+ dims per layer, so 3+ stacked [L, ...]. Unstacked layers
+        # (a list) are cast here too: inside a rematerialised block each Einsum's own cast
+        # runs again in the backward pass (llama3_1b compiled for H100: 0.4 GB per layer).
+        matmul_ndim = 3 if self.cfg.scan_layers else 2
 
         def cast(x):
-            # Stacked [L, ...] weights with 2+ dims per layer: the matmul weights.
-            if x.ndim >= 3 and x.dtype == jnp.float32:
+            if x.ndim >= matmul_ndim and x.dtype == jnp.float32:
                 return x.astype(dtype)
             return x
 
@@ -424,7 +425,7 @@ class DecoderLM(nnx.Module):
 
     def _run_unscanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
         ks, vs, stats = [], [], []
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self._compute_dtype_blocks()):
             kv = None if cache is None else LayerCache(cache.k[i], cache.v[i], *kv_ctx)
             x_BTM, (kv, layer_stats) = self._call_block(
                 block, x_BTM, segments, windows[i] or None, freqs_LR[i], kv
@@ -437,32 +438,27 @@ class DecoderLM(nnx.Module):
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if self.cfg.is_moe else None
         return x_BTM, (new_kv, stacked)
 
-    def _head(self, out_spec=None):
-        """(weight, logits_fn): the float32 LM head `[M, V]` (or, tied, the embedding table
-        `[V, M]`) and `logits_fn(x_BCM, weight)` -> float32 logits, soft-capped if the
-        family caps them, laid out as `out_spec` (None: the strategy's logits layout)."""
+    def _head(self, out_spec=None) -> tuple[jax.Array, Head]:
+        """(weight, head): the float32 LM head `[M, V]` (or, tied, the embedding table
+        `[V, M]`) and how it makes float32 logits, soft-capped if the family caps them, laid
+        out as `out_spec` (None: the strategy's logits layout)."""
         cfg = self.cfg
         tied = self.lm_head is None
         weight = self.embed.table[...] if tied else self.lm_head.weight[...]
-
-        def logits_fn(x_BCM, weight):
-            return head_logits(
-                x_BCM,
-                weight,
-                tied=tied,
-                dtype=cfg.compute_dtype,
-                out_spec=self.sharding.lm_head.out if out_spec is None else out_spec,
-                softcap=cfg.final_logit_softcap,
-                vocab_size=cfg.vocab_size,
-            )
-
-        return weight, logits_fn
+        head = Head(
+            tied=tied,
+            dtype=cfg.compute_dtype,
+            out_spec=self.sharding.lm_head.out if out_spec is None else out_spec,
+            softcap=cfg.final_logit_softcap,
+            vocab_size=cfg.vocab_size,
+        )
+        return weight, head
 
     def _logits(self, x_BTM):
         """float32 logits over the table's rows, the padding columns (if any) masked."""
         with jax.named_scope("lm_head"):
-            weight, logits_fn = self._head()
-            return logits_fn(x_BTM, weight)
+            weight, head = self._head()
+            return head.logits(x_BTM, weight)
 
     # -- generation ----------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 from shardings.specs import axes_of, normalize
 from zoo.layers import pipeline, quant
 from zoo.layers.attention import Segments
-from zoo.lm_head_loss import chunk_nll, chunked_token_nll
+from zoo.lm_head_loss import Head, chunk_nll, chunked_token_nll
 
 
 def nll_sum(model, x_BTM, segments: Segments, targets_BT, mask_BT, chunk_size: int):
@@ -75,10 +75,10 @@ def nll_sum(model, x_BTM, segments: Segments, targets_BT, mask_BT, chunk_size: i
     w_leaves, w_def = jax.tree.flatten(weights)
     norm_def, norm_state = nnx.split(model.final_norm)
     n_leaves, n_def = jax.tree.flatten(norm_state)
-    head_w, logits_fn = model._head()
+    head_w, head = model._head()
     # Inside the loop the rows are split over the batch axes but `stage`.
     inner_norm = _without_axis(sharding.final_norm.out, stage_axis)
-    _, inner_logits_fn = model._head(out_spec=_without_axis(sharding.lm_head.out, stage_axis))
+    _, inner_head = model._head(out_spec=_without_axis(sharding.lm_head.out, stage_axis))
 
     def final_norm(n_leaves, y, out_sharding=None):
         norm = nnx.merge(norm_def, jax.tree.unflatten(n_def, n_leaves))
@@ -94,7 +94,7 @@ def nll_sum(model, x_BTM, segments: Segments, targets_BT, mask_BT, chunk_size: i
             cfg, pp, stage_axis, graphdef, weights, x_BTM, seg, windows, freqs_LR
         )
         h = final_norm(n_leaves, y)
-        return _summed_nll(h, head_w, targets_BT, mask_BT, logits_fn, chunk_size)
+        return _summed_nll(h, head_w, targets_BT, mask_BT, head, chunk_size)
 
     def summed_fwd(w_leaves, n_leaves, head_w, x_BTM, ids_BT, pos_BT, targets_BT, mask_BT):
         loop = _Loop(
@@ -107,7 +107,7 @@ def nll_sum(model, x_BTM, segments: Segments, targets_BT, mask_BT, chunk_size: i
             x_BTM,
             (ids_BT, pos_BT, targets_BT, mask_BT),
             final_norm=lambda n, y: final_norm(n, y, inner_norm),
-            logits_fn=inner_logits_fn,
+            head=inner_head,
         )
         return total, grads
 
@@ -129,13 +129,13 @@ def nll_sum(model, x_BTM, segments: Segments, targets_BT, mask_BT, chunk_size: i
     )
 
 
-def _summed_nll(h_BTM, head_w, targets_BT, mask_BT, logits_fn, chunk_size: int):
+def _summed_nll(h_BTM, head_w, targets_BT, mask_BT, head: Head, chunk_size: int):
     """sum over `mask_BT` of the next-token NLL of the final-normed `h_BTM`."""
     with jax.named_scope("lm_head_loss"):
         if chunk_size:
-            nll_BT = chunked_token_nll(h_BTM, head_w, targets_BT, mask_BT, logits_fn, chunk_size)
+            nll_BT = chunked_token_nll(h_BTM, head_w, targets_BT, mask_BT, head, chunk_size)
         else:
-            nll_BT = jnp.where(mask_BT, chunk_nll(logits_fn(h_BTM, head_w), targets_BT), 0.0)
+            nll_BT = jnp.where(mask_BT, chunk_nll(head.logits(h_BTM, head_w), targets_BT), 0.0)
         return jnp.sum(nll_BT)
 
 
@@ -188,7 +188,7 @@ class _Loop:
         self.packed, self.chunk_size = packed, chunk_size
         self.graphdef = graphdef
 
-    def run(self, w_leaves, n_leaves, head_w, x_BTM, rows, *, final_norm, logits_fn):
+    def run(self, w_leaves, n_leaves, head_w, x_BTM, rows, *, final_norm, head):
         """(summed loss, (weight leaves' grads, norm leaves' grads, head grad, x_BTM's grad)).
 
         `rows`: (ids, positions, targets, mask), each `[B, T]` like `x_BTM`'s rows."""
@@ -336,7 +336,7 @@ class _Loop:
 
                 def head_loss(n_leaves, head_w, y):
                     h = final_norm(n_leaves, y)
-                    return _summed_nll(h, head_w, targets_m, mask_m, logits_fn, chunk_size)
+                    return _summed_nll(h, head_w, targets_m, mask_m, head, chunk_size)
 
                 loss_m, head_pullback = jax.vjp(head_loss, n_leaves, head_w, y)
                 d_norm, d_head, seed = head_pullback(last.astype(loss_m.dtype))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,6 +36,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: tuple | None = Non
 def rotate(x_BTND, positions_BT, inv_freq_R):
     """Rotate q or k ([B, T, N or K, D]) by `positions`; math in float32. `inv_freq_R`: the
     D/2 rotary frequencies."""
+    with jax.named_scope("rope"):  # profiles and bench/step_breakdown.py read the name
+        return _rotate(x_BTND, positions_BT, inv_freq_R)
+
+
+def _rotate(x_BTND, positions_BT, inv_freq_R):
     angles_BTR = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_R)
     cos = jnp.cos(angles_BTR)[:, :, None, :]
     sin = jnp.sin(angles_BTR)[:, :, None, :]

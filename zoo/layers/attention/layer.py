@@ -49,6 +49,8 @@ class Attention(nnx.Module):
         if self.use_rope:
             q_BTND = rope.rotate(q_BTND, positions_BT, inv_freq_R)
             k_BTKD = rope.rotate(k_BTKD, positions_BT, inv_freq_R)
+        q_BTND = remat.tag(q_BTND, remat.Q_ROTATED)
+        k_BTKD = remat.tag(k_BTKD, remat.K_ROTATED)
         if kv is not None:
             # Keys are the cache's slots; earlier prompts sit in it: rows count as packed.
             segments = Segments(segment_ids_BT, kv.segment_ids, positions_BT, kv.positions)
