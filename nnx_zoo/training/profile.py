@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import jax
 
-from nnx_zoo.checkpoint.files import atomic_write
+from nnx_zoo.runtime.files import atomic_write
 
 PROGRAM_FILE = "train_step.hlo.txt"  # the traced step's compiled program, beside its trace
 
