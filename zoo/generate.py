@@ -136,7 +136,7 @@ def _last_logits(logits_BTV, batch_spec: P):
     return jax.sharding.reshard(logits_BTV[:, -1, :], P(batch_spec[0], None))
 
 
-def _layer_list(model):
+def layer_list(model):
     """(graphdef, state) of `model` with its stacked layers as a list of per-layer weights.
 
     A decode step runs each layer's matmuls on one row, so it is bound by reading the weights;
@@ -191,7 +191,7 @@ def _generate(
     token_B = _sample(_last_logits(logits_BPV, spec), sub, temperature, top_k, top_p)
     # The prefill above keeps the layer scan (one compiled block; its weight copies are shared
     # by P tokens); the one-token steps below run the layers as a list.
-    graphdef, state = _layer_list(model)
+    graphdef, state = layer_list(model)
     # Next position of each row: its prompt length (left padding has positions 0).
     position_B = positions_BP[:, -1] + 1
     out_BO = jnp.full((B, max_new_tokens), -1, jnp.int32, out_sharding=spec)
