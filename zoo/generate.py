@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardings import get_strategy
 from shardings.specs import split_size
+from zoo.layers.lora import has_lora
 
 
 def check_can_generate(strategy_name: str, what: str = "--prompt") -> None:
@@ -146,7 +147,9 @@ def layer_list(model):
     not change: same weights, same per-layer computation.
     """
     cfg = model.cfg
-    if not cfg.scan_layers:
+    if not cfg.scan_layers or has_lora(model):
+        # The twin is built from the config alone, so it would lack adapters added to this
+        # model after construction (zoo/layers/lora.py): such a model decodes through the scan.
         return nnx.split(model)
     twin_cfg = dataclasses.replace(cfg, scan_layers=False)
     twin = nnx.eval_shape(lambda: type(model)(twin_cfg, model.sharding, rngs=nnx.Rngs(0)))

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP app (FastAPI; extra `[serve]`): /v1/completions,
+/v1/chat/completions, /v1/models, /health, over a running `Engine`.
+
+Each request becomes n jobs per prompt (choice i of a seeded request draws with seed + i, so
+choice 0 is what the same request with n=1 gets). The engine thread sends each job's text
+pieces to this request's asyncio queue; the handler streams them as server-sent events
+(`data: {chunk}` ... `data: [DONE]`) or gathers them into one response. A client that goes
+away (mid-stream or while waiting) has its unfinished jobs cancelled, which frees their
+slots at the engine's next turn; nothing else is disturbed.
+
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
+request (unknown model, a prompt that leaves no room for max_tokens, out-of-range sampling
+settings, malformed JSON, a missing field), 503 when the waiting queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import random
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from nnx_zoo.serving import protocol
+from nnx_zoo.serving.engine import Engine
+from nnx_zoo.serving.protocol import ApiError, ChatRequest, CompletionRequest
+from nnx_zoo.serving.scheduler import QueueFullError, Sampling
+
+
+def create_app(
+    engine: Engine,
+    *,
+    served_model: str,
+    chat_template=None,
+    chat_template_error: str | None = None,
+) -> FastAPI:
+    """`chat_template`: a `nnx_zoo.data.chat.ChatTemplate`, or None (then chat requests get
+    a 400 saying `chat_template_error`)."""
+    app = FastAPI(title="nnx-zoo", docs_url=None, redoc_url=None)
+    tokenizer = engine.tokenizer
+    started = int(time.time())
+    # n beyond what can ever run or wait at once would be refused by the queue anyway.
+    max_n = engine.slots.max_batch + engine.scheduler.max_queue
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, error: RequestValidationError):
+        return JSONResponse(_validation_body(error), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **engine.status()}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": served_model,
+            "object": "model",
+            "created": started,
+            "owned_by": "nnx-zoo",
+            "max_model_len": engine.slots.max_seq_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        ask = protocol.check(body, served_model=served_model, max_n=max_n)
+        prompts = _completion_prompts(body.prompt, tokenizer)
+        envelope = protocol.Envelope(served_model, chat=False)
+        return await _serve(engine, request, prompts, ask, envelope, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        ask = protocol.check(body, served_model=served_model, max_n=max_n)
+        if chat_template is None:
+            raise ApiError(chat_template_error or "this model has no chat template")
+        if not body.messages:
+            raise ApiError("messages must hold at least one message", param="messages")
+        messages = [protocol.chat_text(m) for m in body.messages]
+        try:
+            text = chat_template.render(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise ApiError(str(e), param="messages") from None
+        envelope = protocol.Envelope(served_model, chat=True)
+        return await _serve(engine, request, [tokenizer.encode(text)], ask, envelope, body)
+
+    return app
+
+
+def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    """Token ids of each prompt: a string, a list of strings, token ids or lists of them."""
+    if isinstance(prompt, str):
+        prompts = [tokenizer.encode(prompt)]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    if not prompts or any(not p for p in prompts):
+        raise ApiError("the prompt is empty", param="prompt")
+    return prompts
+
+
+async def _serve(engine: Engine, request: Request, prompts, ask, envelope, body):
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    jobs = []
+    seed = random.getrandbits(32) if ask.seed is None else ask.seed
+    limit = engine.slots.max_seq_len
+    for p, prompt in enumerate(prompts):
+        for i in range(ask.n):
+            index = p * ask.n + i
+            sampling = Sampling(ask.temperature, ask.top_k, ask.top_p, (seed + i) % 2**32)
+            # No max_tokens (chat): as much as the context leaves.
+            max_tokens = ask.max_tokens if ask.max_tokens is not None else limit - len(prompt)
+            try:
+                job = engine.job(
+                    prompt,
+                    max_tokens=max_tokens,
+                    sampling=sampling,
+                    stop=ask.stop,
+                    ignore_eos=ask.ignore_eos,
+                    on_event=functools.partial(_forward, loop, events, index),
+                )
+            except ValueError as e:
+                raise ApiError(str(e), param="messages" if envelope.chat else "prompt") from None
+            jobs.append(job)
+    try:
+        engine.submit(jobs)
+    except QueueFullError as e:
+        raise ApiError(str(e), status=503, kind="overloaded_error") from None
+    prompt_tokens = sum(len(p) for p in prompts)
+    watcher = asyncio.ensure_future(_on_disconnect(request, engine, jobs, events))
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        stream = _stream(engine, jobs, events, envelope, prompt_tokens, include_usage, watcher)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    try:
+        texts, reasons = [""] * len(jobs), [None] * len(jobs)
+        async for index, event in _events(events, len(jobs)):
+            if event.error:
+                raise ApiError(event.error, status=500)
+            texts[index] += event.text
+            reasons[index] = event.finish_reason
+    finally:
+        _cancel_unfinished(engine, jobs)
+        watcher.cancel()
+    completion_tokens = sum(job.stream.num_tokens for job in jobs)
+    return envelope.response(texts, reasons, protocol.usage(prompt_tokens, completion_tokens))
+
+
+def _forward(loop, events: asyncio.Queue, index: int, event) -> None:
+    """From the engine thread into the request's event loop."""
+    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+
+async def _events(events: asyncio.Queue, count: int):
+    """(choice index, event) until every choice has finished; stops early (None) when the
+    client went away."""
+    remaining = count
+    while remaining:
+        index, event = await events.get()
+        if event is None:
+            return
+        yield index, event
+        if event.finish_reason is not None:
+            remaining -= 1
+
+
+async def _stream(engine, jobs, events, envelope, prompt_tokens, include_usage, watcher):
+    try:
+        if envelope.chat:  # OpenAI's first chunk of a choice names the role
+            for index in range(len(jobs)):
+                yield _sse(envelope.chunk(index, None, None, role=True))
+        async for index, event in _events(events, len(jobs)):
+            if event.error:
+                yield _sse(protocol.error_body(event.error, kind="server_error"))
+                return
+            yield _sse(envelope.chunk(index, event.text, event.finish_reason))
+        if include_usage:
+            completion_tokens = sum(job.stream.num_tokens for job in jobs)
+            yield _sse(envelope.usage_chunk(protocol.usage(prompt_tokens, completion_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        _cancel_unfinished(engine, jobs)
+        watcher.cancel()
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _on_disconnect(request: Request, engine, jobs, events: asyncio.Queue) -> None:
+    """Wait for the client to go away; then cancel its jobs and end its event stream. (A
+    server may stop reading a streamed response's socket without noticing; this does not
+    depend on the next write failing.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    _cancel_unfinished(engine, jobs)
+    events.put_nowait((None, None))
+
+
+def _cancel_unfinished(engine: Engine, jobs) -> None:
+    for job in jobs:
+        if not job.finished:
+            engine.cancel(job)
+
+
+def _validation_body(error: RequestValidationError) -> dict:
+    """One message for FastAPI's list of validation errors (malformed JSON among them)."""
+    first = error.errors()[0] if error.errors() else {}
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    kind = first.get("type", "")
+    if kind == "json_invalid":  # its loc is a character offset, not a field
+        return protocol.error_body(f"the request body is not valid JSON ({first.get('msg', '')})")
+    elif kind == "missing":
+        message = f"missing required field {where!r}"
+    else:
+        message = f"{where or 'body'}: {first.get('msg', 'invalid')}"
+    return protocol.error_body(message, param=where or None)
