@@ -130,24 +130,27 @@ def main(argv):
 
     request = _request()
     sock = _listen(_HOST.value, _PORT.value)  # a port in use: said before the model loads
-    try:
-        served = load.build(request)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        cli.usage_error(cli.device_hint(e))
-    app = create_app(
-        served.engine,
-        served_model=served.name,
-        chat_template=served.chat_template,
-        chat_template_error=served.chat_template_error,
-    )
-    host, port = sock.getsockname()[:2]
-    served.engine.start()
-    print(f"serving {served.name} on http://{host}:{port}/v1 ({served.description})", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    try:
-        server.run(sockets=[sock])
-    finally:
-        served.engine.stop()
+    with sock:
+        try:
+            served = load.build(request)
+        except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+            cli.usage_error(cli.device_hint(e))
+        app = create_app(
+            served.engine,
+            served_model=served.name,
+            chat_template=served.chat_template,
+            chat_template_error=served.chat_template_error,
+        )
+        host, port = sock.getsockname()[:2]
+        served.engine.start()
+        print(
+            f"serving {served.name} on http://{host}:{port}/v1 ({served.description})", flush=True
+        )
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        try:
+            server.run(sockets=[sock])
+        finally:
+            served.engine.stop()
 
 
 def _listen(host: str, port: int):

@@ -24,6 +24,7 @@ import numpy as np
 import openai
 import optax
 import pytest
+from _serving_helpers import perturbed_model
 from _train_helpers import ROOT, child_env
 from flax import nnx
 
@@ -34,7 +35,6 @@ from nnx_zoo.data.chat import ChatTemplate
 from nnx_zoo.data.tokenizers import make_tokenizer
 from nnx_zoo.training.config import RunConfig
 from shardings import get_strategy
-from zoo import create_model
 
 NAME = "tiny-served"
 MAX_BATCH = 8
@@ -59,23 +59,16 @@ LONG = 150  # tokens of the requests that must overlap: every prompt here + LONG
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tiny model, perturbed away from its init (varied greedy tokens), checkpointed at
-    step 3 under fsdp_tp on (4, 2); the server loads it onto one device."""
+    step 3 on one device; eval_main reloads it on 8 (dp), the server on one."""
     workdir = str(tmp_path_factory.mktemp("serve") / NAME)
     c = configs.tiny.get_config()
     c.model.hidden_dim, c.model.num_layers, c.model.head_dim, c.model.ffn_dim = 64, 2, 8, 128
     c.data.seq_len, c.data.global_batch_size = 64, 8
     run = RunConfig.from_config_dict(c)
     strategy = get_strategy("fsdp_tp")
-    mesh = strategy.make_mesh(shape=(4, 2))
+    mesh = strategy.make_mesh(shape=(1, 1), devices=jax.devices()[:1])
+    model = perturbed_model(run.model.decoder_config(), strategy, mesh)
     with jax.set_mesh(mesh):
-        model = create_model(run.model.decoder_config(), strategy, rngs=nnx.Rngs(0))
-        params = nnx.state(model, nnx.Param)
-        keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
-
-        def noise(p):
-            return p + 0.1 * jax.random.normal(next(keys), p.shape, out_sharding=p.sharding)
-
-        nnx.update(model, jax.tree.map(noise, params))
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     tokenizer = make_tokenizer(run.data.tokenizer)
     it = data.make_dataset(
@@ -417,3 +410,61 @@ def test_the_server_is_still_up(server):
     assert server.proc.poll() is None
     assert _complete(server, "ok").choices[0].finish_reason in ("stop", "length")
     assert np.isfinite(server.health()["decode_steps"])
+
+
+def _serve_main(*flags) -> _entry.Result:
+    """serve_main in-process, for command lines that must fail before anything listens."""
+    return _entry.run_main("serve_main", list(flags))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ([], "give one of --workdir"),
+        (["--workdir=/nonexistent/run"], "/nonexistent/run"),
+        (["WORKDIR", "--max_batch=0"], "--max_batch=0 must be >= 1"),
+        (["WORKDIR", "--max_batch=3", "--sharding_strategy=dp"], "must be a multiple of 8"),
+        (["WORKDIR", "--max_seq_len=4096"], "exceeds the model's max_seq_len=256"),
+        (["WORKDIR", "--sharding_strategy=fsdp_pp"], "does not run under the pipeline"),
+        (["WORKDIR", "--chat_template=/nonexistent.jinja"], "--chat_template"),
+        (["WORKDIR", "--port=70000"], "--port=70000"),
+        (["WORKDIR", "--lora=fold"], "--lora"),
+    ],
+    ids=[
+        "no-model",
+        "no-such-workdir",
+        "max-batch-0",
+        "max-batch-not-splitting",
+        "max-seq-len-past-model",
+        "pipeline-strategy",
+        "no-such-template",
+        "bad-port",
+        "bad-lora",
+    ],
+)
+def test_bad_command_line_exits_2_with_one_line(workdir, flags, message):
+    flags = [f"--workdir={workdir}" if f == "WORKDIR" else f for f in flags]
+    result = _serve_main("--port=0", *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_port_in_use_exits_2_before_loading(workdir):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = _serve_main(f"--workdir={workdir}", f"--port={port}")
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == f"error: cannot listen on 127.0.0.1:{port} (Address already in use)"
+    )
+
+
+def test_help_exits_0():
+    result = _serve_main("--help")
+    assert result.returncode == 0 and "--max_batch" in result.stdout

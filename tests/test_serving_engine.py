@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from _serving_helpers import perturbed_model
 
 from nnx_zoo.data.tokenizers import ByteTokenizer
 from nnx_zoo.serving.engine import Engine
@@ -17,7 +17,7 @@ from nnx_zoo.serving.scheduler import Job, QueueFullError, Sampling, Scheduler
 from nnx_zoo.serving.slots import Slots, buckets
 from nnx_zoo.serving.text import TextStream
 from shardings import get_strategy
-from zoo import create_model, get_config
+from zoo import get_config
 from zoo.generate import generate
 
 CFG = get_config("tiny").replace(hidden_dim=64, num_layers=2, ffn_dim=128)
@@ -36,20 +36,7 @@ NEW = 12
 def _model(strategy_name: str, shape: tuple[int, ...]):
     strategy = get_strategy(strategy_name)
     mesh = strategy.make_mesh(shape=shape, devices=jax.devices()[: int(np.prod(shape))])
-    with jax.set_mesh(mesh):
-        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
-        # Away from the init: logits with clear winners, like a trained model's.
-        params = nnx.state(model, nnx.Param)
-        keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
-        nnx.update(
-            model,
-            jax.tree.map(
-                lambda p: (
-                    p + 0.05 * jax.random.normal(next(keys), p.shape, out_sharding=p.sharding)
-                ),
-                params,
-            ),
-        )
+    model = perturbed_model(CFG, strategy, mesh, scale=0.05)
     return model, mesh
 
 

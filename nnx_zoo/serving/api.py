@@ -19,6 +19,7 @@ import asyncio
 import functools
 import json
 import random
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -108,7 +109,7 @@ def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
 
 
 async def _serve(engine: Engine, request: Request, prompts, ask, envelope, body):
-    loop = asyncio.get_running_loop()
+    bridge = _bridge(request)
     events: asyncio.Queue = asyncio.Queue()
     jobs = []
     seed = random.getrandbits(32) if ask.seed is None else ask.seed
@@ -126,7 +127,7 @@ async def _serve(engine: Engine, request: Request, prompts, ask, envelope, body)
                     sampling=sampling,
                     stop=ask.stop,
                     ignore_eos=ask.ignore_eos,
-                    on_event=functools.partial(_forward, loop, events, index),
+                    on_event=functools.partial(bridge.put, events, index),
                 )
             except ValueError as e:
                 raise ApiError(str(e), param="messages" if envelope.chat else "prompt") from None
@@ -143,11 +144,12 @@ async def _serve(engine: Engine, request: Request, prompts, ask, envelope, body)
         return StreamingResponse(stream, media_type="text/event-stream")
     try:
         texts, reasons = [""] * len(jobs), [None] * len(jobs)
-        async for index, event in _events(events, len(jobs)):
-            if event.error:
-                raise ApiError(event.error, status=500)
-            texts[index] += event.text
-            reasons[index] = event.finish_reason
+        async for batch in _events(events, len(jobs)):
+            for index, event in batch:
+                if event.error:
+                    raise ApiError(event.error, status=500)
+                texts[index] += event.text
+                reasons[index] = event.finish_reason
     finally:
         _cancel_unfinished(engine, jobs)
         watcher.cancel()
@@ -155,34 +157,78 @@ async def _serve(engine: Engine, request: Request, prompts, ask, envelope, body)
     return envelope.response(texts, reasons, protocol.usage(prompt_tokens, completion_tokens))
 
 
-def _forward(loop, events: asyncio.Queue, index: int, event) -> None:
-    """From the engine thread into the request's event loop."""
-    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+class _Bridge:
+    """Events from the engine thread into the event loop's queues, one wake-up of the loop
+    for all the events of an engine step (not one per token per request)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list = []
+
+    def put(self, events: asyncio.Queue, index: int, event) -> None:
+        with self.lock:
+            self.pending.append((events, (index, event)))
+            if len(self.pending) > 1:  # a flush is already on its way
+                return
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for events, item in pending:
+            events.put_nowait(item)
+
+
+def _bridge(request: Request) -> _Bridge:
+    """The app's bridge into the running event loop."""
+    loop, state = asyncio.get_running_loop(), request.app.state
+    if getattr(state, "bridge", None) is None or state.bridge.loop is not loop:
+        state.bridge = _Bridge(loop)
+    return state.bridge
 
 
 async def _events(events: asyncio.Queue, count: int):
-    """(choice index, event) until every choice has finished; stops early (None) when the
-    client went away."""
+    """Lists of (choice index, event), each what had arrived when the last was read, until
+    every choice has finished; stops early when the client went away."""
     remaining = count
     while remaining:
-        index, event = await events.get()
-        if event is None:
+        batch = [await events.get()]
+        while not events.empty():
+            batch.append(events.get_nowait())
+        if any(event is None for _, event in batch):
             return
-        yield index, event
-        if event.finish_reason is not None:
-            remaining -= 1
+        yield batch
+        remaining -= sum(event.finish_reason is not None for _, event in batch)
+
+
+def _merged(batch):
+    """(index, text, finish_reason, error) per run of one choice's events in `batch`: a
+    client that reads slower than tokens come gets them in fewer, longer chunks."""
+    out = []
+    for index, event in batch:
+        if out and out[-1][0] == index and out[-1][2] is None:
+            _, text, _, _ = out[-1]
+            out[-1] = (index, text + event.text, event.finish_reason, event.error)
+        else:
+            out.append((index, event.text, event.finish_reason, event.error))
+    return out
 
 
 async def _stream(engine, jobs, events, envelope, prompt_tokens, include_usage, watcher):
     try:
         if envelope.chat:  # OpenAI's first chunk of a choice names the role
-            for index in range(len(jobs)):
-                yield _sse(envelope.chunk(index, None, None, role=True))
-        async for index, event in _events(events, len(jobs)):
-            if event.error:
-                yield _sse(protocol.error_body(event.error, kind="server_error"))
-                return
-            yield _sse(envelope.chunk(index, event.text, event.finish_reason))
+            yield "".join(
+                _sse(envelope.chunk(index, None, None, role=True)) for index in range(len(jobs))
+            )
+        async for batch in _events(events, len(jobs)):
+            chunks = []
+            for index, text, reason, error in _merged(batch):
+                if error:
+                    yield "".join(chunks) + _sse(protocol.error_body(error, kind="server_error"))
+                    return
+                chunks.append(_sse(envelope.chunk(index, text, reason)))
+            yield "".join(chunks)
         if include_usage:
             completion_tokens = sum(job.stream.num_tokens for job in jobs)
             yield _sse(envelope.usage_chunk(protocol.usage(prompt_tokens, completion_tokens)))

@@ -214,8 +214,9 @@ class Engine:
         if delta.finish_reason is not None:
             with self._cond:
                 self.scheduler.release(job)
-        if delta.text or delta.finish_reason is not None:
-            _send(job, Event(delta.text, delta.finish_reason, job.stream.num_tokens))
+        # One event per token, its text possibly empty (held back, or a token with no text):
+        # a streaming client sees every token arrive, which is what latency is measured by.
+        _send(job, Event(delta.text, delta.finish_reason, job.stream.num_tokens))
 
     def _fail(self, jobs: list[Job], error: Exception) -> None:
         _log.exception("serving engine: a device call failed")

@@ -85,6 +85,7 @@ class Slots:
             self.cache = _empty_cache(model, max_batch, max_seq_len, dtype)
         self._prefill: dict[int, object] = {}
         self._decode = None
+        self._steady: tuple = (None, None, None)  # (key, active_B, sampling_B) of `decode`
 
     # -- compiling ---------------------------------------------------------------------
 
@@ -155,12 +156,15 @@ class Slots:
         """One token for every slot (int list of max_batch; a free slot's is meaningless).
         `tokens`: each slot's last token; `sampling`: per-slot lists as in `prefill`."""
         program = self.compile_decode()
-        self.cache, out = program(
-            self._state,
-            self.cache,
-            *self._row_args(np.asarray(tokens, np.int32), np.asarray(active, bool)),
-            self._sampling(*sampling),
-        )
+        # Which slots run, and how they sample, change only when a request joins or leaves:
+        # their device copies are kept until then; the tokens change every step.
+        key = (tuple(active), *map(tuple, sampling))
+        if key != self._steady[0]:
+            active_B = self._put(np.asarray(active, bool), self._rows)
+            self._steady = (key, active_B, self._sampling(*sampling))
+        _, active_B, sampling_B = self._steady
+        tokens_B = self._put(np.asarray(tokens, np.int32), self._rows)
+        self.cache, out = program(self._state, self.cache, tokens_B, active_B, sampling_B)
         return np.asarray(out).tolist()
 
     # -- host arrays to device -----------------------------------------------------------

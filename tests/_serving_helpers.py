@@ -1,0 +1,28 @@
+"""Shared by the serving tests: a tiny model moved away from its init, so its greedy tokens
+are varied and their logits have clear winners (as a trained model's), built in two compiles
+(create, perturb) rather than one per parameter."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from zoo import create_model
+
+
+def perturbed_model(cfg, strategy, mesh, scale: float = 0.1):
+    with jax.set_mesh(mesh):
+        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+
+        @nnx.jit
+        def perturb(model):
+            leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
+            keys = jax.random.split(jax.random.key(1), len(leaves))
+            moved = [
+                p + scale * jax.random.normal(k, p.shape, out_sharding=jax.typeof(p).sharding)
+                for p, k in zip(leaves, keys, strict=True)
+            ]
+            nnx.update(model, jax.tree.unflatten(tree, moved))
+
+        perturb(model)
+    return model
