@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from _serving_helpers import perturbed_model
+from _serving_helpers import perturb, perturbed_model
+from flax import nnx
 
 from nnx_zoo.data.tokenizers import ByteTokenizer
 from nnx_zoo.serving.engine import Engine
@@ -19,6 +20,7 @@ from nnx_zoo.serving.text import TextStream
 from shardings import get_strategy
 from zoo import get_config
 from zoo.generate import generate
+from zoo.layers.lora import LoraConfig, LoraParam, add_lora, merge_lora
 
 CFG = get_config("tiny").replace(hidden_dim=64, num_layers=2, ffn_dim=128)
 MAX_SEQ_LEN = 64  # buckets 16, 32, 64
@@ -137,6 +139,23 @@ def test_sharded_mesh_equals_generate():
     finally:
         engine.stop()
     assert got == _reference(model, mesh, PROMPTS[:3], n=8)
+
+
+def test_lora_applied_in_the_slots_equals_merged():
+    """serve_main --lora=apply: the adapters run beside the weights (the decode keeps the
+    layer scan, as the per-layer twin would drop them); the tokens equal the merged model's."""
+    model, mesh = _model("fsdp_tp", (1, 1))
+    with jax.set_mesh(mesh):
+        add_lora(model, LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "down")), nnx.Rngs(1))
+        perturb(model, LoraParam, 0.3)  # B starts at zero: no change until moved
+    engine = Engine(Slots(model, max_batch=2, max_seq_len=32), TOKENIZER, max_queue=2).start()
+    try:
+        applied = _ids(engine.generate(PROMPTS[:2], max_tokens=8, ignore_eos=True))
+    finally:
+        engine.stop()
+    with jax.set_mesh(mesh):
+        merge_lora(model)
+    assert applied == _reference(model, mesh, PROMPTS[:2], n=8)
 
 
 # -- host-side pieces -------------------------------------------------------------------------
