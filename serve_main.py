@@ -146,7 +146,11 @@ def main(argv):
         print(
             f"serving {served.name} on http://{host}:{port}/v1 ({served.description})", flush=True
         )
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        # On SIGINT / SIGTERM: stop taking requests, give those running a few seconds.
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        )
+        server = uvicorn.Server(config)
         try:
             server.run(sockets=[sock])
         finally:

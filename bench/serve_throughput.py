@@ -122,7 +122,10 @@ def _bench(url, model, args):
 
     async def both():
         await one(prompts[0])  # the HTTP path and every program warm
-        return await run(1), await run(args.clients)
+        try:
+            return await run(1), await run(args.clients)
+        finally:
+            await client.close()
 
     load_before = os.getloadavg()
     (seq_s, seq), (con_s, con) = asyncio.run(both())

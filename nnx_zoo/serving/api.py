@@ -118,8 +118,9 @@ async def _serve(engine: Engine, request: Request, prompts, ask, envelope, body)
         for i in range(ask.n):
             index = p * ask.n + i
             sampling = Sampling(ask.temperature, ask.top_k, ask.top_p, (seed + i) % 2**32)
-            # No max_tokens (chat): as much as the context leaves.
-            max_tokens = ask.max_tokens if ask.max_tokens is not None else limit - len(prompt)
+            # No max_tokens (chat): as much as the context leaves (at least one token, so a
+            # prompt that fills the context is refused as too long).
+            max_tokens = ask.max_tokens or max(limit - len(prompt), 1)
             try:
                 job = engine.job(
                     prompt,
@@ -171,7 +172,12 @@ class _Bridge:
             self.pending.append((events, (index, event)))
             if len(self.pending) > 1:  # a flush is already on its way
                 return
-        self.loop.call_soon_threadsafe(self._flush)
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed (shutting down): nothing will read these
+            with self.lock:
+                self.pending.clear()
+            raise
 
     def _flush(self) -> None:
         with self.lock:

@@ -3,7 +3,9 @@
 The decode slots of the engine hold unrelated requests: one greedy, one at temperature 0.7
 with top_p 0.9, one with top_k 40. Each row's settings are arrays here ([B] each), so one
 compiled step serves every mix. The order of the filters is `zoo.generate`'s (and
-transformers'): temperature, then top-k, then the nucleus (`zoo.generate.nucleus`).
+transformers'): temperature, then top-k, then the nucleus. Values are picked out of the
+batch-split rows with masked sums, not gathers (a gather from a `B/data` array needs an
+output layout under explicit sharding).
 
 Randomness is keyed by the request, never by the batch: row b draws with
 `fold_in(key(seed_b), position_b)`, the position the drawn token will take in its sequence.
@@ -29,8 +31,7 @@ class SamplingRows(NamedTuple):
 
 
 def pick(x_BV, i_B):
-    """x_BV[b, i_B[b]] for every b, as a masked sum: a gather from a batch-split array needs
-    an output layout under explicit sharding, a sum of exact zeros does not."""
+    """x_BV[b, i_B[b]] for every b, as a masked sum (exact: the other terms are zeros)."""
     columns_BV = jax.lax.broadcasted_iota(jnp.int32, x_BV.shape, 1)
     return jnp.sum(jnp.where(columns_BV == i_B[:, None], x_BV, 0), axis=-1)
 
