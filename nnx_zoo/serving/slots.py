@@ -60,13 +60,16 @@ def buckets(max_seq_len: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
 
 
 class Slots:
-    def __init__(self, model, *, max_batch: int, max_seq_len: int, dtype=None):
+    def __init__(self, model, *, max_batch: int, max_seq_len: int, dtype=None, mesh=None):
+        """`model`: a model (its weights are copied into per-layer arrays), or an abstract
+        one (`zoo.build.abstract_model`, with its `mesh`: e.g. a target's devices) whose
+        programs are only compiled."""
         cfg = model.cfg
         if max_seq_len > cfg.max_seq_len:
             raise ValueError(
                 f"--max_seq_len={max_seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}"
             )
-        self.mesh = model_mesh(model)
+        self.mesh = mesh or model_mesh(model)
         self.rows = batch_multiple(model, self.mesh)
         if max_batch < 1 or max_batch % self.rows:
             raise ValueError(
@@ -81,8 +84,14 @@ class Slots:
         self._tokens = NamedSharding(self.mesh, tokens_spec)
         self._rows = NamedSharding(self.mesh, P(tokens_spec[0]))
         with jax.set_mesh(self.mesh):
-            self._graphdef, self._state = layer_list(model)
-            self.cache = _empty_cache(model, max_batch, max_seq_len, dtype)
+            if _abstract(model):  # compile only: shapes and layouts, nothing allocated
+                self._graphdef, self._state = _abstract_layer_list(model)
+                self.cache = jax.eval_shape(
+                    lambda: _empty_cache(model, max_batch, max_seq_len, dtype)
+                )
+            else:
+                self._graphdef, self._state = layer_list(model)
+                self.cache = _empty_cache(model, max_batch, max_seq_len, dtype)
         self._prefill: dict[int, object] = {}
         self._decode = None
         self._steady: tuple = (None, None, None)  # (key, active_B, sampling_B) of `decode`
@@ -98,30 +107,34 @@ class Slots:
     def compile_prefill(self, bucket: int):
         if bucket not in self._prefill:
             fn = jax.jit(functools.partial(_prefill, self._graphdef, self.traces), donate_argnums=1)
-            args = (
-                self._state,
-                self.cache,
-                self._put(np.zeros((self.rows, bucket), np.int32), self._tokens),
-                *self._row_args(np.zeros(self.rows, np.int32), np.zeros(self.rows, np.int32)),
-                self._sampling(*_greedy(self.rows)),
-            )
+            R, rows = self.rows, self._shapes_of_rows
+            tokens = jax.ShapeDtypeStruct((R, bucket), jnp.int32, sharding=self._tokens)
+            args = (*self._shapes(), tokens, rows(R, jnp.int32), rows(R, jnp.int32))
             with jax.set_mesh(self.mesh):
-                self._prefill[bucket] = fn.lower(*args).compile()
+                self._prefill[bucket] = fn.lower(*args, self._sampling_shapes(R)).compile()
         return self._prefill[bucket]
 
     def compile_decode(self):
         if self._decode is None:
             fn = jax.jit(functools.partial(_decode, self._graphdef, self.traces), donate_argnums=1)
-            B = self.max_batch
-            args = (
-                self._state,
-                self.cache,
-                *self._row_args(np.zeros(B, np.int32), np.zeros(B, bool)),
-                self._sampling(*_greedy(B)),
-            )
+            B, rows = self.max_batch, self._shapes_of_rows
+            args = (*self._shapes(), rows(B, jnp.int32), rows(B, jnp.bool_))
             with jax.set_mesh(self.mesh):
-                self._decode = fn.lower(*args).compile()
+                self._decode = fn.lower(*args, self._sampling_shapes(B)).compile()
         return self._decode
+
+    def _shapes(self):
+        """(weights, cache) as shapes with their layouts: what the programs are compiled for
+        (the same whether this instance holds arrays or, to compile for a target, shapes)."""
+        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        return jax.tree.map(shape, self._state), jax.tree.map(shape, self.cache)
+
+    def _shapes_of_rows(self, n: int, dtype):
+        return jax.ShapeDtypeStruct((n,), dtype, sharding=self._rows)
+
+    def _sampling_shapes(self, n: int) -> SamplingRows:
+        dtypes = (jnp.float32, jnp.int32, jnp.float32, jnp.uint32)
+        return SamplingRows(*(self._shapes_of_rows(n, d) for d in dtypes))
 
     # -- running -----------------------------------------------------------------------
 
@@ -186,9 +199,22 @@ class Slots:
         )
 
 
-def _greedy(rows: int):
-    """Sampling columns of `rows` greedy rows (shapes to compile with)."""
-    return [0.0] * rows, [0] * rows, [1.0] * rows, [0] * rows
+def _abstract(model) -> bool:
+    return not isinstance(jax.tree.leaves(nnx.state(model, nnx.Param))[0], jax.Array)
+
+
+def _abstract_layer_list(model):
+    """`layer_list` of an abstract model (`zoo.build.abstract_model`): its graph, and its
+    per-layer weights as shapes with their layouts."""
+    graphdef, state = nnx.split(model)
+    found = {}
+
+    def unstack(state):
+        found["graphdef"], per_layer = layer_list(nnx.merge(graphdef, state))
+        return per_layer
+
+    per_layer = jax.eval_shape(unstack, state)
+    return found["graphdef"], per_layer
 
 
 def _empty_cache(model, max_batch: int, max_seq_len: int, dtype):
