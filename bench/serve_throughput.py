@@ -14,6 +14,8 @@ greedy with `ignore_eos`, so each produces exactly --max_tokens tokens, and its 
 (the `openai` client): TTFT is the time to the first chunk; ITL is a request's mean gap
 between tokens after the first ((last chunk - first chunk) / (tokens - 1)). The concurrent
 pass keeps --clients requests in flight (a client sends its next request when one ends).
+The two passes alternate --repeats times and the fastest of each is reported: on a shared
+host, the pass least slowed by other work.
 
 The goals (issue 38): concurrent output tokens/s >= 4x the one-at-a-time rate, and the
 concurrent p99 TTFT under 2x (the one-request prefill + one decode step per request ahead of
@@ -54,6 +56,9 @@ def main():
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt_len", type=int, default=32)
     parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="passes of each mode, alternated; the fastest counts"
+    )
     parser.add_argument(
         "--devices", type=int, default=1, help="simulated CPU devices of the server (on CPU)"
     )
@@ -120,21 +125,28 @@ def _bench(url, model, args):
         await asyncio.gather(*[client_loop() for _ in range(clients)])
         return time.perf_counter() - start, results
 
-    async def both():
+    async def passes():
         await one(prompts[0])  # the HTTP path and every program warm
+        alone, together = [], []
         try:
-            return await run(1), await run(args.clients)
+            for _ in range(args.repeats):  # alternated, so both see the same machine
+                alone.append(await run(1))
+                together.append(await run(args.clients))
         finally:
             await client.close()
+        return alone, together
 
     load_before = os.getloadavg()
-    (seq_s, seq), (con_s, con) = asyncio.run(both())
+    alone, together = asyncio.run(passes())
     load_after = os.getloadavg()
-    rows = [_row("one at a time", 1, seq_s, seq), _row("concurrent", args.clients, con_s, con)]
+    # The fastest pass of each mode: the one least slowed by the machine's other work.
+    seq = max((_row("one at a time", 1, s, r) for s, r in alone), key=lambda r: r["tps"])
+    con = max((_row("concurrent", args.clients, s, r) for s, r in together), key=lambda r: r["tps"])
+    rows = [seq, con]
     print(
         f"{args.requests} requests, prompt {args.prompt_len} tokens, {args.max_tokens} output "
-        f"tokens each, model {model}; load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
-        f"on {os.cpu_count()} cores"
+        f"tokens each, model {model}; the fastest of {args.repeats} passes of each mode; load "
+        f"average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores"
     )
     header = ("mode", "clients", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
     print("| " + " | ".join(header) + " |")
