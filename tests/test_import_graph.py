@@ -18,6 +18,7 @@ PACKAGES = (
     "evaluation",
     "planning",
     "export",
+    "serving",
     "configs",
 )
 FAMILIES = {
@@ -154,6 +155,7 @@ def test_the_model_zoo_imports_no_run_machinery():
         "evaluation",
         "planning",
         "export",
+        "serving",
     }
     for module, deps in GRAPH.items():
         if _package(module) in ("zoo", "shardings"):
@@ -188,6 +190,7 @@ ALLOWED = {
     "evaluation": {"launch"} | _BASE,
     "planning": {"launch"} | _BASE,
     "export": {"evaluation", "launch"} | _BASE,
+    "serving": {"evaluation"} | _BASE,
 }
 
 

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardings import get_strategy
 from shardings.specs import split_size
+from zoo.layers.lora import has_lora
 
 
 def check_can_generate(strategy_name: str, what: str = "--prompt") -> None:
@@ -136,7 +137,7 @@ def _last_logits(logits_BTV, batch_spec: P):
     return jax.sharding.reshard(logits_BTV[:, -1, :], P(batch_spec[0], None))
 
 
-def _layer_list(model):
+def layer_list(model):
     """(graphdef, state) of `model` with its stacked layers as a list of per-layer weights.
 
     A decode step runs each layer's matmuls on one row, so it is bound by reading the weights;
@@ -146,7 +147,9 @@ def _layer_list(model):
     not change: same weights, same per-layer computation.
     """
     cfg = model.cfg
-    if not cfg.scan_layers:
+    if not cfg.scan_layers or has_lora(model):
+        # The twin is built from the config alone, so it would lack adapters added to this
+        # model after construction (zoo/layers/lora.py): such a model decodes through the scan.
         return nnx.split(model)
     twin_cfg = dataclasses.replace(cfg, scan_layers=False)
     twin = nnx.eval_shape(lambda: type(model)(twin_cfg, model.sharding, rngs=nnx.Rngs(0)))
@@ -191,7 +194,7 @@ def _generate(
     token_B = _sample(_last_logits(logits_BPV, spec), sub, temperature, top_k, top_p)
     # The prefill above keeps the layer scan (one compiled block; its weight copies are shared
     # by P tokens); the one-token steps below run the layers as a list.
-    graphdef, state = _layer_list(model)
+    graphdef, state = layer_list(model)
     # Next position of each row: its prompt length (left padding has positions 0).
     position_B = positions_BP[:, -1] + 1
     out_BO = jnp.full((B, max_new_tokens), -1, jnp.int32, out_sharding=spec)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from shardings.mesh import check_batch, compile_platform
 from shardings.specs import BlockSharding, LmSharding
 from zoo import loss
-from zoo.layers import pipeline, pipeline_1f1b, remat, rope
+from zoo.layers import kv_cache, pipeline, pipeline_1f1b, remat, rope
 from zoo.layers.attention import Attention, Segments, context_parallel
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
@@ -305,12 +305,8 @@ class DecoderLM(nnx.Module):
         # What every layer's cache shares: segment ids and positions with this step's tokens.
         kv_ctx = None
         if cache is not None:
-            kv_segment_ids = jax.lax.dynamic_update_slice_in_dim(
-                cache.segment_ids, segment_ids, cache.index, axis=1
-            )
-            kv_positions = jax.lax.dynamic_update_slice_in_dim(
-                cache.positions, positions, cache.index, axis=1
-            )
+            kv_segment_ids = kv_cache.write(cache.segment_ids, segment_ids, cache.index)
+            kv_positions = kv_cache.write(cache.positions, positions, cache.index)
             kv_ctx = (kv_segment_ids, kv_positions, cache.index)
 
         windows, freqs_LR = self._layer_tables()
@@ -453,6 +449,12 @@ class DecoderLM(nnx.Module):
             vocab_size=cfg.vocab_size,
         )
         return weight, head
+
+    def logits(self, x_BTM):
+        """float32 logits [B, T, V] of final-normed hidden states (`hidden`'s), the true
+        vocabulary only: a caller that needs a few positions' logits (generation's last
+        token) runs the LM head on those alone."""
+        return drop_vocab_padding(self._logits(x_BTM), self.cfg.vocab_size)
 
     def _logits(self, x_BTM):
         """float32 logits over the table's rows, the padding columns (if any) masked."""

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from shardings.specs import AttentionSharding
-from zoo.layers import remat, rope
+from zoo.layers import kv_cache, remat, rope
 from zoo.layers.attention import context_parallel, dispatch
 from zoo.layers.attention.mask import Segments
 from zoo.layers.basic import Einsum, Norm, projection_options
@@ -54,12 +54,8 @@ class Attention(nnx.Module):
         if kv is not None:
             # Keys are the cache's slots; earlier prompts sit in it: rows count as packed.
             segments = Segments(segment_ids_BT, kv.segment_ids, positions_BT, kv.positions)
-            k_BTKD = jax.lax.dynamic_update_slice_in_dim(
-                kv.k, k_BTKD.astype(kv.k.dtype), kv.index, axis=1
-            )
-            v_BTKD = jax.lax.dynamic_update_slice_in_dim(
-                kv.v, v_BTKD.astype(kv.v.dtype), kv.index, axis=1
-            )
+            k_BTKD = kv_cache.write(kv.k, k_BTKD.astype(kv.k.dtype), kv.index)
+            v_BTKD = kv_cache.write(kv.v, v_BTKD.astype(kv.v.dtype), kv.index)
             kv = kv._replace(k=k_BTKD, v=v_BTKD)
         # --- context-parallel hook: T split over a mesh axis (training / eval forward) ---
         cp_axis = context_parallel.seq_axis(self.sharding.q.out) if kv is None else None

@@ -1,0 +1,250 @@
+"""The serving engine: one thread that owns the decode slots and runs the model.
+
+    engine = Engine(slots, tokenizer, max_queue=64)
+    engine.start()
+    engine.submit([job])      # from any thread; QueueFullError past --max_queue
+    engine.cancel(job)        # a client that went away: its slot is free at the next turn
+
+Each turn of the loop:
+  1. drops cancelled jobs (their slots free at once);
+  2. admits waiting jobs into free slots and prefills them (in groups of `slots.rows`, the
+     batch the mesh's data axis needs), each one's first token sent straight away: a new
+     request's time to first token is its prefill plus those admitted before it in the same
+     turn, not the running requests' remaining tokens;
+  3. runs one decode step for every slot, and sends each running job its next token.
+A job that finishes (EOS, a stop string, its max_tokens) gives its slot back in the turn it
+finishes, before the next admission. The thread sleeps while there is nothing to do.
+
+Events go to each job's `on_event` from this thread; the HTTP layer forwards them to its
+event loop. An exception from the device fails the jobs of that call (an "error" event) and
+the engine goes on serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from nnx_zoo.serving.scheduler import Event, Job, Sampling, Scheduler
+from nnx_zoo.serving.slots import Slots
+from nnx_zoo.serving.text import TextStream
+
+_log = logging.getLogger(__name__)
+GREEDY = Sampling()
+
+
+class Engine:
+    def __init__(self, slots: Slots, tokenizer, *, max_queue: int):
+        if max_queue < 0:
+            raise ValueError(f"--max_queue={max_queue} must be >= 0")
+        self.slots = slots
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(slots.max_batch, max_queue)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0  # decode steps run
+        self.prefills = 0  # prefill calls run
+        self.peak_running = 0  # most slots busy in one decode step
+        self.cancelled = 0  # jobs dropped from a slot (their client went away)
+
+    # -- the public side (any thread) ----------------------------------------------------
+
+    def job(
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        sampling: Sampling,
+        stop=(),
+        ignore_eos: bool = False,
+        on_event,
+    ) -> Job:
+        """A job for `submit` (checked: a prompt that fits, with room for max_tokens)."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+        limit = self.slots.max_seq_len
+        if len(prompt) + max_tokens > limit:
+            raise ValueError(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{len(prompt)} and max_tokens asks for {max_tokens} more"
+            )
+        vocab = self.slots.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        eos = None if ignore_eos else self.tokenizer.eos_id
+        stream = TextStream(self.tokenizer, max_tokens=max_tokens, stop=stop, eos_id=eos)
+        return Job(list(prompt), sampling, stream, on_event)
+
+    def submit(self, jobs: Sequence[Job]) -> None:
+        with self._cond:
+            self.scheduler.submit(jobs)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._cond:
+            job.cancelled = True
+            self._cond.notify()
+
+    def status(self) -> dict:
+        with self._cond:
+            return dict(
+                running=len(self.scheduler.running()),
+                waiting=len(self.scheduler.waiting),
+                max_batch=self.slots.max_batch,
+                max_queue=self.scheduler.max_queue,
+                max_seq_len=self.slots.max_seq_len,
+                decode_steps=self.steps,
+                prefills=self.prefills,
+                peak_running=self.peak_running,
+                cancelled=self.cancelled,
+                traces={
+                    " ".join(map(str, k)) if isinstance(k, tuple) else k: v
+                    for k, v in self.slots.traces.items()
+                },
+            )
+
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._run, name="serving-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        *,
+        max_tokens: int,
+        sampling: Sequence[Sampling] | Sampling = GREEDY,
+        stop=(),
+        ignore_eos: bool = False,
+    ) -> list[TextStream]:
+        """Run `prompts` concurrently and wait for them all (tests, scripts)."""
+        if isinstance(sampling, Sampling):
+            sampling = [sampling] * len(prompts)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        jobs = []
+        for prompt, settings in zip(prompts, sampling, strict=True):
+            job = self.job(
+                prompt,
+                max_tokens=max_tokens,
+                sampling=settings,
+                stop=stop,
+                ignore_eos=ignore_eos,
+                on_event=None,
+            )
+            job.on_event = functools.partial(_put_last, done, job)
+            jobs.append(job)
+        self.submit(jobs)
+        for _ in jobs:
+            job, event = done.get()
+            if event.error:
+                raise RuntimeError(event.error)
+        return [job.stream for job in jobs]
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self.scheduler.has_work():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                self.cancelled += len(self.scheduler.drop_cancelled())
+                admitted = self.scheduler.admit()
+            rows = self.slots.rows
+            for at in range(0, len(admitted), rows):
+                self._prefill(admitted[at : at + rows])
+            self._decode()
+
+    def _prefill(self, jobs: list[Job]) -> None:
+        columns = _sampling_columns([job.sampling for job in jobs])
+        try:
+            first = self.slots.prefill([j.prompt for j in jobs], [j.slot for j in jobs], columns)
+        except Exception as e:  # noqa: BLE001 -- fail these jobs, keep serving the rest
+            self._fail(jobs, e)
+            return
+        self.prefills += 1
+        now = time.perf_counter()
+        for job, token in zip(jobs, first, strict=True):
+            job.first_token = now
+            self._deliver(job, token)
+
+    def _decode(self) -> None:
+        with self._cond:
+            running = self.scheduler.running()
+        if not running:
+            return
+        B = self.slots.max_batch
+        tokens, active, sampling = [0] * B, [False] * B, [Sampling()] * B
+        for job in running:
+            tokens[job.slot], active[job.slot], sampling[job.slot] = (
+                job.last_token,
+                True,
+                job.sampling,
+            )
+        try:
+            out = self.slots.decode(tokens, active, _sampling_columns(sampling))
+        except Exception as e:  # noqa: BLE001
+            self._fail(running, e)
+            return
+        self.steps += 1
+        self.peak_running = max(self.peak_running, len(running))
+        for job in running:
+            if not job.cancelled:
+                self._deliver(job, out[job.slot])
+
+    def _deliver(self, job: Job, token: int) -> None:
+        job.last_token = int(token)
+        delta = job.stream.add(token)
+        if delta.finish_reason is not None:
+            with self._cond:
+                self.scheduler.release(job)
+        # One event per token, its text possibly empty (held back, or a token with no text):
+        # a streaming client sees every token arrive, which is what latency is measured by.
+        _send(job, Event(delta.text, delta.finish_reason, job.stream.num_tokens))
+
+    def _fail(self, jobs: list[Job], error: Exception) -> None:
+        _log.exception("serving engine: a device call failed")
+        message = f"the engine failed: {' '.join(str(error).split())[:500]}"
+        with self._cond:
+            for job in jobs:
+                self.scheduler.release(job)
+        for job in jobs:
+            job.stream.finish_reason = "error"
+            _send(job, Event("", "error", job.stream.num_tokens, error=message))
+
+
+def _send(job: Job, event: Event) -> None:
+    try:
+        job.on_event(event)
+    except Exception:  # noqa: BLE001 -- a consumer gone (its event loop closed): drop it
+        _log.debug("serving engine: an event could not be delivered", exc_info=True)
+
+
+def _put_last(done: queue.SimpleQueue, job: Job, event: Event) -> None:
+    if event.finish_reason is not None:
+        done.put((job, event))
+
+
+def _sampling_columns(settings: Sequence[Sampling]):
+    return (
+        [s.temperature for s in settings],
+        [s.top_k for s in settings],
+        [s.top_p for s in settings],
+        [s.seed for s in settings],
+    )

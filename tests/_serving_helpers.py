@@ -1,0 +1,34 @@
+"""Shared by the serving tests: a tiny model moved away from its init, so its greedy tokens
+are varied and their logits have clear winners (as a trained model's), built in two compiles
+(create, perturb) rather than one per parameter."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from zoo import create_model
+
+
+def perturbed_model(cfg, strategy, mesh, scale: float = 0.1):
+    with jax.set_mesh(mesh):
+        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+        perturb(model, nnx.Param, scale)
+    return model
+
+
+def perturb(model, kind, scale: float, seed: int = 1) -> None:
+    """Add scale * N(0, 1) noise to every variable of `kind`, in one compiled call (under the
+    model's mesh)."""
+
+    @nnx.jit
+    def move(model):
+        leaves, tree = jax.tree.flatten(nnx.state(model, kind))
+        keys = jax.random.split(jax.random.key(seed), len(leaves))
+        moved = [
+            p + scale * jax.random.normal(k, p.shape, out_sharding=jax.typeof(p).sharding)
+            for p, k in zip(leaves, keys, strict=True)
+        ]
+        nnx.update(model, jax.tree.unflatten(tree, moved))
+
+    move(model)
