@@ -39,6 +39,10 @@ CASES = [
     ("tp", (2, 4)),
     ("fsdp_tp", (4, 2)),
     ("fsdp_tp", (2, 4)),
+    # Sequence parallelism: the residual split on T over `model` (2 and 4), so packed rows'
+    # documents cross the T shards between blocks.
+    ("fsdp_tp_sp", (4, 2)),
+    ("tp_sp", (2, 4)),
     ("hsdp", (2, 4)),
     ("hsdp_tp", (2, 2, 2)),
     # T split over `context` 2 and 4: the packed rows' documents cross chunk borders.
