@@ -128,6 +128,7 @@ def runtime_overrides(model: ModelSection) -> dict:
         remat=model.remat,
         attention_impl=model.attention_impl,
         attention_interpret=model.attention_interpret,
+        context_parallel=model.context_parallel,
         moe_exchange=model.moe_exchange,
         moe_capacity_factor=model.moe_capacity_factor,
         pipeline_microbatches=model.pipeline_microbatches,

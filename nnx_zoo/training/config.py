@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from zoo.layers.config import ATTENTION_IMPLEMENTATIONS
+from zoo.layers.config import ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL
 from zoo.layers.lora import LoraConfig
 from zoo.layers.quant import QUANTIZATIONS
 from zoo.layers.remat import POLICIES as REMAT_POLICIES
@@ -74,6 +74,9 @@ class ModelSection:
     # --attention_impl overrides; an explicit backend that cannot run here is an error.
     attention_impl: str = "xla"
     attention_interpret: bool = False  # run splash in Pallas interpret mode (CPU tests; slow)
+    # T split over `context` (fsdp_cp, fsdp_tp_cp): all_gather (every device gathers all K/V)
+    # | ring (K/V blocks rotated by collective-permutes, online softmax: K/V memory / context).
+    context_parallel: str = "all_gather"
     # MoE expert parallelism (zoo/layers/moe_exchange.py): 'auto' | 'ragged' | 'padded', and
     # the padded exchange's capacity factor (0: dropless).
     moe_exchange: str = "auto"
@@ -112,6 +115,7 @@ class ModelSection:
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
             ("attention_impl", ATTENTION_IMPLEMENTATIONS),
+            ("context_parallel", CONTEXT_PARALLEL),
             ("moe_exchange", ("auto", "ragged", "padded")),
             ("quantization", QUANTIZATIONS),
         ):
@@ -129,6 +133,7 @@ class ModelSection:
             remat=self.remat,
             attention_impl=self.attention_impl,
             attention_interpret=self.attention_interpret,
+            context_parallel=self.context_parallel,
             moe_exchange=self.moe_exchange,
             moe_capacity_factor=self.moe_capacity_factor,
             pipeline_microbatches=self.pipeline_microbatches,

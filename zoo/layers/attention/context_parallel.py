@@ -16,11 +16,14 @@ Nothing in the model depends on the order except through `positions` and `segmen
 which travel with their tokens: RoPE reads global positions, and the mask (same segment,
 key position <= query position) is the same whatever order the tokens sit in.
 
-Attention. Each device keeps its queries and all-gathers K, V, kv segment ids and positions
-over `context` inside `jax.shard_map` (the backward pass reduce-scatters dK, dV), then runs
-the ordinary attention on its block: [B, T/c] queries against [B, T] keys, so the O(T^2)
-logits are 1/c per device. Ring attention (overlapping the gather with the compute) is a
-later option behind the same call.
+Attention, two ways (`DecoderConfig.context_parallel`), both inside `jax.shard_map`:
+
+- `all_gather`: each device keeps its queries and all-gathers K, V, kv segment ids and
+  positions over `context` (the backward pass reduce-scatters dK, dV), then runs the ordinary
+  attention on its block: [B, T/c] queries against [B, T] keys, so the O(T^2) logits are 1/c
+  per device but every device holds the whole row's K/V.
+- `ring`: K/V blocks passed around the axis by collective-permutes, attended one at a time
+  with a running log-sum-exp (ring.py): K/V memory 1/c too.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from shardings.specs import normalize
-from zoo.layers.attention import dispatch
+from zoo.layers.attention import dispatch, ring
 from zoo.layers.attention.layout import reshard_to
 from zoo.layers.attention.mask import Segments
 
@@ -136,15 +139,28 @@ def attention(
     sliding_window: int | jax.Array | None,
     implementation: str,
     out_sharding: P | None,
+    method: str = "all_gather",
 ) -> jax.Array:
-    """Causal self-attention of a T-split block: K/V (and their segment ids / positions)
-    all-gathered over `axis`, each device's queries against every key. out_BTND keeps q's
-    layout (then `out_sharding`)."""
+    """Causal self-attention of a T-split block, each device's queries against every key:
+    K/V (and their segment ids / positions) all-gathered over `axis` (`method='all_gather'`)
+    or passed around it (`'ring'`). out_BTND keeps q's layout (then `out_sharding`)."""
+    if method not in ("all_gather", "ring"):
+        raise ValueError(f"context_parallel={method!r}; valid: all_gather, ring")
     q_spec, kv_spec = _live_spec(q_BTND), _live_spec(k_BTKD)
     tok_spec = P(q_spec[0], q_spec[1])
     static_window = sliding_window is None or isinstance(sliding_window, int | np.integer)
 
     def local(q, k, v, seg, pos, *window):
+        if method == "ring":
+            return ring.ring_attention(
+                q,
+                k,
+                v,
+                Segments(seg, seg, pos, pos),
+                axis=axis,
+                scale=scale,
+                sliding_window=sliding_window if static_window else window[0],
+            )
         gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
         # Each device's T/c queries against all T keys: T != S, so index-masking kernels
         # (splash, cuDNN) hand these calls to xla (the dispatcher logs why once).

@@ -23,6 +23,7 @@ class Attention(nnx.Module):
         self.use_rope = cfg.position == "rope"
         self.implementation = cfg.attention_impl
         self.interpret = cfg.attention_interpret
+        self.context_parallel = cfg.context_parallel
         common = dict(
             rngs=rngs,
             use_bias=cfg.use_bias,
@@ -78,6 +79,7 @@ class Attention(nnx.Module):
                 sliding_window=window,
                 implementation=self.implementation,
                 out_sharding=self.sharding.q.out,
+                method=self.context_parallel,
             )
             return self._out(out_BTND), kv
         # --- end of hook ---

@@ -1,0 +1,188 @@
+"""Ring attention: the keys and values of a T split over `context` visit every device in turn.
+
+Dims as in the attention package: B batch, T local queries, S local keys (T = S = T_global / c),
+K kv heads, G = N // K query heads per kv head, D head dim; c = size of the context axis.
+
+Runs per device, inside the `jax.shard_map` of context_parallel.attention. Each device keeps
+its queries; its K/V block (with the block's segment ids and positions) is passed to the next
+device along the axis by a collective-permute, c - 1 times, so every device attends every
+block once. The permute of the next block is issued before the current block's attention, so
+the two can overlap. Each block gives its softmax-normalised output and its log-sum-exp per
+query; they are combined with a running log-sum-exp (online softmax):
+
+    lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+which is exactly softmax attention over the union of the blocks. The mask is the package's
+rule (same segment, key position <= query position, window) applied per block, so documents
+and causality hold whatever order the tokens sit in: the load-balanced chunk order of
+context_parallel.py needs nothing here. Every block is computed whole (no index-based
+skipping of the blocks a causal mask hides), so a padding query sees what it sees on one
+device, and results equal the one-device run on every position.
+
+The backward is a custom VJP, not autodiff through the ring: autodiff would keep every block
+of K/V the forward received (c blocks: the all-gather's memory again) for the backward pass.
+Here the forward keeps only its own q, k, v, the output and the log-sum-exp; the backward sends
+K/V around the ring once more, and with them the running dK/dV of each block, which are back
+on their home device after c hops. Per block, the probabilities are recomputed from the final
+log-sum-exp, so the block's share of dq, dk, dv is exact (FlashAttention's backward).
+
+Per-device memory: K/V of two blocks (the current and the incoming) instead of all c, and
+[T, S] logits per block instead of [T, c S].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.layers.attention.mask import Segments, attention_mask, is_static
+
+# As the xla backend: finite, so a block where a query sees nothing gives a finite
+# log-sum-exp (about this value), whose weight in the combination is then exp(-huge) = 0.
+_MASKED_LOGIT = float(np.finfo(np.float32).min)
+
+
+def ring_attention(
+    q_BTND: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    segments: Segments,
+    *,
+    axis: str,
+    scale: float,
+    sliding_window,
+) -> jax.Array:
+    """Causal self-attention of this device's queries over the keys of every device on
+    `axis` (per-device arrays, inside shard_map). out_BTND in q's dtype."""
+    c = jax.sharding.get_abstract_mesh().shape[axis]
+    static = is_static(sliding_window)
+    window = None if static else jnp.asarray(sliding_window, jnp.int32)
+
+    def mask_of(q_ids, kv_ids, q_pos, kv_pos, window):
+        rule = sliding_window if static else window
+        seg = Segments(q_ids, kv_ids, q_pos, kv_pos)
+        return attention_mask(seg, causal=True, sliding_window=rule)
+
+    ring = _make_ring(c, axis, scale, mask_of)
+    q_ids, kv_ids, q_pos, kv_pos = segments.arrays()
+    return ring(q_BTND, k_BSKD, v_BSKD, q_ids, kv_ids, q_pos, kv_pos, window)
+
+
+def _make_ring(c: int, axis: str, scale: float, mask_of):
+    """The custom-VJP ring for one axis size, scale and mask rule."""
+    perm = [(j, (j + 1) % c) for j in range(c)]
+
+    def send(x):
+        return jax.lax.ppermute(x, axis, perm)
+
+    def forward(q, k, v, q_ids, kv_ids, q_pos, kv_pos, window):
+        B, T, N, D = q.shape
+        K = k.shape[2]
+        q_BTKGD = q.reshape(B, T, K, N // K, D)
+        block = (k, v, kv_ids, kv_pos)
+        out = lse = None
+        for step in range(c):
+            # Issued first, so the permute can run while this block is attended.
+            incoming = jax.tree.map(send, block) if step < c - 1 else None
+            k_b, v_b, ids_b, pos_b = block
+            mask_BTS = mask_of(q_ids, ids_b, q_pos, pos_b, window)
+            out_b, lse_b = _block_forward(q_BTKGD, k_b, v_b, mask_BTS, scale)
+            if out is None:
+                out, lse = out_b, lse_b
+            else:
+                new = jnp.logaddexp(lse, lse_b)
+                out = out * jnp.exp(lse - new)[..., None] + out_b * jnp.exp(lse_b - new)[..., None]
+                lse = new
+            block = incoming
+        return out, lse
+
+    @jax.custom_vjp
+    def ring(q, k, v, q_ids, kv_ids, q_pos, kv_pos, window):
+        out_BTKGD, _ = forward(q, k, v, q_ids, kv_ids, q_pos, kv_pos, window)
+        return out_BTKGD.reshape(q.shape).astype(q.dtype)
+
+    def ring_fwd(q, k, v, q_ids, kv_ids, q_pos, kv_pos, window):
+        out_BTKGD, lse_BTKG = forward(q, k, v, q_ids, kv_ids, q_pos, kv_pos, window)
+        out = out_BTKGD.reshape(q.shape).astype(q.dtype)
+        return out, (q, k, v, q_ids, kv_ids, q_pos, kv_pos, window, out, lse_BTKG)
+
+    def ring_bwd(res, dout_BTND):
+        q, k, v, q_ids, kv_ids, q_pos, kv_pos, window, out, lse_BTKG = res
+        B, T, N, D = q.shape
+        K = k.shape[2]
+        grouped = (B, T, K, N // K, D)
+        q_BTKGD = q.reshape(grouped)
+        dout_BTKGD = dout_BTND.reshape(grouped)
+        # FlashAttention's D: rowsum(dO * O) per query and head, from the final output.
+        delta_BTKG = jnp.sum(
+            dout_BTKGD.astype(jnp.float32) * out.reshape(grouped).astype(jnp.float32), axis=-1
+        )
+        dq = jnp.zeros(grouped, jnp.float32)
+        # Each block travels with the dK/dV that the devices it visited have added to it.
+        block = (k, v, kv_ids, kv_pos)
+        dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        for step in range(c):
+            incoming = jax.tree.map(send, block) if step < c - 1 else None
+            k_b, v_b, ids_b, pos_b = block
+            mask_BTS = mask_of(q_ids, ids_b, q_pos, pos_b, window)
+            dq_b, dk_b, dv_b = _block_backward(
+                q_BTKGD, k_b, v_b, mask_BTS, scale, lse_BTKG, dout_BTKGD, delta_BTKG
+            )
+            dq = dq + dq_b
+            # After its c-th hop a block's dK/dV is home again.
+            dkv = jax.tree.map(send, (dkv[0] + dk_b, dkv[1] + dv_b))
+            block = incoming
+        dk, dv = dkv
+        # Integer inputs (ids, positions, the window) have no cotangent.
+        return (
+            dq.reshape(q.shape).astype(q.dtype),
+            dk.astype(k.dtype),
+            dv.astype(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring
+
+
+def _logits(q_BTKGD, k_BSKD, mask_BTS, scale):
+    """Masked, scaled float32 logits [B, K, G, T, S]."""
+    logits = jnp.einsum("BTKGD,BSKD->BKGTS", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32)
+    return jnp.where(mask_BTS[:, None, None], logits * scale, _MASKED_LOGIT)
+
+
+def _block_forward(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, scale):
+    """(out_BTKGD float32, softmax-normalised over this block's keys; lse_BTKG float32)."""
+    logits = _logits(q_BTKGD, k_BSKD, mask_BTS, scale)
+    max_BKGT = jnp.max(logits, axis=-1)
+    unnormalised = jnp.exp(logits - max_BKGT[..., None])
+    sum_BKGT = jnp.sum(unnormalised, axis=-1)
+    probs = (unnormalised / sum_BKGT[..., None]).astype(v_BSKD.dtype)
+    out_BTKGD = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v_BSKD, preferred_element_type=jnp.float32)
+    lse_BTKG = jnp.transpose(max_BKGT + jnp.log(sum_BKGT), (0, 3, 1, 2))
+    return out_BTKGD, lse_BTKG
+
+
+def _block_backward(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, scale, lse_BTKG, dout_BTKGD, delta_BTKG):
+    """This block's share of (dq_BTKGD, dk_BSKD, dv_BSKD), float32, given the softmax's final
+    log-sum-exp over all blocks: P = exp(logits - lse) are the block's true probabilities."""
+    logits = _logits(q_BTKGD, k_BSKD, mask_BTS, scale)
+    lse_BKGT = jnp.transpose(lse_BTKG, (0, 2, 3, 1))
+    probs = jnp.exp(logits - lse_BKGT[..., None])  # masked: exp(-huge) = 0
+    dv = jnp.einsum(
+        "BKGTS,BTKGD->BSKD",
+        probs.astype(dout_BTKGD.dtype),
+        dout_BTKGD,
+        preferred_element_type=jnp.float32,
+    )
+    dprobs = jnp.einsum("BTKGD,BSKD->BKGTS", dout_BTKGD, v_BSKD, preferred_element_type=jnp.float32)
+    delta_BKGT = jnp.transpose(delta_BTKG, (0, 2, 3, 1))
+    dlogits = (probs * (dprobs - delta_BKGT[..., None]) * scale).astype(q_BTKGD.dtype)
+    dq = jnp.einsum("BKGTS,BSKD->BTKGD", dlogits, k_BSKD, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("BKGTS,BTKGD->BSKD", dlogits, q_BTKGD, preferred_element_type=jnp.float32)
+    return dq, dk, dv
