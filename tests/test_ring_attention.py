@@ -30,7 +30,7 @@ from nnx_zoo.training.step_memory import step_memory
 from shardings import get_strategy
 from shardings.hlo import collectives
 from zoo import create_model, get_config
-from zoo.layers.attention import context_parallel
+from zoo.layers.attention import context_parallel, ring_splash
 
 B, T, N, K, D = 2, 64, 4, 2, 8
 CONTEXT = 4
@@ -64,8 +64,22 @@ def _reference(q, k, v, seg, pos, cotangent, window):
     return np.asarray(out), [np.asarray(g) for g in grads]
 
 
-def _ring(mesh, q, k, v, seg, pos, cotangent, window, *, traced_window=False, balanced=False):
-    order = context_parallel.balanced_order(T, CONTEXT) if balanced else np.arange(T)
+def _ring(
+    mesh,
+    q,
+    k,
+    v,
+    seg,
+    pos,
+    cotangent,
+    window,
+    *,
+    traced_window=False,
+    balanced=False,
+    implementation="xla",
+):
+    T, context = q.shape[1], mesh.shape["context"]
+    order = context_parallel.balanced_order(T, context) if balanced else np.arange(T)
     inverse = np.argsort(order)
     qkv_spec, tok_spec = P("data", "context", None, None), P("data", "context")
     with jax.set_mesh(mesh):
@@ -85,9 +99,11 @@ def _ring(mesh, q, k, v, seg, pos, cotangent, window, *, traced_window=False, ba
                     axis="context",
                     scale=SCALE,
                     sliding_window=w if traced_window else window,
-                    implementation="xla",
+                    implementation=implementation,
                     out_sharding=None,
                     method="ring",
+                    balanced=balanced,
+                    interpret=implementation == "splash",
                 )
                 return jnp.sum(out * cot), out
 
@@ -164,3 +180,25 @@ def test_ring_attention_temporaries_are_below_all_gathers(long_rows):
     gather_temp, ring_temp = long_rows["all_gather"][0], long_rows["ring"][0]
     print(f"\ntemp bytes per device, T=512 x 2 rows: all_gather {gather_temp}, ring {ring_temp}")
     assert ring_temp < gather_temp, (gather_temp, ring_temp)
+
+
+def test_ring_with_splash_blocks_equals_one_device(monkeypatch):
+    # The TPU path (ring_splash.py) in Pallas interpret mode, context 2: each device's 256
+    # tokens and the half blocks of 128 the kernel tiles. Every row is documents to its end:
+    # splash masks by index, so a padding query would see fewer padding keys than one device.
+    calls = []
+    original = ring_splash._forward
+    monkeypatch.setattr(ring_splash, "_forward", lambda *a: calls.append(a[0]) or original(*a))
+    mesh = get_strategy("fsdp_cp").make_mesh(shape=(4, 2))
+    rng = np.random.default_rng(1)
+    length = 512
+    q = rng.normal(size=(4, length, N, D)).astype(np.float32)
+    k, v = (rng.normal(size=(4, length, K, D)).astype(np.float32) for _ in range(2))
+    cot = rng.normal(size=q.shape).astype(np.float32)
+    seg, pos = packed_rows([[512], [100, 300, 112], [257, 255], [3, 128, 128, 253]], length)
+    want_out, want_grads = _reference(q, k, v, seg, pos, cot, None)
+    out, grads = _ring(mesh, q, k, v, seg, pos, cot, None, balanced=True, implementation="splash")
+    assert calls, "the ring did not run splash blocks"
+    np.testing.assert_allclose(out, want_out, atol=2e-6, rtol=0)
+    for name, got, want in zip("qkv", grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"d{name}")

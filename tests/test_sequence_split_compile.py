@@ -10,12 +10,16 @@ packed rows, batch 8 x 128), compiled for 8 abstract H100s and 8 abstract TPU v5
   (each norm's statistics over the split M).
 - fsdp_cp with context_parallel=ring on v5p:2x2x2 and h100:8 (data:2, context:4):
   collective-permutes over `context` inside the layer loop, and no float all-gather over
-  `context` (all_gather's K/V gather).
+  `context` there (all_gather's K/V gather). On v5p (`auto`, rows of 1024: blocks of 256 local
+  tokens, half blocks of 128 as the kernel tiles) each block runs splash's forward (with its
+  log-sum-exp), dq and dkv kernels; on h100 the blocks are XLA's (cuDNN has no ring form).
 
 These need the [tpu] / [gpu] extras and fail (never skip) without them.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import pytest
@@ -31,14 +35,19 @@ LAYERS = get_config("tiny").num_layers
 FLOATS = {"f32", "bf16"}
 
 
-def _collectives(target, strategy_name, shape, **model):
+def _compile(target, strategy_name, shape, batch=B, seq_len=T, **model):
     cfg = get_config("tiny", dtype="bfloat16", **model)
     strategy = get_strategy(strategy_name)
     mesh = strategy.make_mesh(shape=shape, devices=target_devices(target), config=cfg)
-    run = abstract_run(cfg, strategy_name, mesh, batch_size=B, seq_len=T, packed=True)
+    run = abstract_run(cfg, strategy_name, mesh, batch_size=batch, seq_len=seq_len, packed=True)
     with jax.set_mesh(mesh):
         hlo = run.trainer.lower(run.abstract_batch()).compile().as_text()
-    return collectives(hlo, dict(mesh.shape)), cfg
+    return hlo, collectives(hlo, dict(mesh.shape)), cfg
+
+
+def _collectives(target, strategy_name, shape, **model):
+    _, ops, cfg = _compile(target, strategy_name, shape, **model)
+    return ops, cfg
 
 
 def _in_layer_loop(ops, axis):
@@ -66,18 +75,33 @@ def test_sequence_parallel_gathers_and_reduce_scatters_where_fsdp_tp_all_reduces
 
 
 @pytest.mark.parametrize(
-    "target",
+    "target, seq_len",
     [
-        pytest.param("v5p:2x2x2", marks=pytest.mark.tpu_compile),
-        pytest.param("h100:8", marks=pytest.mark.gpu_compile),
+        pytest.param("v5p:2x2x2", 1024, marks=pytest.mark.tpu_compile),
+        pytest.param("h100:8", T, marks=pytest.mark.gpu_compile),
     ],
 )
-def test_ring_attention_permutes_over_context_and_gathers_no_kv(target):
-    ops, _ = _collectives(target, "fsdp_cp", (2, 4), context_parallel="ring", attention_impl="auto")
+def test_ring_attention_permutes_over_context_and_gathers_no_kv(target, seq_len):
+    hlo, ops, _ = _compile(
+        target,
+        "fsdp_cp",
+        (2, 4),
+        batch=2,
+        seq_len=seq_len,
+        context_parallel="ring",
+        attention_impl="auto",
+    )
+    splash = set(re.findall(r"%(splash_mha_\w+?)(?:\.\d+)? = ", hlo))
+    if target.startswith("v5p"):
+        for kernel in ("fwd_segmented_residuals", "dq_segmented", "dkv_segmented"):
+            assert any(k.startswith(f"splash_mha_{kernel}") for k in splash), splash
+    else:
+        assert not splash and "__cudnn$fmha" not in hlo
     permutes = [o for o in _in_layer_loop(ops, "context") if o.op == "collective-permute"]
     # K, V (and their ids, positions) 3 hops forward; backward 3 more and dK, dV 4.
     assert len(permutes) >= 6, permutes
+    # K/V would be gathered per layer, inside the loop (all_gather's form).
     kv_gathers = [
-        o for o in ops if o.op == "all-gather" and o.axes == ("context",) and FLOATS & set(o.dtypes)
+        o for o in _in_layer_loop(ops, "context") if o.op == "all-gather" and FLOATS & set(o.dtypes)
     ]
     assert not kv_gathers, kv_gathers

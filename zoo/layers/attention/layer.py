@@ -80,6 +80,7 @@ class Attention(nnx.Module):
                 implementation=self.implementation,
                 out_sharding=self.sharding.q.out,
                 method=self.context_parallel,
+                interpret=self.interpret,
             )
             return self._out(out_BTND), kv
         # --- end of hook ---

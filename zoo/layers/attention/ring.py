@@ -28,6 +28,11 @@ log-sum-exp, so the block's share of dq, dk, dv is exact (FlashAttention's backw
 
 Per-device memory: K/V of two blocks (the current and the incoming) instead of all c, and
 [T, S] logits per block instead of [T, c S].
+
+Blocks are computed by einsums (`XlaBlocks`, every platform) or, on TPU, by the splash kernel
+(ring_splash.py: index masks, so only in the load-balanced order, without a window). cuDNN
+does not apply: its public call returns no log-sum-exp to combine blocks by and takes none
+into its backward, so on GPU the blocks are XLA's (`block_kernel` says why, once).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.layers.attention.mask import Segments, attention_mask, is_static
+from zoo.layers.attention.registry import CallInfo, resolve_implementation
 
 # As the xla backend: finite, so a block where a query sees nothing gives a finite
 # log-sum-exp (about this value), whose weight in the combination is then exp(-huge) = 0.
@@ -52,25 +58,64 @@ def ring_attention(
     axis: str,
     scale: float,
     sliding_window,
+    kernel: str = "xla",
+    interpret: bool = False,
 ) -> jax.Array:
     """Causal self-attention of this device's queries over the keys of every device on
-    `axis` (per-device arrays, inside shard_map). out_BTND in q's dtype."""
+    `axis` (per-device arrays, inside shard_map). out_BTND in q's dtype. `kernel`: 'xla' or
+    'splash' (see `block_kernel`)."""
     c = jax.sharding.get_abstract_mesh().shape[axis]
     static = is_static(sliding_window)
     window = None if static else jnp.asarray(sliding_window, jnp.int32)
+    if kernel == "splash":
+        from zoo.layers.attention.ring_splash import SplashBlocks
 
-    def mask_of(q_ids, kv_ids, q_pos, kv_pos, window):
-        rule = sliding_window if static else window
-        seg = Segments(q_ids, kv_ids, q_pos, kv_pos)
-        return attention_mask(seg, causal=True, sliding_window=rule)
-
-    ring = _make_ring(c, axis, scale, mask_of)
+        blocks = SplashBlocks(scale=scale, context=c, axis=axis, interpret=interpret)
+    else:
+        blocks = XlaBlocks(scale, sliding_window if static else None)
+    ring = _make_ring(c, axis, blocks)
     q_ids, kv_ids, q_pos, kv_pos = segments.arrays()
     return ring(q_BTND, k_BSKD, v_BSKD, q_ids, kv_ids, q_pos, kv_pos, window)
 
 
-def _make_ring(c: int, axis: str, scale: float, mask_of):
-    """The custom-VJP ring for one axis size, scale and mask rule."""
+def block_kernel(
+    implementation: str,
+    *,
+    dtype,
+    head_dim: int,
+    block_len: int,
+    sliding_window,
+    balanced: bool,
+    platform: str,
+    interpret: bool,
+) -> tuple[str, str | None]:
+    """('splash' | 'xla', why not the backend asked for, or None): the kernel of the ring's
+    blocks of `block_len` local tokens. An explicit backend that cannot run on this platform
+    at all raises ValueError, as the dispatcher does."""
+    # The ring's smallest splash call is half a block.
+    half = block_len // 2
+    call = CallInfo(dtype, head_dim, half, half, platform, interpret)
+    name = resolve_implementation(implementation, call)
+    if name == "cudnn":
+        return "xla", (
+            "has no ring form: cuDNN's public call gives no log-sum-exp to combine K/V blocks "
+            "by, and its backward takes none"
+        )
+    if name != "splash":
+        return "xla", None
+    from zoo.layers.attention import ring_splash
+
+    if not (sliding_window is None or (is_static(sliding_window) and sliding_window <= 0)):
+        return "xla", "runs the ring's blocks by index masks, which cannot say a sliding window"
+    if not balanced:
+        return "xla", "runs the ring's blocks by index masks, which need the balanced order"
+    if not ring_splash.available():
+        return "xla", "cannot take the ring's log-sum-exp into its backward in this jax version"
+    return "splash", None
+
+
+def _make_ring(c: int, axis: str, blocks):
+    """The custom-VJP ring for one axis size and block kernel."""
     perm = [(j, (j + 1) % c) for j in range(c)]
 
     def send(x):
@@ -86,8 +131,8 @@ def _make_ring(c: int, axis: str, scale: float, mask_of):
             # Issued first, so the permute can run while this block is attended.
             incoming = jax.tree.map(send, block) if step < c - 1 else None
             k_b, v_b, ids_b, pos_b = block
-            mask_BTS = mask_of(q_ids, ids_b, q_pos, pos_b, window)
-            out_b, lse_b = _block_forward(q_BTKGD, k_b, v_b, mask_BTS, scale)
+            segments = Segments(q_ids, ids_b, q_pos, pos_b)
+            out_b, lse_b = blocks.forward(step, q_BTKGD, k_b, v_b, segments, window)
             if out is None:
                 out, lse = out_b, lse_b
             else:
@@ -125,9 +170,18 @@ def _make_ring(c: int, axis: str, scale: float, mask_of):
         for step in range(c):
             incoming = jax.tree.map(send, block) if step < c - 1 else None
             k_b, v_b, ids_b, pos_b = block
-            mask_BTS = mask_of(q_ids, ids_b, q_pos, pos_b, window)
-            dq_b, dk_b, dv_b = _block_backward(
-                q_BTKGD, k_b, v_b, mask_BTS, scale, lse_BTKG, dout_BTKGD, delta_BTKG
+            segments = Segments(q_ids, ids_b, q_pos, pos_b)
+            dq_b, dk_b, dv_b = blocks.backward(
+                step,
+                q_BTKGD,
+                k_b,
+                v_b,
+                segments,
+                window,
+                out.reshape(grouped),
+                lse_BTKG,
+                dout_BTKGD,
+                delta_BTKG,
             )
             dq = dq + dq_b
             # After its c-th hop a block's dK/dV is home again.
@@ -148,6 +202,27 @@ def _make_ring(c: int, axis: str, scale: float, mask_of):
 
     ring.defvjp(ring_fwd, ring_bwd)
     return ring
+
+
+class XlaBlocks:
+    """The ring's per-step block attention by einsums: the whole block, masked by the rule."""
+
+    def __init__(self, scale: float, static_window):
+        self.scale, self.static_window = scale, static_window
+
+    def _mask(self, segments, window):
+        rule = self.static_window if window is None else window
+        return attention_mask(segments, causal=True, sliding_window=rule)
+
+    def forward(self, step, q_BTKGD, k_BSKD, v_BSKD, segments, window):
+        del step  # every block is computed whole
+        mask_BTS = self._mask(segments, window)
+        return _block_forward(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, self.scale)
+
+    def backward(self, step, q, k, v, segments, window, out, lse_BTKG, dout, delta_BTKG):
+        del step, out  # delta carries what the output gives the backward
+        mask_BTS = self._mask(segments, window)
+        return _block_backward(q, k, v, mask_BTS, self.scale, lse_BTKG, dout, delta_BTKG)
 
 
 def _logits(q_BTKGD, k_BSKD, mask_BTS, scale):
