@@ -190,7 +190,14 @@ def build(request: Request):
         slices = num_granules(list(target.devices))
         mesh_shapes = {s: get_strategy(s).default_mesh_shape(n, cfg, slices) for s in names}
     candidates = candidate_space(
-        run, target, names, remats, micro, mesh_shapes, choose_pipeline=auto
+        run,
+        target,
+        names,
+        remats,
+        micro,
+        mesh_shapes,
+        choose_pipeline=auto,
+        choose_context_parallel=auto,
     )
     if not candidates:
         raise ValueError(
@@ -264,7 +271,13 @@ def resolve_auto(run, log=print, init_from: str | None = None):
     names, _ = _strategies("auto")
     names = distinct_strategies(names, run.model.decoder_config(), target)
     candidates = candidate_space(
-        run, target, names, REMAT_ORDER, (1, 2, 4, 8), choose_pipeline=True
+        run,
+        target,
+        names,
+        REMAT_ORDER,
+        (1, 2, 4, 8),
+        choose_pipeline=True,
+        choose_context_parallel=True,
     )
     if not candidates:
         raise ValueError(

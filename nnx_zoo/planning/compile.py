@@ -45,6 +45,9 @@ class Candidate:
     # Pipeline strategies: the micro-batches the pipeline cuts each forward pass into, as
     # `auto` chose them (`planning.search.pipeline_microbatches`); 0: the config's.
     pipeline_microbatches: int = 0
+    # Strategies that split T over `context`: how attention sees the keys ('all_gather' or
+    # 'ring', model.context_parallel); '' for the others.
+    context_parallel: str = ""
 
     def describe(self) -> str:
 
@@ -53,6 +56,8 @@ class Candidate:
         text = f"{self.strategy} mesh {mesh} remat={self.remat} micro_batches={self.micro_batches}"
         if self.pipeline_microbatches:
             text += f" pipeline_microbatches={self.pipeline_microbatches}"
+        if self.context_parallel:
+            text += f" context_parallel={self.context_parallel}"
         return text
 
 
@@ -136,6 +141,7 @@ class Plan:
             "topology": self.target.name,
             "remat": c.remat,
             "micro_batches": c.micro_batches,
+            "context_parallel": c.context_parallel or None,
             "global_batch": self.global_batch,
             "seq_len": self.seq_len,
             "param_bytes": self.state.params,
@@ -276,6 +282,8 @@ def run_for(run, candidate: Candidate):
     model = dataclasses.replace(run.model, remat=candidate.remat)
     if candidate.pipeline_microbatches:
         model = dataclasses.replace(model, pipeline_microbatches=candidate.pipeline_microbatches)
+    if candidate.context_parallel:
+        model = dataclasses.replace(model, context_parallel=candidate.context_parallel)
     optimizer = dataclasses.replace(run.optimizer, micro_batches=candidate.micro_batches)
     return dataclasses.replace(run, training=training, model=model, optimizer=optimizer)
 

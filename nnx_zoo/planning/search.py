@@ -40,6 +40,7 @@ from shardings.hybrid import num_granules
 from shardings.specs import entry_size
 from shardings.strategies import CONTEXT, DATA, MAX_MODEL_AXIS, MODEL
 from zoo.layers import pipeline
+from zoo.layers.config import CONTEXT_PARALLEL
 
 REMAT_ORDER = ("none", "dots", "full")
 GiB = 1024**3
@@ -70,6 +71,7 @@ def candidate_space(
     micro_batches=(1, 2, 4, 8),
     mesh_shapes: dict[str, tuple[int, ...]] | None = None,
     choose_pipeline: bool = False,
+    choose_context_parallel: bool = False,
 ) -> list[Candidate]:
     """Every combination that the layouts and the batch allow on `target`'s device count.
 
@@ -77,6 +79,9 @@ def candidate_space(
     count, up to the strategies' tensor-parallel cap; `mesh_shapes` fixes a strategy's shape.
     `choose_pipeline` (auto): a pipeline strategy's micro-batch count, when the config leaves
     it 0, is `pipeline_microbatches`' (else the config's, as train_main would run it).
+    `choose_context_parallel` (auto): a strategy that splits T over `context` is tried with
+    both of `CONTEXT_PARALLEL` (ring: K/V memory / context, the same compute; which is faster
+    is the collectives' to say), else with the config's.
     """
 
     n = len(target.devices)
@@ -92,6 +97,9 @@ def candidate_space(
             shapes = _mesh_shapes(strategy, n, cfg, slices)
         batch_axes = strategy.batch_spec()[0]
         stage_axis = strategy.lm_sharding().stage_axis
+        methods = ("",)
+        if CONTEXT in strategy.axes:
+            methods = CONTEXT_PARALLEL if choose_context_parallel else (cfg.context_parallel,)
         for shape in shapes:
             sizes = dict(zip(strategy.axes, shape, strict=True))
             data = entry_size(batch_axes, sizes)
@@ -106,7 +114,7 @@ def candidate_space(
                         pm = pipeline_microbatches(sizes[stage_axis], rows)
                         if not pm:
                             continue
-                    out.append(Candidate(name, tuple(shape), remat, k, pm))
+                    out += [Candidate(name, tuple(shape), remat, k, pm, m) for m in methods]
     return out
 
 
@@ -286,8 +294,10 @@ def _at_least_as_much_remat(a: str, b: str) -> bool:
 
 
 def _dominated(c: Candidate, fitted: Candidate) -> bool:
+    # all_gather and ring are different layouts of attention's keys: neither dominates.
     return (
-        (c.strategy, c.mesh_shape) == (fitted.strategy, fitted.mesh_shape)
+        (c.strategy, c.mesh_shape, c.context_parallel)
+        == (fitted.strategy, fitted.mesh_shape, fitted.context_parallel)
         and _at_least_as_much_remat(c.remat, fitted.remat)
         and c.micro_batches >= fitted.micro_batches
         and c != fitted
@@ -299,10 +309,11 @@ def _cannot_fit(c: Candidate, failed: list[Plan], memory: int) -> str | None:
     no such variant says so."""
     for plan in failed:
         f = plan.candidate
-        same_layout = (c.strategy, c.mesh_shape, c.pipeline_microbatches) == (
+        same_layout = (c.strategy, c.mesh_shape, c.pipeline_microbatches, c.context_parallel) == (
             f.strategy,
             f.mesh_shape,
             f.pipeline_microbatches,
+            f.context_parallel,
         )
         if not same_layout or c == f or not _at_least_as_much_remat(f.remat, c.remat):
             continue
