@@ -100,3 +100,39 @@ def test_checkpoint_moves_between_fsdp_tp_sp_and_fsdp_tp_bit_for_bit(tmp_path, s
         np.testing.assert_array_equal(got, want)
     for got, want in zip(leaves(optimizer, nnx.optimizer.OptState), opt_state, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+BAD_INPUTS = {
+    "unknown context_parallel": (
+        ["--sharding_strategy=fsdp_cp", "--config.model.context_parallel=rings"],
+        "config model.context_parallel='rings': valid: all_gather, ring",
+    ),
+    "T not splitting over the residual's model axis": (
+        [
+            "--sharding_strategy=fsdp_tp_sp",
+            "--mesh_shape=data:2,model:4",
+            "--config.data.seq_len=66",
+        ],
+        "sequence length 66 is split over mesh axis model=4 in the residual stream",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_exit_2_and_one_line(tmp_path, case):
+    flags, expected = BAD_INPUTS[case]
+    # After the small run's flags, so that these override them.
+    result = _entry.train([f"--workdir={tmp_path}", *cli_flags(SMALL_RUN), *flags])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert expected in lines[0], lines[0]
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_generation_under_sequence_parallelism_is_one_line(tmp_path):
+    result = _entry.evaluate(
+        [f"--workdir={tmp_path}", "--sharding_strategy=fsdp_tp_sp", "--prompt=hi"]
+    )
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert "sequence-parallel strategy fsdp_tp_sp" in lines[0], lines[0]
