@@ -51,8 +51,9 @@ def _collectives(target, strategy_name, shape, **model):
 
 
 def _in_layer_loop(ops, axis):
-    # The scanned layer stack is a while loop run L times; an op inside runs L times a step.
-    return [o for o in ops if o.axes == (axis,) and o.executions == LAYERS]
+    # The scanned layer stack is a while loop run L times; an op inside runs L times a step
+    # (or a multiple, inside a loop of its own: the ring's steps).
+    return [o for o in ops if o.axes == (axis,) and o.executions >= LAYERS]
 
 
 @pytest.mark.gpu_compile

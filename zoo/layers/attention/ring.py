@@ -7,7 +7,8 @@ Runs per device, inside the `jax.shard_map` of context_parallel.attention. Each 
 its queries; its K/V block (with the block's segment ids and positions) is passed to the next
 device along the axis by a collective-permute, c - 1 times, so every device attends every
 block once. The permute of the next block is issued before the current block's attention, so
-the two can overlap. Each block gives its softmax-normalised output and its log-sum-exp per
+the two can overlap; the steps between the first and the last are a `lax.scan`, so only one
+step's temporaries (its [T, S] logits) are live at a time. Each block gives its softmax-normalised output and its log-sum-exp per
 query; they are combined with a running log-sum-exp (online softmax):
 
     lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
@@ -121,26 +122,45 @@ def _make_ring(c: int, axis: str, blocks):
     def send(x):
         return jax.lax.ppermute(x, axis, perm)
 
+    def around(block, state, step_fn):
+        """state after step_fn(step, block, state) for steps 0..c-1, where the block of step s
+        is the one received after s hops. The permute of the next block is issued before each
+        step's compute, so they can overlap; the middle steps are a loop (one step's
+        temporaries live at a time), the last step sends no block on."""
+        if c == 1:
+            return step_fn(0, block, state)
+        incoming = jax.tree.map(send, block)
+        state = step_fn(0, block, state)
+        if c > 2:
+
+            def middle(carry, step):
+                block, state = carry
+                following = jax.tree.map(send, block)
+                return (following, step_fn(step, block, state)), None
+
+            steps = jnp.arange(1, c - 1, dtype=jnp.int32)
+            (incoming, state), _ = jax.lax.scan(middle, (incoming, state), steps)
+        return step_fn(c - 1, incoming, state)
+
     def forward(q, k, v, q_ids, kv_ids, q_pos, kv_pos, window):
         B, T, N, D = q.shape
         K = k.shape[2]
         q_BTKGD = q.reshape(B, T, K, N // K, D)
-        block = (k, v, kv_ids, kv_pos)
-        out = lse = None
-        for step in range(c):
-            # Issued first, so the permute can run while this block is attended.
-            incoming = jax.tree.map(send, block) if step < c - 1 else None
+
+        def step_fn(step, block, state):
+            out, lse = state
             k_b, v_b, ids_b, pos_b = block
             segments = Segments(q_ids, ids_b, q_pos, pos_b)
             out_b, lse_b = blocks.forward(step, q_BTKGD, k_b, v_b, segments, window)
-            if out is None:
-                out, lse = out_b, lse_b
-            else:
-                new = jnp.logaddexp(lse, lse_b)
-                out = out * jnp.exp(lse - new)[..., None] + out_b * jnp.exp(lse_b - new)[..., None]
-                lse = new
-            block = incoming
-        return out, lse
+            new = jnp.logaddexp(lse, lse_b)
+            out = out * jnp.exp(lse - new)[..., None] + out_b * jnp.exp(lse_b - new)[..., None]
+            return out, new
+
+        start = (
+            jnp.zeros(q_BTKGD.shape, jnp.float32),
+            jnp.full(q_BTKGD.shape[:-1], -jnp.inf, jnp.float32),
+        )
+        return around((k, v, kv_ids, kv_pos), start, step_fn)
 
     @jax.custom_vjp
     def ring(q, k, v, q_ids, kv_ids, q_pos, kv_pos, window):
@@ -163,12 +183,10 @@ def _make_ring(c: int, axis: str, blocks):
         delta_BTKG = jnp.sum(
             dout_BTKGD.astype(jnp.float32) * out.reshape(grouped).astype(jnp.float32), axis=-1
         )
-        dq = jnp.zeros(grouped, jnp.float32)
-        # Each block travels with the dK/dV that the devices it visited have added to it.
-        block = (k, v, kv_ids, kv_pos)
-        dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-        for step in range(c):
-            incoming = jax.tree.map(send, block) if step < c - 1 else None
+        out_grouped = out.reshape(grouped)
+
+        def step_fn(step, block, state):
+            dq, (dk, dv) = state
             k_b, v_b, ids_b, pos_b = block
             segments = Segments(q_ids, ids_b, q_pos, pos_b)
             dq_b, dk_b, dv_b = blocks.backward(
@@ -178,15 +196,18 @@ def _make_ring(c: int, axis: str, blocks):
                 v_b,
                 segments,
                 window,
-                out.reshape(grouped),
+                out_grouped,
                 lse_BTKG,
                 dout_BTKGD,
                 delta_BTKG,
             )
-            dq = dq + dq_b
-            # After its c-th hop a block's dK/dV is home again.
-            dkv = jax.tree.map(send, (dkv[0] + dk_b, dkv[1] + dv_b))
-            block = incoming
+            # Each block's dK/dV travel with it, gathering what every device adds; after
+            # the c-th hop they are home again.
+            return dq + dq_b, jax.tree.map(send, (dk + dk_b, dv + dv_b))
+
+        zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        start = (jnp.zeros(grouped, jnp.float32), zeros)
+        dq, dkv = around((k, v, kv_ids, kv_pos), start, step_fn)
         dk, dv = dkv
         # Integer inputs (ids, positions, the window) have no cotangent.
         return (

@@ -155,7 +155,7 @@ class SplashBlocks:
         B, T, K, G, D = q.shape
         S = k.shape[1]
         own, front, back = self._kernels(K * G, T, S)
-        if step == 0:
+        if isinstance(step, int) and step == 0:  # else a later step (traced in a loop)
             return _forward(own, q, k, v, q_ids, kv_ids, self.scale)
 
         def from_earlier(q, k, v, q_ids, kv_ids):
@@ -177,7 +177,7 @@ class SplashBlocks:
         B, T, K, G, D = q.shape
         S = k.shape[1]
         own, front, back = self._kernels(K * G, T, S)
-        if step == 0:
+        if isinstance(step, int) and step == 0:  # else a later step (traced in a loop)
             return _backward(own, q, k, v, q_ids, kv_ids, self.scale, out, lse, dout)
 
         def from_earlier(q, k, v, q_ids, kv_ids, out, lse, dout):
