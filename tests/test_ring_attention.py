@@ -30,7 +30,7 @@ from nnx_zoo.training.step_memory import step_memory
 from shardings import get_strategy
 from shardings.hlo import collectives
 from zoo import create_model, get_config
-from zoo.layers.attention import context_parallel, ring_splash
+from zoo.layers.attention import context_parallel, ring, ring_splash
 
 B, T, N, K, D = 2, 64, 4, 2, 8
 CONTEXT = 4
@@ -114,11 +114,23 @@ def _ring(
 
 
 @pytest.mark.parametrize(
-    "window, traced, balanced",
-    [(None, False, False), (None, False, True), (7, False, True), (7, True, True)],
-    ids=["natural", "balanced", "window", "traced-window"],
+    "window, traced, balanced, query_chunk",
+    [
+        (None, False, False, None),
+        (None, False, True, None),
+        (7, False, True, None),
+        (7, True, True, None),
+        # Each device's 16 queries in 4 chunks of 4 (long rows run in chunks of 1024).
+        (7, True, True, 4),
+    ],
+    ids=["natural", "balanced", "window", "traced-window", "query-chunks"],
 )
-def test_ring_equals_one_device_forward_and_gradients(mesh, window, traced, balanced):
+def test_ring_equals_one_device_forward_and_gradients(
+    mesh, monkeypatch, window, traced, balanced, query_chunk
+):
+    if query_chunk is not None:
+        monkeypatch.setattr(ring, "QUERY_CHUNK", query_chunk)
+        assert ring._chunks(T // CONTEXT) == 4
     q, k, v, seg, pos, cot = _inputs()
     want_out, want_grads = _reference(q, k, v, seg, pos, cot, window)
     out, grads = _ring(

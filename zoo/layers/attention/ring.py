@@ -8,8 +8,8 @@ its queries; its K/V block (with the block's segment ids and positions) is passe
 device along the axis by a collective-permute, c - 1 times, so every device attends every
 block once. The permute of the next block is issued before the current block's attention, so
 the two can overlap; the steps between the first and the last are a `lax.scan`, so only one
-step's temporaries (its [T, S] logits) are live at a time. Each block gives its softmax-normalised output and its log-sum-exp per
-query; they are combined with a running log-sum-exp (online softmax):
+step's temporaries are live at a time. Each block gives its softmax-normalised output and
+its log-sum-exp per query; they are combined with a running log-sum-exp (online softmax):
 
     lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
@@ -27,8 +27,8 @@ K/V around the ring once more, and with them the running dK/dV of each block, wh
 on their home device after c hops. Per block, the probabilities are recomputed from the final
 log-sum-exp, so the block's share of dq, dk, dv is exact (FlashAttention's backward).
 
-Per-device memory: K/V of two blocks (the current and the incoming) instead of all c, and
-[T, S] logits per block instead of [T, c S].
+Per-device memory: K/V of two blocks (the current and the incoming) instead of all c; the
+XLA blocks' logits are [QUERY_CHUNK, S] at a time (all_gather's: [T, c S] at once).
 
 Blocks are computed by einsums (`XlaBlocks`, every platform) or, on TPU, by the splash kernel
 (ring_splash.py: index masks, so only in the load-balanced order, without a window). cuDNN
@@ -225,8 +225,23 @@ def _make_ring(c: int, axis: str, blocks):
     return ring
 
 
+# XLA blocks run their queries in chunks of at most this many, one chunk at a time: a block's
+# [T, S] float32 logits per head at 128k rows on 8 devices would be 16k x 16k (1 GiB a head);
+# a chunk's are [QUERY_CHUNK, S]. (Splash never holds them: it tiles inside the kernel.)
+QUERY_CHUNK = 1024
+
+
+def _chunks(T: int) -> int:
+    """How many equal query chunks of at most QUERY_CHUNK a block of T queries runs in."""
+    n = -(-T // QUERY_CHUNK)
+    while T % n:
+        n += 1
+    return n
+
+
 class XlaBlocks:
-    """The ring's per-step block attention by einsums: the whole block, masked by the rule."""
+    """The ring's per-step block attention by einsums: the whole block, masked by the rule,
+    its queries in chunks (`QUERY_CHUNK`)."""
 
     def __init__(self, scale: float, static_window):
         self.scale, self.static_window = scale, static_window
@@ -237,13 +252,56 @@ class XlaBlocks:
 
     def forward(self, step, q_BTKGD, k_BSKD, v_BSKD, segments, window):
         del step  # every block is computed whole
-        mask_BTS = self._mask(segments, window)
-        return _block_forward(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, self.scale)
+
+        def one(q, q_ids, q_pos):
+            seg = Segments(q_ids, segments.kv_ids_BS, q_pos, segments.kv_positions_BS)
+            return _block_forward(q, k_BSKD, v_BSKD, self._mask(seg, window), self.scale)
+
+        n = _chunks(q_BTKGD.shape[1])
+        if n == 1:
+            return one(q_BTKGD, segments.q_ids_BT, segments.q_positions_BT)
+        chunked = _split((q_BTKGD, segments.q_ids_BT, segments.q_positions_BT), n)
+        out, lse = jax.lax.map(lambda a: one(*a), chunked)
+        return _join(out), _join(lse)
 
     def backward(self, step, q, k, v, segments, window, out, lse_BTKG, dout, delta_BTKG):
         del step, out  # delta carries what the output gives the backward
-        mask_BTS = self._mask(segments, window)
-        return _block_backward(q, k, v, mask_BTS, self.scale, lse_BTKG, dout, delta_BTKG)
+
+        def one(q, q_ids, q_pos, lse, dout, delta):
+            seg = Segments(q_ids, segments.kv_ids_BS, q_pos, segments.kv_positions_BS)
+            mask = self._mask(seg, window)
+            return _block_backward(q, k, v, mask, self.scale, lse, dout, delta)
+
+        per_query = (q, segments.q_ids_BT, segments.q_positions_BT, lse_BTKG, dout, delta_BTKG)
+        n = _chunks(q.shape[1])
+        if n == 1:
+            return one(*per_query)
+
+        def chunk(dkv, args):
+            dq, dk, dv = one(*args)
+            return (dkv[0] + dk, dkv[1] + dv), dq
+
+        # zeros_like: typed as varying over the mesh axes as k and v are (a scan's carry
+        # must keep its type).
+        zeros = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+        (dk, dv), dq = jax.lax.scan(chunk, zeros, _split(per_query, n))
+        return _join(dq), dk, dv
+
+
+def _split(arrays, n):
+    """[B, T, ...] arrays -> [n, B, T/n, ...]: n query chunks to loop over."""
+
+    def split(x):
+        B, T = x.shape[:2]
+        return jnp.moveaxis(x.reshape(B, n, T // n, *x.shape[2:]), 1, 0)
+
+    return jax.tree.map(split, arrays)
+
+
+def _join(x):
+    """[n, B, T/n, ...] -> [B, T, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
 def _logits(q_BTKGD, k_BSKD, mask_BTS, scale):
