@@ -120,10 +120,29 @@ def check_divisible(
 
 
 def check_batch(
-    batch_size: int, batch_spec: P, mesh: Mesh, strategy_name: str, seq_len: int | None = None
+    batch_size: int,
+    batch_spec: P,
+    mesh: Mesh,
+    strategy_name: str,
+    seq_len: int | None = None,
+    residual_spec: P | None = None,
 ) -> None:
     """The batch dim of [B, T] inputs divides by the mesh axes it is split over, and so
-    does T (into 2 load-balanced chunks per device) when it is split."""
+    does T (into 2 load-balanced chunks per device) when it is split; and T divides by the
+    axes the residual stream `residual_spec` ([B, T, M]) splits it over, when only the
+    residual splits it (sequence parallelism)."""
+    residual_seq = None if residual_spec is None or len(residual_spec) < 2 else residual_spec[1]
+    batch_seq = batch_spec[1] if len(batch_spec) > 1 else None
+    if seq_len is not None and residual_seq is not None and batch_seq is None:
+        seq_axes = axes_of(residual_seq)
+        size = entry_size(seq_axes, mesh.shape)
+        if seq_len % size:
+            axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in seq_axes)
+            raise ValueError(
+                f"{strategy_name}: sequence length {seq_len} is split over mesh axis "
+                f"{axis_text} in the residual stream between blocks (sequence parallelism); "
+                f"use a sequence length that is a multiple of {size}"
+            )
     if seq_len is not None and len(batch_spec) > 1 and batch_spec[1] is not None:
         seq_axes = axes_of(batch_spec[1])
         chunks = 2 * entry_size(seq_axes, mesh.shape)

@@ -370,6 +370,40 @@ FSDP_TP = Strategy(
     },
 )
 
+# Megatron sequence parallelism (Korthikanti et al. 2022) on top of tensor parallelism: between
+# the tensor-parallel regions the residual stream is split on T over `model` (`B/data T/model
+# M`), so the norms, the residual adds and (under remat) the saved residuals are 1/model per
+# device, each computed once instead of on every model device's copy. Each norm's output is
+# all-gathered on T over `model` into attention / the MLP (`B/data T M`), and o and down, which
+# contract over the split heads / F, reduce-scatter their partial sums on T back into the
+# residual: an all-gather + reduce-scatter pair per sub-block, the volume of one all-reduce.
+# Weights are laid out exactly as the tensor-parallel strategy's, so checkpoints move between
+# the two as they are.
+SEQUENCE_PARALLEL = {
+    # T of the residual stream between blocks: all-gathered over `model` after each norm,
+    # reduce-scattered over `model` by o and down.
+    "residual_seq": MODEL,
+}
+
+TP_SP = Strategy(
+    name="tp_sp",
+    axes=(DATA, MODEL),
+    axis_caps=TP.axis_caps,
+    # tp's table (the embedding rows land split on M over `model`, then one all-to-all over
+    # `model` turns them into the T-split residual) with the residual split on T.
+    rules={**TP.rules, **SEQUENCE_PARALLEL},
+)
+
+FSDP_TP_SP = Strategy(
+    name="fsdp_tp_sp",
+    axes=(DATA, MODEL),
+    axis_caps=FSDP_TP.axis_caps,
+    # fsdp_tp's table with the residual split on T instead of M (`model` cannot split both);
+    # the embedding table stays `V M/model`, its looked-up rows all-to-all'd over `model`
+    # into `B/data T/model M`.
+    rules={**{k: v for k, v in FSDP_TP.rules.items() if k != "residual"}, **SEQUENCE_PARALLEL},
+)
+
 # Hybrid sharded data parallel: the mesh puts `replica` across slices (DCN) and `data` /
 # `model` inside one (shardings/hybrid.py). Weights are split over `data` only, so the
 # per-matmul all-gathers and the gradient reduce-scatters stay on the fast links.
@@ -499,6 +533,8 @@ STRATEGIES: dict[str, Strategy] = {
         FSDP,
         TP,
         FSDP_TP,
+        TP_SP,
+        FSDP_TP_SP,
         HSDP,
         HSDP_TP,
         FSDP_CP,

@@ -127,6 +127,8 @@ CASES = {
     "fsdp": (8,),
     "tp": (4, 2),
     "fsdp_tp": (4, 2),
+    "tp_sp": (4, 2),
+    "fsdp_tp_sp": (4, 2),
     "hsdp": (2, 4),
     "hsdp_tp": (2, 2, 2),
     "fsdp_cp": (4, 2),

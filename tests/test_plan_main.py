@@ -118,7 +118,14 @@ def test_train_main_auto_resolves_to_a_strategy_mesh_remat_and_micro_batches():
     )
     said = []
     picked = resolve_auto(run, log=said.append)
-    assert picked.training.sharding_strategy in ("dp", "fsdp", "tp", "fsdp_tp")
+    assert picked.training.sharding_strategy in (
+        "dp",
+        "fsdp",
+        "tp",
+        "fsdp_tp",
+        "tp_sp",
+        "fsdp_tp_sp",
+    )
     assert picked.training.mesh_shape
     assert picked.model.remat in ("none", "dots", "full")
     assert said and said[0].startswith("auto picked")
@@ -197,3 +204,37 @@ def test_a_variant_that_cannot_fit_is_not_compiled():
     assert why("fsdp", (8,), "full", 2) is None  # more remat: may fit
     assert why("fsdp_tp", (4, 2), "none", 1) is None  # another layout
     assert why("fsdp", (8,), "dots", 2) is None  # itself: not a verdict on a variant
+
+
+def test_auto_tries_both_context_parallel_methods_and_takes_ring_when_only_it_fits():
+    # Rows of 512 under fsdp_cp (data:2, context:4): all_gather holds every K/V and
+    # [T/4, T] logits per device, ring one block of each; the same compute.
+    run = dataclasses.replace(
+        _run(remat="full"),
+        data=dataclasses.replace(_run().data, seq_len=512, global_batch_size=2),
+    )
+    roomy = _target(16)
+    meshes = {"fsdp_cp": (2, 4)}
+    space = candidate_space(
+        run,
+        roomy,
+        ["fsdp_cp", "fsdp_tp_sp"],
+        ("full",),
+        (1,),
+        mesh_shapes=meshes,
+        choose_context_parallel=True,
+    )
+    assert {c.context_parallel for c in space if c.strategy == "fsdp_cp"} == {"all_gather", "ring"}
+    assert {c.context_parallel for c in space if c.strategy == "fsdp_tp_sp"} == {""}
+    # Named (not auto): the config's method only.
+    named = candidate_space(run, roomy, ["fsdp_cp"], ("full",), (1,), mesh_shapes=meshes)
+    assert [c.context_parallel for c in named] == ["all_gather"]
+
+    cp = [c for c in space if c.strategy == "fsdp_cp"]
+    plans = {p.candidate.context_parallel: p for p in search(run, roomy, cp, exhaustive=True).plans}
+    ring, gather = plans["ring"], plans["all_gather"]
+    assert ring.temp_bytes < gather.temp_bytes, (ring.temp_bytes, gather.temp_bytes)
+    between = _target((ring.required_bytes + gather.required_bytes) / 2 / GiB)
+    result = search(run, between, cp)
+    assert result.best is not None and result.best.candidate.context_parallel == "ring"
+    assert "context_parallel=ring" in result.reason and "did not fit" in result.reason

@@ -39,12 +39,19 @@ CASES = [
     ("tp", (2, 4)),
     ("fsdp_tp", (4, 2)),
     ("fsdp_tp", (2, 4)),
+    # Sequence parallelism: the residual split on T over `model` (2 and 4), so packed rows'
+    # documents cross the T shards between blocks.
+    ("fsdp_tp_sp", (4, 2)),
+    ("tp_sp", (2, 4)),
     ("hsdp", (2, 4)),
     ("hsdp_tp", (2, 2, 2)),
     # T split over `context` 2 and 4: the packed rows' documents cross chunk borders.
     ("fsdp_cp", (4, 2)),
     ("fsdp_cp", (2, 4)),
     ("fsdp_tp_cp", (2, 2, 2)),
+    # Ring attention (model.context_parallel=ring): K/V blocks passed around `context`.
+    ("fsdp_cp", (2, 4), {"context_parallel": "ring"}),
+    ("fsdp_tp_cp", (2, 2, 2), {"context_parallel": "ring"}),
     # A dense model under the MoE strategy: fsdp_tp with the batch over `data` x `expert`.
     ("fsdp_tp_ep", (2, 2, 2)),
 ]
@@ -112,13 +119,18 @@ def reference():
     return _run("dp", one_device_mesh())
 
 
-@pytest.fixture(
-    scope="module", params=CASES, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m in CASES]
-)
+def _case_id(name, shape, overrides=None):
+    extra = "".join(f"-{v}" for v in (overrides or {}).values())
+    return f"{name}-{'x'.join(map(str, shape))}{extra}"
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[_case_id(*case) for case in CASES])
 def sharded(request, reference):
-    name, shape = request.param
+    # (strategy, mesh shape[, model config overrides])
+    name, shape, *overrides = request.param
+    cfg = CFG.replace(**overrides[0]) if overrides else CFG
     mesh = get_strategy(name).make_mesh(shape=shape)
-    return name, _run(name, mesh, init_params=reference["params"])
+    return name, _run(name, mesh, init_params=reference["params"], cfg=cfg)
 
 
 def test_parameter_layouts_are_declared(sharded):

@@ -18,7 +18,7 @@ from shardings import STRATEGIES, get_strategy
 def _cases() -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """module -> its (strategy, mesh shape) cases."""
     return {
-        "test_strategies_equal_one_device": [(s, m) for s, m in dense.CASES],
+        "test_strategies_equal_one_device": [(s, m) for s, m, *_ in dense.CASES],
         "test_moe_strategies": [(s, m) for s, m in moe.CASES],
         "test_pipeline_equal_one_device": [(s, m) for s, m, *_ in pipelined.CASES],
     }

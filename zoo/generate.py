@@ -68,6 +68,14 @@ def check_can_generate(strategy_name: str, what: str = "--prompt") -> None:
             f"{strategy_name}); add --sharding_strategy=fsdp (or another without a `context` "
             "axis): checkpoints load under any strategy"
         )
+    split_residual = _sequence_axis(sharding.block.residual)
+    if split_residual is not None:
+        raise ValueError(
+            f"{what}: generation (KV-cache decoding) does not split the residual stream's "
+            f"sequence over `{split_residual}` (the sequence-parallel strategy "
+            f"{strategy_name}); add --sharding_strategy=fsdp_tp (the same weight layouts): "
+            "checkpoints load under any strategy"
+        )
 
 
 def _sequence_axis(tokens_spec: P):

@@ -35,7 +35,14 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     pp = pipeline.plan_for(model.cfg, model.sharding, mesh)
     multiple *= pp.microbatches if pp is not None else 1  # rows per pipeline micro-batch
     padded_rows = -(-rows // multiple) * multiple  # same data on every mesh, padding rows added
-    check_batch(padded_rows, batch_spec, mesh, settings.strategy, seq_len=settings.seq_len)
+    check_batch(
+        padded_rows,
+        batch_spec,
+        mesh,
+        settings.strategy,
+        seq_len=settings.seq_len,
+        residual_spec=model.sharding.block.residual,
+    )
     dataset = data.build_dataset(
         settings.source,
         settings.split,

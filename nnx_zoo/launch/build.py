@@ -214,7 +214,14 @@ def plan_run(
         )
     remat.check_platform(model_cfg.remat, mesh.devices.flat[0].platform)
     micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
-    check_batch(micro_batch, strategy.batch_spec(), mesh, strategy.name, seq_len=run.data.seq_len)
+    check_batch(
+        micro_batch,
+        strategy.batch_spec(),
+        mesh,
+        strategy.name,
+        seq_len=run.data.seq_len,
+        residual_spec=strategy.lm_sharding().block.residual,
+    )
     # An attention backend named in the config that cannot run here fails now, in one line,
     # not while the step compiles.
     check_attention(model_cfg, mesh, run.data.seq_len)

@@ -195,7 +195,14 @@ def build(request: Request):
         # candidate is filtered or compiled.
         _check_as_train_main(run, target, names[0], mesh_shapes[names[0]], remats, micro)
     candidates = candidate_space(
-        run, target, names, remats, micro, mesh_shapes, choose_pipeline=auto
+        run,
+        target,
+        names,
+        remats,
+        micro,
+        mesh_shapes,
+        choose_pipeline=auto,
+        choose_context_parallel=auto,
     )
     if not candidates:
         raise ValueError(
@@ -282,7 +289,13 @@ def resolve_auto(run, log=print, init_from: str | None = None):
     names, _ = _strategies("auto")
     names = distinct_strategies(names, run.model.decoder_config(), target)
     candidates = candidate_space(
-        run, target, names, REMAT_ORDER, (1, 2, 4, 8), choose_pipeline=True
+        run,
+        target,
+        names,
+        REMAT_ORDER,
+        (1, 2, 4, 8),
+        choose_pipeline=True,
+        choose_context_parallel=True,
     )
     if not candidates:
         raise ValueError(

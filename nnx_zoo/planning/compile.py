@@ -48,6 +48,9 @@ class Candidate:
     pipeline_microbatches: int = 0
     # Pipeline strategies: the schedule (gpipe | 1f1b), as `auto` chose it; "": the config's.
     pipeline_schedule: str = ""
+    # Strategies that split T over `context`: how attention sees the keys ('all_gather' or
+    # 'ring', model.context_parallel); '' for the others.
+    context_parallel: str = ""
 
     def describe(self) -> str:
 
@@ -58,6 +61,8 @@ class Candidate:
             text += f" pipeline_microbatches={self.pipeline_microbatches}"
         if self.pipeline_schedule:
             text += f" pipeline_schedule={self.pipeline_schedule}"
+        if self.context_parallel:
+            text += f" context_parallel={self.context_parallel}"
         return text
 
 
@@ -142,6 +147,7 @@ class Plan:
             "topology": self.target.name,
             "remat": c.remat,
             "micro_batches": c.micro_batches,
+            "context_parallel": c.context_parallel or None,
             "global_batch": self.global_batch,
             "seq_len": self.seq_len,
             "param_bytes": self.state.params,
@@ -288,6 +294,8 @@ def run_for(run, candidate: Candidate):
         model = dataclasses.replace(model, pipeline_microbatches=candidate.pipeline_microbatches)
     if candidate.pipeline_schedule:
         model = dataclasses.replace(model, pipeline_schedule=candidate.pipeline_schedule)
+    if candidate.context_parallel:
+        model = dataclasses.replace(model, context_parallel=candidate.context_parallel)
     optimizer = dataclasses.replace(run.optimizer, micro_batches=candidate.micro_batches)
     return dataclasses.replace(run, training=training, model=model, optimizer=optimizer)
 

@@ -44,7 +44,7 @@ def table(plans: list[Plan]) -> str:
         c = p.candidate
         rows.append(
             [
-                c.strategy,
+                f"{c.strategy}({c.context_parallel})" if c.context_parallel else c.strategy,
                 "x".join(f"{a}{n}" for a, n in p.mesh.items()),
                 c.remat,
                 str(c.micro_batches),

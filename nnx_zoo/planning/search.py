@@ -40,6 +40,7 @@ from shardings.hybrid import num_granules
 from shardings.specs import entry_size
 from shardings.strategies import CONTEXT, DATA, MAX_MODEL_AXIS, MODEL
 from zoo.layers import pipeline
+from zoo.layers.config import CONTEXT_PARALLEL
 
 REMAT_ORDER = ("none", "dots", "full")
 GiB = 1024**3
@@ -70,6 +71,7 @@ def candidate_space(
     micro_batches=(1, 2, 4, 8),
     mesh_shapes: dict[str, tuple[int, ...]] | None = None,
     choose_pipeline: bool = False,
+    choose_context_parallel: bool = False,
 ) -> list[Candidate]:
     """Every combination that the layouts and the batch allow on `target`'s device count.
 
@@ -77,6 +79,9 @@ def candidate_space(
     count, up to the strategies' tensor-parallel cap; `mesh_shapes` fixes a strategy's shape.
     `choose_pipeline` (auto): a pipeline strategy's micro-batch count, when the config leaves
     it 0, is `pipeline_microbatches`' (else the config's, as train_main would run it).
+    `choose_context_parallel` (auto): a strategy that splits T over `context` is tried with
+    both of `CONTEXT_PARALLEL` (ring: K/V memory / context, the same compute; which is faster
+    is the collectives' to say), else with the config's.
     """
 
     n = len(target.devices)
@@ -92,6 +97,9 @@ def candidate_space(
             shapes = _mesh_shapes(strategy, n, cfg, slices)
         batch_axes = strategy.batch_spec()[0]
         stage_axis = strategy.lm_sharding().stage_axis
+        methods = ("",)
+        if CONTEXT in strategy.axes:
+            methods = CONTEXT_PARALLEL if choose_context_parallel else (cfg.context_parallel,)
         for shape in shapes:
             sizes = dict(zip(strategy.axes, shape, strict=True))
             data = entry_size(batch_axes, sizes)
@@ -107,7 +115,10 @@ def candidate_space(
                         if not pm:
                             continue
                     for schedule in _schedules(cfg, stage_axis, choose_pipeline):
-                        out.append(Candidate(name, tuple(shape), remat, k, pm, schedule))
+                        out += [
+                            Candidate(name, tuple(shape), remat, k, pm, schedule, m)
+                            for m in methods
+                        ]
     return out
 
 
@@ -302,10 +313,17 @@ def _at_least_as_much_remat(a: str, b: str) -> bool:
 
 
 def _dominated(c: Candidate, fitted: Candidate) -> bool:
-    # A schedule is part of the layout: 1F1B's memory and time differ from GPipe's.
+    # A schedule is part of the layout (1F1B's memory and time differ from GPipe's), and so is
+    # how attention sees the keys (all_gather and ring: neither dominates).
+    layout = (c.strategy, c.mesh_shape, c.pipeline_schedule, c.context_parallel)
+    fitted_layout = (
+        fitted.strategy,
+        fitted.mesh_shape,
+        fitted.pipeline_schedule,
+        fitted.context_parallel,
+    )
     return (
-        (c.strategy, c.mesh_shape, c.pipeline_schedule)
-        == (fitted.strategy, fitted.mesh_shape, fitted.pipeline_schedule)
+        layout == fitted_layout
         and _at_least_as_much_remat(c.remat, fitted.remat)
         and c.micro_batches >= fitted.micro_batches
         and c != fitted
@@ -322,7 +340,14 @@ def _cannot_fit(c: Candidate, failed: list[Plan], memory: int) -> str | None:
             c.mesh_shape,
             c.pipeline_microbatches,
             c.pipeline_schedule,
-        ) == (f.strategy, f.mesh_shape, f.pipeline_microbatches, f.pipeline_schedule)
+            c.context_parallel,
+        ) == (
+            f.strategy,
+            f.mesh_shape,
+            f.pipeline_microbatches,
+            f.pipeline_schedule,
+            f.context_parallel,
+        )
         if not same_layout or c == f or not _at_least_as_much_remat(f.remat, c.remat):
             continue
         if c.micro_batches <= f.micro_batches:

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from zoo.layers.config import ATTENTION_IMPLEMENTATIONS, RUNTIME_FIELDS
+from zoo.layers.config import ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL, RUNTIME_FIELDS
 from zoo.layers.lora import LoraConfig
 from zoo.layers.pipeline_schedules import resolve_schedule
 from zoo.layers.quant import QUANTIZATIONS
@@ -77,6 +77,9 @@ class ModelSection:
     # --attention_impl overrides; an explicit backend that cannot run here is an error.
     attention_impl: str = "xla"
     attention_interpret: bool = False  # run splash in Pallas interpret mode (CPU tests; slow)
+    # T split over `context` (fsdp_cp, fsdp_tp_cp): all_gather (every device gathers all K/V)
+    # | ring (K/V blocks rotated by collective-permutes, online softmax: K/V memory / context).
+    context_parallel: str = "all_gather"
     # MoE expert parallelism (zoo/layers/moe_exchange.py): 'auto' | 'ragged' | 'padded', and
     # the padded exchange's capacity factor (0: dropless).
     moe_exchange: str = "auto"
@@ -117,6 +120,7 @@ class ModelSection:
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
             ("attention_impl", ATTENTION_IMPLEMENTATIONS),
+            ("context_parallel", CONTEXT_PARALLEL),
             ("moe_exchange", ("auto", "ragged", "padded")),
             ("quantization", QUANTIZATIONS),
         ):

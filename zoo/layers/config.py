@@ -27,6 +27,7 @@ RUNTIME_FIELDS = (
     "remat",
     "attention_impl",
     "attention_interpret",
+    "context_parallel",
     "moe_exchange",
     "moe_capacity_factor",
     "pipeline_microbatches",
@@ -34,6 +35,10 @@ RUNTIME_FIELDS = (
     "pipeline_schedule",
     "quantization",
 )
+
+# context_parallel values: how attention sees the keys of a T split over `context`
+# (zoo/layers/attention/context_parallel.py and ring.py).
+CONTEXT_PARALLEL = ("all_gather", "ring")
 
 
 def causal_keys_per_query(seq_len: int, window: int | None = None) -> float:
@@ -124,6 +129,11 @@ class DecoderConfig:
     # Run Pallas attention kernels (splash) in interpret mode, so they run on CPU: for tests
     # and debugging only (slow).
     attention_interpret: bool = False
+    # Strategies that split T over `context` (fsdp_cp, fsdp_tp_cp): 'all_gather' (each device
+    # gathers every key and value of its rows) or 'ring' (K/V blocks passed around the
+    # context axis by collective-permutes, attention per block with a running log-sum-exp:
+    # K/V memory 1/context). Ignored by the other strategies.
+    context_parallel: str = "all_gather"
     # Pipeline parallelism (strategies with a `stage` axis; zoo/layers/pipeline.py): the
     # micro-batches each step's batch is cut into (0: one per stage; at least the stages),
     # and the repeats (virtual stages per device: 1 is GPipe, more is the circular schedule,
@@ -179,6 +189,10 @@ class DecoderConfig:
             raise ValueError(
                 f"attention_impl={self.attention_impl!r}; valid: "
                 f"{', '.join(ATTENTION_IMPLEMENTATIONS)}"
+            )
+        if self.context_parallel not in CONTEXT_PARALLEL:
+            raise ValueError(
+                f"context_parallel={self.context_parallel!r}; valid: {', '.join(CONTEXT_PARALLEL)}"
             )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(

@@ -287,6 +287,14 @@ class DecoderLM(nnx.Module):
         # (zoo/layers/attention/context_parallel.py); the residual goes back before the LM head.
         cp_axis = context_parallel.seq_axis(self.sharding.tokens)
         balanced = cp_axis is not None and self.sharding.seq_order == "balanced"
+        sp_axis = context_parallel.seq_axis(self.sharding.block.residual)
+        if cache is not None and cp_axis is None and sp_axis is not None:
+            # A decode step has T = 1 token per row: nothing to split over the axis.
+            raise ValueError(
+                f"KV-cache decoding (generation) does not split the residual's T over "
+                f"`{sp_axis}` (sequence parallelism); generate with a strategy without it, "
+                "e.g. --sharding_strategy=fsdp_tp"
+            )
         if balanced:
             if cache is not None:
                 raise ValueError(

@@ -8,7 +8,8 @@
 | `layout`            | the shard_map layout fix for kernels that drop sharding types     |
 | `xla`, `splash`, `cudnn` | the backends (each registers itself on import)               |
 | `mask`              | `Segments` and the segment / position / window mask rule          |
-| `context_parallel`  | attention with T split over `context` (K/V all-gathered)          |
+| `context_parallel`  | attention with T split over `context`: K/V all-gathered, or a ring |
+| `ring`, `ring_splash` | ring attention: K/V blocks permuted, online softmax; splash blocks |
 
 A new backend is a module that calls `registry.register_backend`, imported by `dispatch`.
 """

@@ -16,11 +16,14 @@ Nothing in the model depends on the order except through `positions` and `segmen
 which travel with their tokens: RoPE reads global positions, and the mask (same segment,
 key position <= query position) is the same whatever order the tokens sit in.
 
-Attention. Each device keeps its queries and all-gathers K, V, kv segment ids and positions
-over `context` inside `jax.shard_map` (the backward pass reduce-scatters dK, dV), then runs
-the ordinary attention on its block: [B, T/c] queries against [B, T] keys, so the O(T^2)
-logits are 1/c per device. Ring attention (overlapping the gather with the compute) is a
-later option behind the same call.
+Attention, two ways (`DecoderConfig.context_parallel`), both inside `jax.shard_map`:
+
+- `all_gather`: each device keeps its queries and all-gathers K, V, kv segment ids and
+  positions over `context` (the backward pass reduce-scatters dK, dV), then runs the ordinary
+  attention on its block: [B, T/c] queries against [B, T] keys, so the O(T^2) logits are 1/c
+  per device but every device holds the whole row's K/V.
+- `ring`: K/V blocks passed around the axis by collective-permutes, attended one at a time
+  with a running log-sum-exp (ring.py): K/V memory 1/c too.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from shardings.mesh import compile_platform
 from shardings.specs import normalize
-from zoo.layers.attention import dispatch
+from zoo.layers.attention import dispatch, ring
 from zoo.layers.attention.layout import reshard_to
 from zoo.layers.attention.mask import Segments
 
@@ -136,15 +140,49 @@ def attention(
     sliding_window: int | jax.Array | None,
     implementation: str,
     out_sharding: P | None,
+    method: str = "all_gather",
+    balanced: bool = True,
+    interpret: bool = False,
 ) -> jax.Array:
-    """Causal self-attention of a T-split block: K/V (and their segment ids / positions)
-    all-gathered over `axis`, each device's queries against every key. out_BTND keeps q's
-    layout (then `out_sharding`)."""
+    """Causal self-attention of a T-split block, each device's queries against every key:
+    K/V (and their segment ids / positions) all-gathered over `axis` (`method='all_gather'`)
+    or passed around it (`'ring'`). out_BTND keeps q's layout (then `out_sharding`).
+    `balanced`: the rows are in balanced chunk order (the model's; the ring's splash blocks
+    need it)."""
+    if method not in ("all_gather", "ring"):
+        raise ValueError(f"context_parallel={method!r}; valid: all_gather, ring")
+    kernel = "xla"
+    if method == "ring":
+        c = jax.sharding.get_abstract_mesh().shape[axis]
+        kernel, reason = ring.block_kernel(
+            implementation,
+            dtype=q_BTND.dtype,
+            head_dim=q_BTND.shape[-1],
+            block_len=q_BTND.shape[1] // c,
+            sliding_window=sliding_window,
+            balanced=balanced,
+            platform=compile_platform(),
+            interpret=interpret,
+        )
+        if reason is not None:
+            dispatch.log_fallback(implementation, reason, explicit=implementation != "auto")
     q_spec, kv_spec = _live_spec(q_BTND), _live_spec(k_BTKD)
     tok_spec = P(q_spec[0], q_spec[1])
     static_window = sliding_window is None or isinstance(sliding_window, int | np.integer)
 
     def local(q, k, v, seg, pos, *window):
+        if method == "ring":
+            return ring.ring_attention(
+                q,
+                k,
+                v,
+                Segments(seg, seg, pos, pos),
+                axis=axis,
+                scale=scale,
+                sliding_window=sliding_window if static_window else window[0],
+                kernel=kernel,
+                interpret=interpret,
+            )
         gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
         # Each device's T/c queries against all T keys: T != S, so index-masking kernels
         # (splash, cuDNN) hand these calls to xla (the dispatcher logs why once).
@@ -166,7 +204,10 @@ def attention(
         args.append(jnp.asarray(sliding_window, jnp.int32))
         specs.append(P())
     args = [reshard_to(x, s) for x, s in zip(args, specs, strict=True)]
-    out_BTND = jax.shard_map(local, in_specs=tuple(specs), out_specs=q_spec)(*args)
+    # Pallas kernels (the ring's splash blocks) carry no varying-axes types: unchecked.
+    out_BTND = jax.shard_map(
+        local, in_specs=tuple(specs), out_specs=q_spec, check_vma=kernel != "splash"
+    )(*args)
     if out_sharding is not None:
         out_BTND = reshard_to(out_BTND, out_sharding)
     return out_BTND

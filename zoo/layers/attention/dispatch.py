@@ -130,6 +130,11 @@ def _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window) -> str | 
     return None
 
 
+def log_fallback(name: str, reason: str, *, explicit: bool) -> None:
+    """Say once that `name` {reason} and the call runs on xla (a warning when named)."""
+    _log_once(name, reason, explicit=explicit)
+
+
 def _log_once(name: str, reason: str, *, explicit: bool) -> None:
     if (name, reason) in _LOGGED:
         return

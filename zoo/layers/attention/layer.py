@@ -23,6 +23,7 @@ class Attention(nnx.Module):
         self.use_rope = cfg.position == "rope"
         self.implementation = cfg.attention_impl
         self.interpret = cfg.attention_interpret
+        self.context_parallel = cfg.context_parallel
         common = projection_options(cfg, rngs)
         self.q = Einsum("BTM,MND->BTND", (M, N, D), sharding.q, **common)
         self.k = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.k, **common)
@@ -71,6 +72,8 @@ class Attention(nnx.Module):
                 sliding_window=window,
                 implementation=self.implementation,
                 out_sharding=self.sharding.q.out,
+                method=self.context_parallel,
+                interpret=self.interpret,
             )
             return self._out(out_BTND), kv
         # --- end of hook ---

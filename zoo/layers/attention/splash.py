@@ -46,7 +46,8 @@ def unavailable(call) -> str | None:
     return None
 
 
-def _block(length: int) -> int:
+def block_size(length: int) -> int:
+    """The tile size for a sequence of `length` (a multiple of 128): the largest that divides."""
     return next(b for b in _BLOCKS if length % b == 0)
 
 
@@ -59,8 +60,13 @@ def _kernel(heads: int, T: int, S: int, causal: bool, window: int | None, interp
     placing them fails; so it is built on a fresh thread, where jax has no mesh and no trace
     (both are per thread), and the trace closes over the tables as host constants.
     """
+    return on_fresh_thread(_build_kernel, heads, T, S, causal, window, interpret)
+
+
+def on_fresh_thread(build, *args):
+    """`build(*args)` on a new thread: no mesh, no trace (see `_kernel`)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(_build_kernel, heads, T, S, causal, window, interpret).result()
+        return pool.submit(build, *args).result()
 
 
 def _build_kernel(heads, T, S, causal, window, interpret):
@@ -71,7 +77,7 @@ def _build_kernel(heads, T, S, causal, window, interpret):
         mask = masks.CausalMask((T, S))
     else:
         mask = masks.FullMask((T, S))
-    bq, bkv = _block(T), _block(S)
+    bq, bkv = block_size(T), block_size(S)
     blocks = splash.BlockSizes(
         block_q=bq,
         block_kv=bkv,
