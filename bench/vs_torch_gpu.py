@@ -45,7 +45,7 @@ GiB = 2**30
 def _jax_child(args) -> dict:
     import jax
 
-    from nnx_zoo.launch.build import build, make_mesh
+    from nnx_zoo.launch.build import build
     from nnx_zoo.launch.data import build_data
     from nnx_zoo.training import flops
     from nnx_zoo.training.config import RunConfig
@@ -56,8 +56,8 @@ def _jax_child(args) -> dict:
     if args.fp8:
         config.model.quantization = "fp8"
     run = RunConfig.from_config_dict(config)
-    _, mesh = make_mesh(run)
-    built = build(run, mesh)
+    built = build(run)
+    mesh = built.mesh
     trainer, cfg = built.trainer, built.model_cfg
     with jax.set_mesh(mesh):
         data = build_data(run, mesh, built.batch_spec)
