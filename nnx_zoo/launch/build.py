@@ -89,13 +89,34 @@ class Run:
         }
 
 
+def run_devices(run: RunConfig) -> list:
+    """The devices the run uses: every device, or the first `training.num_devices` of them
+    (one process only: with several, every process's devices take part in the mesh)."""
+    wanted, devices = run.training.num_devices, jax.devices()
+    if not wanted:
+        return devices
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"training.num_devices={wanted} is for one process; with "
+            f"{jax.process_count()} processes the run uses every device (set it to 0)"
+        )
+    if wanted > len(devices):
+        raise ValueError(
+            f"training.num_devices={wanted} but {len(devices)} devices are available; use "
+            f"1..{len(devices)}, or 0 for every device"
+        )
+    return devices[:wanted]
+
+
 def make_mesh(run: RunConfig, devices=None, model_cfg=None):
     """(strategy, mesh) for the run: `training.mesh_shape`, else the strategy's default rule
-    for `model_cfg` (default: the config's model) over `devices` (default: all)."""
+    for `model_cfg` (default: the config's model) over `devices` (default: `run_devices`)."""
     strategy = get_strategy(run.training.sharding_strategy)
     model_cfg = model_cfg or run.model.decoder_config()
     mesh = strategy.make_mesh(
-        shape=run.training.mesh_shape or None, devices=devices, config=model_cfg
+        shape=run.training.mesh_shape or None,
+        devices=run_devices(run) if devices is None else devices,
+        config=model_cfg,
     )
     return strategy, mesh
 
@@ -215,7 +236,7 @@ def build(
     model_cfg=None,
 ) -> Run:
     """Build the run's model, optimizer and train step on `mesh` (default: `make_mesh` over
-    `devices`, default all).
+    `devices`, default `run_devices`).
 
     Args:
       abstract: shapes only (nothing allocated, nothing initialised); the step can be
