@@ -1,4 +1,6 @@
-"""Shared by the train_main tests: one small run, as CLI flags and as an in-process config."""
+"""Shared by the train_main tests: one small run, as CLI flags and as an in-process config;
+train_main run in this process (`run_train_main`), or as a process where the process is the
+subject (`train_main_process`)."""
 
 from __future__ import annotations
 
@@ -58,7 +60,20 @@ def child_env(num_devices: int = 8) -> dict:
     return env
 
 
-def run_train_main(args: list[str], *, num_devices: int = 8, timeout: int = 300, **kwargs):
+def run_train_main(args: list[str], *, num_devices: int | None = None):
+    """`python train_main.py ARGS` in this process (tests/_entry.py): a Result with its exit
+    status, stdout and stderr. `num_devices`: the run's mesh over the first N of the 8
+    devices (--config.training.num_devices), the program an N-device process compiles."""
+    import _entry
+
+    if num_devices is not None:
+        args = [*args, f"--config.training.num_devices={num_devices}"]
+    return _entry.train(args)
+
+
+def train_main_process(args: list[str], *, num_devices: int = 8, timeout: int = 300, **kwargs):
+    """train_main as its own process, for the tests whose subject is the process: a signal, a
+    kill, a lock between processes, the stderr and exit status of the entry point itself."""
     return subprocess.run(
         [sys.executable, TRAIN_MAIN, *args],
         env=child_env(num_devices),
