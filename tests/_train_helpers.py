@@ -32,6 +32,9 @@ SMALL_RUN = {
     "training.eval_batches": 2,
     "logging.log_every": 1,
     "logging.progress_bar": False,
+    # metrics.jsonl is what the tests read; test_train_main's run checks these two files.
+    "logging.tensorboard": False,
+    "logging.loss_curve": False,
     "checkpoint.enabled": False,
 }
 

@@ -27,9 +27,11 @@ CONTRACT_KEYS |= {"mfu_at_precision"}
 
 @pytest.fixture(scope="module")
 def fsdp_tp_run(tmp_path_factory):
-    """One CLI run under fsdp_tp (checkpointing on, CPU peak measured): its workdir."""
+    """One CLI run under fsdp_tp (checkpointing on, CPU peak measured, every output file):
+    its workdir."""
     workdir = str(tmp_path_factory.mktemp("fsdp_tp"))
     overrides = {**SMALL_RUN, "checkpoint.enabled": True, "checkpoint.every": 20}
+    overrides |= {"logging.tensorboard": True, "logging.loss_curve": True}
     result = run_train_main(
         ["--sharding_strategy=fsdp_tp", f"--workdir={workdir}", *cli_flags(overrides)]
     )

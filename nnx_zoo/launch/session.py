@@ -239,6 +239,8 @@ def train(session: TrainSession) -> list[dict]:
             total,
             resume_step=start_step,
             progress_bar=run.logging.progress_bar,
+            tensorboard=run.logging.tensorboard,
+            loss_curve=run.logging.loss_curve,
         )
         try:
             batches = session.data.train_batches

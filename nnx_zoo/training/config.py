@@ -269,6 +269,8 @@ class LoggingSection:
     log_every: int = 10  # metrics.jsonl / TensorBoard / progress-bar line every N steps
     peak_tflops: float | None = None  # per-device peak for MFU; None: table, or measured on CPU
     progress_bar: bool = True  # tqdm bar on stderr (process 0)
+    tensorboard: bool = True  # TensorBoard event files under <workdir>/tensorboard
+    loss_curve: bool = True  # <workdir>/loss_curve.png at the end of the run (matplotlib)
     # 'START:END': a jax.profiler trace of steps START..END-1 (metrics.jsonl's step numbers)
     # into <workdir>/profile, for TensorBoard's profile plugin / XProf; '' traces nothing.
     profile_steps: str = ""
