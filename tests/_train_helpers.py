@@ -74,7 +74,7 @@ def run_train_main(args: list[str], *, num_devices: int | None = None):
     return _entry.train(args)
 
 
-def train_main_process(args: list[str], *, num_devices: int = 8, timeout: int = 300, **kwargs):
+def train_main_process(args: list[str], *, num_devices: int = 8, timeout: int = 600, **kwargs):
     """train_main as its own process, for the tests whose subject is the process: a signal, a
     kill, a lock between processes, the stderr and exit status of the entry point itself."""
     return subprocess.run(

@@ -31,7 +31,7 @@ BASE = {
 def _train(workdir, quantization, **overrides):
     config = {**BASE, "model.quantization": quantization, **overrides}
     args = [f"--workdir={workdir}", "--sharding_strategy=fsdp_tp", *cli_flags(config)]
-    result = run_train_main(args, timeout=600)
+    result = run_train_main(args)
     assert result.returncode == 0, result.stderr[-3000:]
     return train_losses(str(workdir))
 
