@@ -88,6 +88,34 @@ def train_main_process(args: list[str], *, num_devices: int = 8, timeout: int = 
     )
 
 
+def start_train_main(args: list[str], *, num_devices: int = 8, **popen) -> subprocess.Popen:
+    """train_main started as a process that the test signals, kills or runs beside a peer."""
+    return subprocess.Popen(
+        [sys.executable, TRAIN_MAIN, *args], env=child_env(num_devices), cwd=ROOT, **popen
+    )
+
+
+def peer_flags(port: int, process_id: int, num_processes: int = 2) -> list[str]:
+    """The flags of process `process_id` of a run of several processes on this host."""
+    return [
+        f"--coordinator_address=localhost:{port}",
+        f"--num_processes={num_processes}",
+        f"--process_id={process_id}",
+    ]
+
+
+# What a resumed run must reproduce of an uninterrupted one, bit for bit (JSON floats).
+HISTORY_KEYS = ("step", "loss", "grad_norm", "learning_rate", "val_loss", "tokens_seen")
+
+
+def assert_same_history(want: list[dict], got: list[dict], keys=HISTORY_KEYS) -> None:
+    """Two metrics.jsonl histories, record by record, equal in `keys`."""
+    assert len(got) == len(want)
+    for w, g in zip(want, got, strict=True):
+        for key in keys:
+            assert g.get(key) == w.get(key), (key, w["step"], g.get(key), w.get(key))
+
+
 def train_losses(workdir: str) -> list[float]:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]

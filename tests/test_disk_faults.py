@@ -29,10 +29,11 @@ import pytest
 from _train_helpers import (
     ROOT,
     SMALL_RUN,
-    TRAIN_MAIN,
+    assert_same_history,
     child_env,
     cli_flags,
     run_train_main,
+    start_train_main,
     train_main_process,
 )
 
@@ -148,10 +149,7 @@ def test_enospc_during_the_write_keeps_the_last_checkpoint_and_resumes_exactly(r
     want = read_metrics(os.path.join(reference, "metrics.jsonl"))
     got = read_metrics(os.path.join(disk / "run", "metrics.jsonl"))
     assert [r["step"] for r in got if "loss" in r] == list(range(1, STEPS + 1))
-    assert len(got) == len(want)
-    for w, g in zip(want, got, strict=True):
-        for key in ("step", "loss", "grad_norm", "learning_rate", "val_loss", "tokens_seen"):
-            assert g.get(key) == w.get(key), (key, w["step"], g.get(key), w.get(key))
+    assert_same_history(want, got)
 
 
 def test_a_vanished_checkpoint_directory_stops_the_run_in_one_line(tmp_path):
@@ -160,10 +158,8 @@ def test_a_vanished_checkpoint_directory_stops_the_run_in_one_line(tmp_path):
     workdir = tmp_path / "run"
     run = {**RUN, "training.steps": 60, "checkpoint.every": 10}
     checkpoints = checkpoint_dir(str(workdir))
-    proc = subprocess.Popen(
-        [sys.executable, TRAIN_MAIN, f"--workdir={workdir}", *cli_flags(run)],
-        env=child_env(),
-        cwd=ROOT,
+    proc = start_train_main(
+        [f"--workdir={workdir}", *cli_flags(run)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -129,28 +129,28 @@ def test_bad_input_exits_2_with_one_line(case, files, tmp_path):
     assert needle in lines[0]
 
 
-def test_a_target_this_model_lacks_exits_2(files, tmp_path):
-    """'gate' is a valid target name, but a mixture-of-experts block has no dense MLP gate."""
-    base = write_tiny_checkpoint(str(tmp_path / "moe"), "qwen3", "qwen3-moe-tiny")
+def _error_line_of_chat_run(files, tmp_path, base) -> str:
+    """The one stderr line of a fine-tuning run from `base` on the chats that exits 2."""
     args = [f"--workdir={tmp_path / 'run'}", f"--init_from={base}"]
     result = run_train_main(
         [*args, f"--config.data.source={files['chats']}", *TRAIN], num_devices=1
     )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "'gate' names no module" in lines[0], result.stderr
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_target_this_model_lacks_exits_2(files, tmp_path):
+    """'gate' is a valid target name, but a mixture-of-experts block has no dense MLP gate."""
+    base = write_tiny_checkpoint(str(tmp_path / "moe"), "qwen3", "qwen3-moe-tiny")
+    assert "'gate' names no module" in _error_line_of_chat_run(files, tmp_path, base)
 
 
 def test_a_template_that_raises_exits_2(files, tmp_path):
     template = "{{ raise_exception('System role not supported') }}"
     base = _with_template(files["llama"], str(tmp_path / "copy"), template)
-    args = [f"--workdir={tmp_path / 'run'}", f"--init_from={base}"]
-    result = run_train_main(
-        [*args, f"--config.data.source={files['chats']}", *TRAIN], num_devices=1
-    )
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "System role not supported" in lines[0], result.stderr
+    assert "System role not supported" in _error_line_of_chat_run(files, tmp_path, base)
 
 
 def _our_logits(workdir, ids):

@@ -20,18 +20,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import portpicker
 import pytest
 from _train_helpers import (
-    ROOT,
     SMALL_RUN,
-    TRAIN_MAIN,
-    child_env,
     cli_flags,
+    peer_flags,
     run_config,
+    start_train_main,
     train_losses,
 )
 
@@ -70,19 +68,14 @@ def _two_processes(workdir: str, strategy: str, overrides: dict | None = None) -
     exit 0, that only process 0 speaks, and the mesh they record."""
     port = portpicker.pick_unused_port()
     children = [
-        subprocess.Popen(
+        start_train_main(
             [
-                sys.executable,
-                TRAIN_MAIN,
                 f"--workdir={workdir}",
-                f"--coordinator_address=localhost:{port}",
-                "--num_processes=2",
-                f"--process_id={i}",
+                *peer_flags(port, i),
                 f"--sharding_strategy={strategy}",
                 *cli_flags({**RUN, **CASES[strategy][3], **(overrides or {})}),
             ],
-            env=child_env(num_devices=4),
-            cwd=ROOT,
+            num_devices=4,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

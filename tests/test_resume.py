@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from _train_helpers import run_train_main
+from _train_helpers import assert_same_history, run_train_main
 
 from nnx_zoo.checkpoint.manager import checkpoint_dir, complete_steps
 from nnx_zoo.training.metrics import read_metrics
@@ -142,10 +142,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(chain):
     got = read_metrics(os.path.join(chain["workdir"], "metrics.jsonl"))
     # Each step once (the lines B1 wrote after its checkpoint were dropped on resume).
     assert [r["step"] for r in got if "loss" in r] == list(range(1, STEPS + 1))
-    assert len(got) == len(want)
-    for w, g in zip(want, got, strict=True):
-        for key in ("step", "loss", "grad_norm", "learning_rate", "val_loss", "tokens_seen"):
-            assert g.get(key) == w.get(key), (key, w["step"], g.get(key), w.get(key))
+    assert_same_history(want, got)
 
 
 def test_sigterm_saves_at_that_step_and_the_next_run_continues(chain):
