@@ -266,6 +266,17 @@ def test_config_files_that_are_not_python_configs(tmp_path, case):
     _one_line_exit_2(result, expected)
 
 
+def test_a_second_run_in_one_process_reads_its_own_config_file(tmp_path):
+    # config_flags loads every --config file into one module name; a second run in the same
+    # process (a notebook, these tests) whose file defines no get_config() took the first
+    # run's, and trained configs/tiny.py.
+    first = run_train_main([f"--workdir={tmp_path}", "--sharding_strategy=zigzag"])
+    _one_line_exit_2(first, "unknown sharding strategy 'zigzag'")
+    (tmp_path / "noget.py").write_text("X = 1\n")
+    second = run_train_main([f"--workdir={tmp_path / 'run'}", f"--config={tmp_path / 'noget.py'}"])
+    _one_line_exit_2(second, "it defines no get_config()")
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
