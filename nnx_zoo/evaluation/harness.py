@@ -35,7 +35,7 @@ def include_dir(value: str) -> str:
     if os.path.isdir(path):
         return path
     name, parent = os.path.basename(os.path.normpath(value)), os.path.dirname(value.rstrip("/"))
-    if name == _EXAMPLES_NAME and parent in ("", "examples", "evaluation"):
+    if name == _EXAMPLES_NAME and parent in ("", "examples", "evaluation", "nnx_zoo/evaluation"):
         return EXAMPLE_TASKS
     return path
 
