@@ -7,7 +7,8 @@ import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASKS = os.path.join(ROOT, "nnx_zoo", "evaluation", "lm_eval_tasks")  # the example tasks, package data
+# The example tasks, package data.
+TASKS = os.path.join(ROOT, "nnx_zoo", "evaluation", "lm_eval_tasks")
 # Scales the random LM head so next-token distributions are peaked (see write_tiny_llama).
 HEAD_SCALE = 8.0
 

@@ -1,5 +1,5 @@
-"""Chat templates rendered by nnx_zoo/data/chat.py equal transformers' apply_chat_template (check 1 of
-issue 30): the published Llama 3, Qwen3 and Gemma 3 templates, multi-turn chats with and
+"""Chat templates rendered by nnx_zoo/data/chat.py equal transformers' apply_chat_template
+(check 1 of issue 30): the published Llama 3, Qwen3 and Gemma 3 templates, multi-turn chats with and
 without a system prompt, with and without the generation prompt; text and token ids."""
 
 import pytest

@@ -1,5 +1,6 @@
-"""nnx_zoo/checkpoint/manager.py and nnx_zoo/runtime/preemption.py in-process: restore onto other strategies
-and device counts bit for bit, the incomplete-checkpoint policy, and the one-line errors."""
+"""nnx_zoo/checkpoint/manager.py and nnx_zoo/runtime/preemption.py in-process: restore onto other
+strategies and device counts bit for bit, the incomplete-checkpoint policy, and the one-line
+errors."""
 
 import os
 import shutil

@@ -41,7 +41,8 @@ def test_argv_rewrites_only_the_config_flag():
 
 
 def test_the_entry_points_config_flag_resolves_through_here(tmp_path, monkeypatch):
-    """train_main / plan_main / explain_main's `--config` (nnx_zoo/launch/cli.py) from any directory."""
+    """train_main / plan_main / explain_main's `--config` (nnx_zoo/launch/cli.py) from any
+    directory."""
     from nnx_zoo.launch import cli
 
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,5 @@
-"""Tests for nnx_zoo/training/optim.py: schedule, clipping, the weight-decay mask, micro-batching."""
+"""Tests for nnx_zoo/training/optim.py: schedule, clipping, the weight-decay mask,
+micro-batching."""
 
 import jax
 import jax.numpy as jnp
