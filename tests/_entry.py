@@ -32,16 +32,18 @@ class Result:
     stderr: str
 
 
-def run_main(module: str, args: list[str]) -> Result:
-    """`python {module}.py *args`, in this process. The module is (re)loaded with `sys.argv` set
-    to the command line, as a fresh process would load it: its flags (the `--config.*`
-    overrides among them) are defined against that command line."""
+def run_main(module: str, args: list[str], *, cwd: str = ROOT) -> Result:
+    """`python {module}.py *args` started in `cwd` (default: the checkout, as the tests'
+    processes are), in this process. The module is (re)loaded with `sys.argv` set to the
+    command line, as a fresh process would load it: its flags (the `--config.*` overrides
+    among them) are defined against that command line."""
     # Not `*_main.py`: argv[0] of that form would re-execute this process for huge pages.
     argv = [module, *[str(a) for a in args]]
     saved_argv, saved_cwd = sys.argv, os.getcwd()
     out, err = io.StringIO(), io.StringIO()
     code = 0
     sys.argv = list(argv)
+    os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:

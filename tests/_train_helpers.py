@@ -1,4 +1,6 @@
-"""Shared by the train_main tests: one small run, as CLI flags and as an in-process config."""
+"""Shared by the train_main tests: one small run, as CLI flags and as an in-process config;
+train_main run in this process (`run_train_main`), or as a process where the process is the
+subject (`train_main_process`)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ SMALL_RUN = {
     "training.eval_batches": 2,
     "logging.log_every": 1,
     "logging.progress_bar": False,
+    # metrics.jsonl is what the tests read; test_train_main's run checks these two files.
+    "logging.tensorboard": False,
+    "logging.loss_curve": False,
     "checkpoint.enabled": False,
 }
 
@@ -58,7 +63,20 @@ def child_env(num_devices: int = 8) -> dict:
     return env
 
 
-def run_train_main(args: list[str], *, num_devices: int = 8, timeout: int = 300, **kwargs):
+def run_train_main(args: list[str], *, num_devices: int | None = None):
+    """`python train_main.py ARGS` in this process (tests/_entry.py): a Result with its exit
+    status, stdout and stderr. `num_devices`: the run's mesh over the first N of the 8
+    devices (--config.training.num_devices), the program an N-device process compiles."""
+    import _entry
+
+    if num_devices is not None:
+        args = [*args, f"--config.training.num_devices={num_devices}"]
+    return _entry.train(args)
+
+
+def train_main_process(args: list[str], *, num_devices: int = 8, timeout: int = 600, **kwargs):
+    """train_main as its own process, for the tests whose subject is the process: a signal, a
+    kill, a lock between processes, the stderr and exit status of the entry point itself."""
     return subprocess.run(
         [sys.executable, TRAIN_MAIN, *args],
         env=child_env(num_devices),
@@ -68,6 +86,40 @@ def run_train_main(args: list[str], *, num_devices: int = 8, timeout: int = 300,
         cwd=ROOT,
         **kwargs,
     )
+
+
+def start_train_main(
+    args: list[str], *, num_devices: int = 8, env: dict | None = None, **popen
+) -> subprocess.Popen:
+    """train_main started as a process that the test signals, kills or runs beside a peer;
+    `env`: variables set over the test environment's."""
+    return subprocess.Popen(
+        [sys.executable, TRAIN_MAIN, *args],
+        env={**child_env(num_devices), **(env or {})},
+        cwd=ROOT,
+        **popen,
+    )
+
+
+def peer_flags(port: int, process_id: int, num_processes: int = 2) -> list[str]:
+    """The flags of process `process_id` of a run of several processes on this host."""
+    return [
+        f"--coordinator_address=localhost:{port}",
+        f"--num_processes={num_processes}",
+        f"--process_id={process_id}",
+    ]
+
+
+# What a resumed run must reproduce of an uninterrupted one, bit for bit (JSON floats).
+HISTORY_KEYS = ("step", "loss", "grad_norm", "learning_rate", "val_loss", "tokens_seen")
+
+
+def assert_same_history(want: list[dict], got: list[dict], keys=HISTORY_KEYS) -> None:
+    """Two metrics.jsonl histories, record by record, equal in `keys`."""
+    assert len(got) == len(want)
+    for w, g in zip(want, got, strict=True):
+        for key in keys:
+            assert g.get(key) == w.get(key), (key, w["step"], g.get(key), w.get(key))
 
 
 def train_losses(workdir: str) -> list[float]:

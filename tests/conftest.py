@@ -7,10 +7,16 @@ import os
 import shutil
 import tempfile
 
+from nnx_zoo.runtime.xla_cpu import set_cpu_flags
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+# The XLA CPU flags every entry point starts with (nnx_zoo/runtime/xla_cpu.py): a run in this
+# process (tests/_entry.py) then compiles the program a train_main process compiles, and the
+# two agree bit for bit where a test compares them.
+set_cpu_flags()
 # Tests that compile for TPU targets load libtpu; pytest workers and other processes on the
 # same host may hold it too, and compiling without running is safe to share.
 os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
@@ -22,6 +28,10 @@ os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="nnx-zoo-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+# Every program, not only those that took over a second to compile (JAX's default): a tiny
+# model's steps compile in under a second each on a quiet host, and tests that run the same
+# tiny run in-process (tests/_entry.py) rebuild, and so recompile, them each time.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 

@@ -15,7 +15,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_backend_that_cannot_run_here_exits_2_with_one_line(case, tmp_path):
     args, expected = CASES[case]
-    result = run_train_main([f"--workdir={tmp_path}", *args], timeout=180)
+    result = run_train_main([f"--workdir={tmp_path}", *args])
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(lines) == 1, result.stderr

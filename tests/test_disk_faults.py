@@ -1,7 +1,7 @@
 """Disk faults at a save (issue 31): one line, exit 1, the previous checkpoint intact.
 
 nnx_zoo/checkpoint/write_errors.py documents the behaviour. Three ways a save fails, each through
-train_main:
+train_main (the failing run as a process: it leaves by os._exit):
   - the disk is full before the save: the free-space check refuses to start it;
   - the free-space check passes but the write itself fails with ENOSPC (a tmpfs with bytes
     to spare and no inodes left: Orbax/TensorStore cannot create the files); the partial
@@ -26,7 +26,16 @@ import sys
 import time
 
 import pytest
-from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags, run_train_main
+from _train_helpers import (
+    ROOT,
+    SMALL_RUN,
+    assert_same_history,
+    child_env,
+    cli_flags,
+    run_train_main,
+    start_train_main,
+    train_main_process,
+)
 
 from nnx_zoo.checkpoint import integrity
 from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
@@ -89,7 +98,8 @@ def test_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(reference, 
     stats = os.statvfs(disk)
     with open(disk / "filler", "wb") as f:
         f.write(b"\0" * (stats.f_bavail * stats.f_frsize - 100 * 1024))
-    line = _one_line_exit_1(run_train_main([f"--workdir={disk / 'run'}", *cli_flags(RUN)]))
+    # A process: a failed save leaves by os._exit (nnx_zoo/checkpoint/write_errors.py).
+    line = _one_line_exit_1(train_main_process([f"--workdir={disk / 'run'}", *cli_flags(RUN)]))
     assert line.startswith(f"error: checkpoint step {STEPS} could not be written to "), line
     assert "No space left on device: a save needs about" in line, line
     assert "the last complete checkpoint is step 2" in line, line
@@ -120,7 +130,7 @@ def test_enospc_during_the_write_keeps_the_last_checkpoint_and_resumes_exactly(r
     _mount_tmpfs(disk, "size=16m,nr_inodes=400")
     checkpoints = _stopped_before_the_last_save(reference, disk / "run")
     _fill_inodes(disk / "filler", leave=16)
-    failed = run_train_main([f"--workdir={disk / 'run'}", *cli_flags(RUN)])
+    failed = train_main_process([f"--workdir={disk / 'run'}", *cli_flags(RUN)])
     line = _one_line_exit_1(failed)  # not Orbax's ~600 lines of background-thread traces
     assert line.startswith(f"error: checkpoint step {STEPS} could not be written to "), line
     # The write failed, not the forecast (whose reason says how much a save needs).
@@ -139,10 +149,7 @@ def test_enospc_during_the_write_keeps_the_last_checkpoint_and_resumes_exactly(r
     want = read_metrics(os.path.join(reference, "metrics.jsonl"))
     got = read_metrics(os.path.join(disk / "run", "metrics.jsonl"))
     assert [r["step"] for r in got if "loss" in r] == list(range(1, STEPS + 1))
-    assert len(got) == len(want)
-    for w, g in zip(want, got, strict=True):
-        for key in ("step", "loss", "grad_norm", "learning_rate", "val_loss", "tokens_seen"):
-            assert g.get(key) == w.get(key), (key, w["step"], g.get(key), w.get(key))
+    assert_same_history(want, got)
 
 
 def test_a_vanished_checkpoint_directory_stops_the_run_in_one_line(tmp_path):
@@ -151,10 +158,8 @@ def test_a_vanished_checkpoint_directory_stops_the_run_in_one_line(tmp_path):
     workdir = tmp_path / "run"
     run = {**RUN, "training.steps": 60, "checkpoint.every": 10}
     checkpoints = checkpoint_dir(str(workdir))
-    proc = subprocess.Popen(
-        [sys.executable, TRAIN_MAIN, f"--workdir={workdir}", *cli_flags(run)],
-        env=child_env(),
-        cwd=ROOT,
+    proc = start_train_main(
+        [f"--workdir={workdir}", *cli_flags(run)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

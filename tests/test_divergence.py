@@ -3,10 +3,8 @@ a state with NaN in it, also at a save between two log steps."""
 
 import json
 import os
-import subprocess
-import sys
 
-from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
+from _train_helpers import SMALL_RUN, cli_flags, run_train_main
 
 from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
 
@@ -30,13 +28,7 @@ RUN = {
 def test_divergence_exits_1_in_one_line_and_saves_no_nan(tmp_path):
     workdir = str(tmp_path / "run")
     flags = ["--sharding_strategy=dp", f"--workdir={workdir}", *cli_flags(RUN)]
-    result = subprocess.run(
-        [sys.executable, TRAIN_MAIN, *flags],
-        env=child_env(1),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_train_main(flags, num_devices=1)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -58,13 +50,7 @@ def test_non_finite_val_loss_exits_1_before_the_save(tmp_path):
     workdir = str(tmp_path / "run")
     run = {**RUN, "training.steps": 2, "training.eval_every": 1, "training.eval_batches": 1}
     flags = ["--sharding_strategy=dp", f"--workdir={workdir}", *cli_flags(run)]
-    result = subprocess.run(
-        [sys.executable, TRAIN_MAIN, *flags],
-        env=child_env(1),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_train_main(flags, num_devices=1)
     assert result.returncode == 1, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr[-3000:]

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+import _entry
 import numpy as np
 import pytest
 from _train_helpers import ROOT, char_tokenizer
@@ -37,14 +36,7 @@ def test_eval_of_a_hf_checkpoint_equals_the_reference_loss(tmp_path, family, str
     data = str(tmp_path / "docs.arrayrecord")
     write_token_documents(data, [row for row in ids])
     tokenizer, eos = char_tokenizer(tmp_path, num_ids=128)  # the reference vocab
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
     args = [
-        sys.executable,
-        os.path.join(ROOT, "eval_main.py"),
         f"--workdir={tmp_path}",
         f"--hf_checkpoint={os.path.join(REFERENCE, family)}",
         f"--data={data}",
@@ -58,7 +50,7 @@ def test_eval_of_a_hf_checkpoint_equals_the_reference_loss(tmp_path, family, str
     # it; the other families are given the length.
     if family != "gpt2":
         args.append("--seq_len=32")
-    result = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = _entry.evaluate(args)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "eval.json") as f:
         report = json.load(f)
@@ -75,15 +67,12 @@ def test_eval_of_a_hf_checkpoint_equals_the_reference_loss(tmp_path, family, str
 
 def test_a_length_past_learned_positions_is_refused(tmp_path):
     args = [
-        sys.executable,
-        os.path.join(ROOT, "eval_main.py"),
         f"--workdir={tmp_path}",
         f"--hf_checkpoint={os.path.join(REFERENCE, 'gpt2')}",
         "--seq_len=64",
         "--tokenizer=byte",  # the reference directory ships no tokenizer.json
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = _entry.evaluate(args)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--seq_len=64 is longer than" in lines[0], result.stderr

@@ -1,6 +1,7 @@
 """eval_main.py: a checkpoint saved under fsdp_tp on (4, 2) evaluates to the same loss under
-dp on 8 devices and on one device (subprocesses), equal to the in-process loss of the saved
-model; generation from the one-device run equals the in-process one; bad input exits 2."""
+dp on 8 devices (in this process) and on one device (a process of one device), equal to the
+in-process loss of the saved model; generation from the one-device run equals the in-process
+one; bad input exits 2."""
 
 import json
 import math
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import _entry
 import jax
 import numpy as np
 import optax
@@ -44,7 +46,14 @@ def run_config():
     return RunConfig.from_config_dict(c)
 
 
-def eval_main(workdir, *flags, num_devices=8):
+def eval_main(workdir, *flags):
+    """eval_main in this process (tests/_entry.py), on its 8 devices."""
+    return _entry.evaluate([f"--workdir={workdir}", *flags])
+
+
+def eval_main_process(workdir, *flags, num_devices=8):
+    """eval_main as a process of `num_devices` devices: what a host of that many sees, and the
+    entry point's own stderr and exit status."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
     env["JAX_PLATFORMS"] = "cpu"
@@ -129,7 +138,10 @@ def test_same_loss_on_any_strategy_and_device_count(saved):
         ("dp8", ["--sharding_strategy=dp", "--loss_chunk_size=0", "--attention_impl=xla"], 8),
         ("one", ["--sharding_strategy=dp", f"--prompt={PROMPT}", "--max_new_tokens=12"], 1),
     ):
-        proc = eval_main(workdir, *flags, num_devices=devices)
+        if devices == 8:
+            proc = eval_main(workdir, *flags)
+        else:
+            proc = eval_main_process(workdir, *flags, num_devices=devices)
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(os.path.join(workdir, "eval.json")) as f:
             results[name] = json.load(f)
@@ -168,7 +180,7 @@ def test_bad_input_exits_2_with_one_line(saved, flags, message):
 
 
 def test_empty_workdir_exits_2(tmp_path):
-    proc = eval_main(str(tmp_path))
+    proc = eval_main_process(str(tmp_path))
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: no complete checkpoint in"), proc.stderr
 

@@ -1,30 +1,20 @@
 """explain_main.py --config: the model train_main would build from a run config file (its
 model section and overrides), not the zoo preset of the same name, and its quantization."""
 
-import os
-import subprocess
-import sys
-
-from _train_helpers import ROOT, child_env, run_config
+import _entry
+from _train_helpers import run_config
 
 from zoo.layers import quant
 
 
 def test_config_flag_explains_the_configured_model():
-    proc = subprocess.run(
+    proc = _entry.explain(
         [
-            sys.executable,
-            os.path.join(ROOT, "explain_main.py"),
             "--config=configs/tiny.py",
             "--config.model.num_layers=3",
             "--config.model.quantization=int8",
             "--strategies=dp",
-        ],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
+        ]
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     want = run_config({"model.num_layers": 3}).model.decoder_config().describe()

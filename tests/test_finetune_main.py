@@ -6,14 +6,13 @@ merged export, give this project's logits (checks 4 and 6)."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
+import _entry
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _train_helpers import ROOT, child_env, run_train_main, train_losses
+from _train_helpers import run_train_main, train_losses
 from chat_fixtures import chat_template, write_chats_jsonl, write_tiny_checkpoint
 from flax import nnx
 
@@ -42,15 +41,9 @@ QWEN3_TINY = dict(
 )  # fmt: skip
 
 
-def _main(script, args, timeout=600):
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, script), *args],
-        env=child_env(1),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+def _main(script, args):
+    """export_main / eval_main in this process (tests/_entry.py)."""
+    return _entry.run_main(script.removesuffix(".py"), args)
 
 
 @pytest.fixture(scope="module")
@@ -131,35 +124,35 @@ def test_bad_input_exits_2_with_one_line(case, files, tmp_path):
         *TRAIN,
         *extra,
     ]
-    result = run_train_main(args, num_devices=1, timeout=300)
+    result = run_train_main(args, num_devices=1)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
     assert needle in lines[0]
 
 
-def test_a_target_this_model_lacks_exits_2(files, tmp_path):
-    """'gate' is a valid target name, but a mixture-of-experts block has no dense MLP gate."""
-    base = write_tiny_checkpoint(str(tmp_path / "moe"), "qwen3", "qwen3-moe-tiny")
+def _error_line_of_chat_run(files, tmp_path, base) -> str:
+    """The one stderr line of a fine-tuning run from `base` on the chats that exits 2."""
     args = [f"--workdir={tmp_path / 'run'}", f"--init_from={base}"]
     result = run_train_main(
-        [*args, f"--config.data.source={files['chats']}", *TRAIN], num_devices=1, timeout=300
+        [*args, f"--config.data.source={files['chats']}", *TRAIN], num_devices=1
     )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "'gate' names no module" in lines[0], result.stderr
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_target_this_model_lacks_exits_2(files, tmp_path):
+    """'gate' is a valid target name, but a mixture-of-experts block has no dense MLP gate."""
+    base = write_tiny_checkpoint(str(tmp_path / "moe"), "qwen3", "qwen3-moe-tiny")
+    assert "'gate' names no module" in _error_line_of_chat_run(files, tmp_path, base)
 
 
 def test_a_template_that_raises_exits_2(files, tmp_path):
     template = "{{ raise_exception('System role not supported') }}"
     base = _with_template(files["llama"], str(tmp_path / "copy"), template)
-    args = [f"--workdir={tmp_path / 'run'}", f"--init_from={base}"]
-    result = run_train_main(
-        [*args, f"--config.data.source={files['chats']}", *TRAIN], num_devices=1, timeout=300
-    )
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "System role not supported" in lines[0], result.stderr
+    assert "System role not supported" in _error_line_of_chat_run(files, tmp_path, base)
 
 
 def _our_logits(workdir, ids):
@@ -192,7 +185,6 @@ def test_peft_round_trip(family, files, tmp_path):
     result = run_train_main(
         [f"--workdir={workdir}", f"--init_from={base}", f"--config.data.source={source}"] + TRAIN,
         num_devices=1,
-        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     # The checkpoint holds the adapters and their optimizer state only, and points at the base.
@@ -254,9 +246,7 @@ def test_lora_on_a_bfloat16_base_with_a_tool_role_trains_and_evaluates(files, tm
         f"--init_from={files['llama']}",
         f"--config.data.source={source}",
     ]
-    result = run_train_main(
-        [*args, *TRAIN, "--config.model.dtype=bfloat16"], num_devices=1, timeout=600
-    )
+    result = run_train_main([*args, *TRAIN, "--config.model.dtype=bfloat16"], num_devices=1)
     assert result.returncode == 0, result.stderr[-3000:]
     assert all(np.isfinite(train_losses(workdir))) and len(train_losses(workdir)) == 3
     evaluated = _main("eval_main.py", [f"--workdir={workdir}", "--sharding_strategy=dp"])

@@ -215,14 +215,10 @@ H100_1B = [
 @pytest.mark.gpu_compile
 def test_llama3_1b_on_one_h100_forecasts_the_measured_step():
     import json
-    import os
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run(
-        [sys.executable, "plan_main.py", *H100_1B], cwd=root, capture_output=True, text=True
-    )
+    import _entry
+
+    result = _entry.plan(H100_1B)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 1, result.stdout

@@ -11,11 +11,12 @@ import os
 import subprocess
 import sys
 
+import _entry
 import jax
 import numpy as np
 import pytest
 from _harness_helpers import ROOT, STYLES, TASKS, write_tiny_llama, write_tokenizer
-from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
+from _train_helpers import SMALL_RUN, child_env, cli_flags, run_train_main
 
 from nnx_zoo.data.tokenizers import ByteTokenizer, make_tokenizer
 from nnx_zoo.evaluation.harness_batch import pack, row_length
@@ -162,20 +163,17 @@ def run_dir(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("run"))
     overrides = {**SMALL_RUN, "training.steps": 50, "checkpoint.enabled": True}
     overrides["checkpoint.every"] = 25  # two steps to choose from (export_main --step)
-    proc = subprocess.run(
-        [sys.executable, TRAIN_MAIN, "--sharding_strategy=dp", f"--workdir={workdir}"]
-        + cli_flags(overrides),
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_train_main(["--sharding_strategy=dp", f"--workdir={workdir}", *cli_flags(overrides)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
 
 
-def _eval_main(*flags, env=None, timeout=300, cwd=ROOT):
+def _eval_main(*flags, cwd=ROOT):
+    """eval_main in this process (tests/_entry.py), started in `cwd`."""
+    return _entry.run_main("eval_main", list(flags), cwd=cwd)
+
+
+def _eval_main_process(*flags, env=None, timeout=300, cwd=ROOT):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "eval_main.py"), *flags],
         cwd=cwd,
@@ -228,7 +226,7 @@ def test_eval_main_tasks_on_a_trained_run(run_dir):
     ids=["unknown_task", "missing_include_path"],
 )
 def test_bad_task_exits_2_with_one_line(tmp_path, flags, line):
-    proc = _eval_main(f"--workdir={tmp_path}", *flags, timeout=180)
+    proc = _eval_main(f"--workdir={tmp_path}", *flags)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [line], proc.stderr[-2000:]
 
@@ -269,7 +267,7 @@ def test_tasks_without_the_extra_name_the_install_command(tmp_path):
     (shadow / "__init__.py").write_text("raise ImportError('No module named lm_eval')\n")
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(shadow.parent), ROOT, env.get("PYTHONPATH", "")])
-    proc = _eval_main(f"--workdir={tmp_path}", "--tasks=zoo_facts", env=env, timeout=120)
+    proc = _eval_main_process(f"--workdir={tmp_path}", "--tasks=zoo_facts", env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         'error: --tasks needs lm-evaluation-harness: pip install "nnx-zoo[eval]" (lm-eval 0.4.13)'
@@ -307,7 +305,6 @@ def test_generate_until_under_a_strategy_that_cannot_generate_exits_2(tmp_path):
         "--tasks=zoo_facts,zoo_facts_gen",
         f"--include_path={TASKS}",
         "--sharding_strategy=fsdp_pp",
-        timeout=180,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
@@ -356,14 +353,8 @@ def test_generate_until_greedy_and_sampled(hf_dir):
 
 
 def _export_main(*flags):
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "export_main.py"), *flags],
-        cwd=ROOT,
-        env=child_env(1),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """export_main in this process (tests/_entry.py)."""
+    return _entry.export(list(flags))
 
 
 def test_export_main_hf_of_a_run_without_lora_at_a_step(run_dir, tmp_path):

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+import _entry
 import pytest
 from _train_helpers import ROOT, SMALL_RUN, TRAIN_MAIN, child_env, cli_flags, run_train_main
 
@@ -33,7 +34,14 @@ SMOKE = {**ONE_STEP, **GPT2}
 QUICK = {**ONE_STEP, "optimizer.warmup_steps": 0}  # the bad-input runs: no warning line
 
 
-def _run(script: str, args: list[str], *, env=None, timeout: int = 240):
+def _run(script: str, args: list[str]):
+    """The entry point `script` run in this process (tests/_entry.py)."""
+    return _entry.run_main(os.path.basename(script).removesuffix(".py"), args)
+
+
+def _process(script: str, args: list[str], *, env=None, timeout: int = 600):
+    """The entry point `script` as its own process: its stderr and exit status are the
+    subject."""
     return subprocess.run(
         [sys.executable, script, *args],
         env=env or child_env(),
@@ -136,7 +144,7 @@ def test_read_only_checkpoint_directory_fails_before_training(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     _read_only(checkpoints)
     try:
-        result = run_train_main([f"--workdir={tmp_path}", *cli_flags(QUICK)], timeout=120)
+        result = run_train_main([f"--workdir={tmp_path}", *cli_flags(QUICK)])
     finally:
         if os.geteuid() == 0:
             subprocess.run(["umount", str(checkpoints)])
@@ -258,6 +266,17 @@ def test_config_files_that_are_not_python_configs(tmp_path, case):
     _one_line_exit_2(result, expected)
 
 
+def test_a_second_run_in_one_process_reads_its_own_config_file(tmp_path):
+    # config_flags loads every --config file into one module name; a second run in the same
+    # process (a notebook, these tests) whose file defines no get_config() took the first
+    # run's, and trained configs/tiny.py.
+    first = run_train_main([f"--workdir={tmp_path}", "--sharding_strategy=zigzag"])
+    _one_line_exit_2(first, "unknown sharding strategy 'zigzag'")
+    (tmp_path / "noget.py").write_text("X = 1\n")
+    second = run_train_main([f"--workdir={tmp_path / 'run'}", f"--config={tmp_path / 'noget.py'}"])
+    _one_line_exit_2(second, "it defines no get_config()")
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
@@ -270,7 +289,7 @@ def test_config_files_that_are_not_python_configs(tmp_path, case):
     ],
 )
 def test_mesh_axes_and_values_that_would_be_ignored(tmp_path, flags, expected):
-    _one_line_exit_2(run_train_main([f"--workdir={tmp_path}", *flags], timeout=120), expected)
+    _one_line_exit_2(run_train_main([f"--workdir={tmp_path}", *flags]), expected)
 
 
 NON_FINITE = {
@@ -304,6 +323,11 @@ NON_FINITE = {
 PLAN_ARGS = ["--model=tiny", "--topology=cpu:8", "--sharding_strategy=dp", "--batch_size=8"]
 
 
+# One case per entry point as its own process (its stderr and exit status); the others in
+# this process.
+AS_A_PROCESS = {"train --peak_tflops=nan", "eval --limit=nan", "plan --memory_gib=inf"}
+
+
 @pytest.mark.parametrize("case", list(NON_FINITE))
 def test_non_finite_numbers_are_refused_at_every_entry_point(tmp_path, case):
     script, flags, expected = NON_FINITE[case]
@@ -313,7 +337,8 @@ def test_non_finite_numbers_are_refused_at_every_entry_point(tmp_path, case):
         flags = [f"--workdir={tmp_path}", *flags]
     if script == PLAN_MAIN:
         flags = [*PLAN_ARGS, *flags]
-    _one_line_exit_2(_run(script, flags, timeout=120), expected)
+    run = _process if case in AS_A_PROCESS else _run
+    _one_line_exit_2(run(script, flags), expected)
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
@@ -338,7 +363,7 @@ def test_every_float_field_refuses_non_finite_values():
 
 def test_object_store_workdirs_are_refused_not_made_local():
     # Before: gs://bucket/run became ./gs:/bucket/run, a local directory.
-    result = run_train_main(["--workdir=gs://bucket/run"], timeout=120)
+    result = run_train_main(["--workdir=gs://bucket/run"])
     _one_line_exit_2(result, "object-store URLs are not supported as a run directory")
     assert not os.path.exists(os.path.join(ROOT, "gs:"))
     result = _run(EVAL_MAIN, ["--workdir=gs://bucket/run"])
@@ -350,7 +375,7 @@ def test_plan_for_cpu_devices_needs_no_xla_flags():
     env = child_env()
     del env["XLA_FLAGS"]
     args = ["--model=tiny", "--topology=cpu:8", "--sharding_strategy=dp", "--batch_size=8"]
-    result = _run(PLAN_MAIN, [*args, "--seq_len=64", "--json"], env=env)
+    result = _process(PLAN_MAIN, [*args, "--seq_len=64", "--json"], env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.splitlines()[-1])["mesh"] == {"data": 8}
 
@@ -358,14 +383,14 @@ def test_plan_for_cpu_devices_needs_no_xla_flags():
 def test_plan_for_a_tpu_target_keeps_stderr_clean():
     # Finding 8: before, libtpu's five start-up lines (one an E0000 INVALID_ARGUMENT).
     args = ["--model=tiny", "--topology=v5p:2x2x1", "--sharding_strategy=dp", "--batch_size=8"]
-    result = _run(PLAN_MAIN, [*args, "--seq_len=64", "--json"])
+    result = _process(PLAN_MAIN, [*args, "--seq_len=64", "--json"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr == ""
 
 
 def test_explain_errors_are_one_line():
     # Finding 8: before, six CUDA-stub lines came first.
-    _one_line_exit_2(_run(EXPLAIN_MAIN, ["--strategies=nope"]), "unknown sharding strategy")
+    _one_line_exit_2(_process(EXPLAIN_MAIN, ["--strategies=nope"]), "unknown sharding strategy")
 
 
 def test_auto_with_nothing_fitting_advises_past_what_it_compiled():

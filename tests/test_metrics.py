@@ -172,6 +172,19 @@ def test_non_main_process_writes_nothing(tmp_path):
     assert not workdir.exists()
 
 
+def test_tensorboard_and_loss_curve_can_be_turned_off(tmp_path):
+    # logging.tensorboard / logging.loss_curve: metrics.jsonl alone, and it is complete.
+    workdir = tmp_path / "run"
+    writer = MetricsWriter(
+        str(workdir), is_main_process=True, total_steps=2, tensorboard=False, loss_curve=False
+    )
+    writer.write(1, _train_metrics(1))
+    writer.write_eval(1, val_loss=2.0)
+    writer.finalize()
+    assert sorted(os.listdir(workdir)) == ["metrics.jsonl"]
+    assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == [1, 1]
+
+
 # --- FLOPs and MFU -----------------------------------------------------------------------
 
 

@@ -27,8 +27,7 @@ OVERRIDES = {
 def moe_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("moe"))
     result = run_train_main(
-        ["--sharding_strategy=fsdp_ep", f"--workdir={workdir}", *cli_flags(OVERRIDES)],
-        timeout=600,
+        ["--sharding_strategy=fsdp_ep", f"--workdir={workdir}", *cli_flags(OVERRIDES)]
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir, result

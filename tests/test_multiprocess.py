@@ -20,18 +20,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import portpicker
 import pytest
 from _train_helpers import (
-    ROOT,
     SMALL_RUN,
-    TRAIN_MAIN,
-    child_env,
     cli_flags,
+    peer_flags,
     run_config,
+    start_train_main,
     train_losses,
 )
 
@@ -107,22 +105,18 @@ def _two_processes(
     port = _free_slurm_port() if slurm else portpicker.pick_unused_port()
 
     def process_flags(i):
-        if slurm:
-            return []
-        return [f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"]
+        return [] if slurm else peer_flags(port, i)
 
     children = [
-        subprocess.Popen(
+        start_train_main(
             [
-                sys.executable,
-                TRAIN_MAIN,
                 f"--workdir={workdir}",
                 *process_flags(i),
                 f"--sharding_strategy={strategy}",
                 *cli_flags({**RUN, **CASES[strategy][3], **(overrides or {})}),
             ],
-            env={**child_env(num_devices=4), **(_slurm_env(i, port, workdir) if slurm else {})},
-            cwd=ROOT,
+            num_devices=4,
+            env=_slurm_env(i, port, workdir) if slurm else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+import _entry
 import jax
 import numpy as np
 import pytest
-from _train_helpers import ROOT, SMALL_RUN, child_env, cli_flags, run_train_main, train_losses
+from _train_helpers import SMALL_RUN, cli_flags, run_train_main, train_losses
 from flax import nnx
 from test_checkpoint import build, data_iter, leaves, take_optimizer_step
 
@@ -86,20 +85,7 @@ def test_bad_pipeline_input_is_one_line(tmp_path, overrides, expected):
 
 def test_prompt_under_pipeline_is_one_line(tmp_path):
     # The strategy is checked before the checkpoint is read: no run is needed.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "eval_main.py"),
-            f"--workdir={tmp_path}",
-            "--sharding_strategy=fsdp_pp",
-            "--prompt=hi",
-        ],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    proc = _entry.evaluate([f"--workdir={tmp_path}", "--sharding_strategy=fsdp_pp", "--prompt=hi"])
     assert "pipeline strategy fsdp_pp" in _one_line_error(proc)
 
 
@@ -116,7 +102,7 @@ RUN = {
 
 def _train(workdir, strategy_flags, **overrides):
     args = [f"--workdir={workdir}", *strategy_flags, *cli_flags({**RUN, **overrides})]
-    proc = run_train_main(args, timeout=600)
+    proc = run_train_main(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -130,15 +116,7 @@ def test_train_resume_eval_under_dp(tmp_path):
     assert len(losses) == STEPS
     np.testing.assert_allclose(losses, train_losses(flat), rtol=1e-5)
 
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "eval_main.py"), f"--workdir={piped}"]
-        + ["--sharding_strategy=dp"],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    proc = _entry.evaluate([f"--workdir={piped}", "--sharding_strategy=dp"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(piped, "metrics.jsonl")) as f:
         val = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]

@@ -5,11 +5,9 @@ formula, training.step_memory)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
+import _entry
 import jax
 import pytest
 from model_utils import count_constructions
@@ -18,7 +16,6 @@ from nnx_zoo.launch.build import build, plan_run
 from nnx_zoo.launch.data import build_data
 from nnx_zoo.training.config import RunConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A run that differs from the tiny config's defaults in what the planner used to drop:
 # the loss chunk, remat and micro-batches.
 RUN_FLAGS = [
@@ -41,10 +38,8 @@ TRAIN_ONLY = [
 
 
 def _run(script, args):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    return subprocess.run(
-        [sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    """The entry point in this process (tests/_entry.py), on its 8 devices."""
+    return _entry.run_main(script.removesuffix(".py"), args)
 
 
 def _plan(args) -> dict:

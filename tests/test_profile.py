@@ -22,9 +22,7 @@ def test_profile_steps_and_step_time_breakdown(tmp_path):
         "checkpoint.every": 3,
         "logging.profile_steps": "2:4",
     }
-    result = run_train_main(
-        [f"--workdir={workdir}", *cli_flags(overrides)], num_devices=2, timeout=900
-    )
+    result = run_train_main([f"--workdir={workdir}", *cli_flags(overrides)], num_devices=2)
     assert result.returncode == 0, result.stderr[-3000:]
 
     # TensorBoard's profile plugin / XProf layout: plugins/profile/<run>/<host>.xplane.pb, and

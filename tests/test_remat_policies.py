@@ -90,9 +90,7 @@ def test_every_named_policy_is_known_and_bad_names_are_refused():
 
 
 def test_offload_on_cpu_is_a_usage_error(tmp_path):
-    result = run_train_main(
-        [f"--workdir={tmp_path}", *cli_flags({"model.remat": "offload"})], timeout=120
-    )
+    result = run_train_main([f"--workdir={tmp_path}", *cli_flags({"model.remat": "offload"})])
     assert result.returncode == 2, result.stderr[-2000:]
     # Lines other than ours: the CUDA plugin's start-up notes on a machine without CUDA.
     lines = [

@@ -1,5 +1,6 @@
 """train_main.py never loses or duplicates work, and says what it did: one chain of runs on
-one workdir (8 simulated devices, fsdp_tp on (4, 2), two Grain worker processes).
+one workdir (8 simulated devices, fsdp_tp on (4, 2), two Grain worker processes). A is a
+process (it holds the workdir while another run starts); the others run in this process.
 
   A   6 steps, checkpoints at 3 and 6; a second run started while A holds the workdir exits 2
       naming A's pid; A's metrics.jsonl is one run's; no shared memory leaks at exit.
@@ -19,7 +20,7 @@ import sys
 import time
 
 import pytest
-from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags
+from _train_helpers import SMALL_RUN, TRAIN_MAIN, child_env, cli_flags, run_train_main
 
 from nnx_zoo.checkpoint.steps import INVALID_SUBDIR, checkpoint_dir
 from nnx_zoo.checkpoint.workdir import LOCK_FILE
@@ -35,10 +36,17 @@ RUN = {
     "checkpoint.every": 3,
     "data.num_workers": 2,
 }
-TIMEOUT = 240
+TIMEOUT = 600  # a guard against a hang, not a budget: a loaded 2-core host takes minutes
 
 
-def train_main(workdir, overrides=None, **popen):
+def train_main(workdir, overrides=None):
+    """train_main in this process: (exit status, stdout, stderr)."""
+    args = [f"--workdir={workdir}", *cli_flags({**RUN, **(overrides or {})})]
+    result = run_train_main(args)
+    return result.returncode, result.stdout, result.stderr
+
+
+def train_main_process(workdir, overrides=None, **popen):
     args = [
         sys.executable,
         TRAIN_MAIN,
@@ -63,12 +71,12 @@ def errors(stderr):
 def chain(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("run"))
     lock = os.path.join(workdir, LOCK_FILE)
-    first = train_main(workdir)
+    first = train_main_process(workdir)
     deadline = time.monotonic() + TIMEOUT
     while not (os.path.exists(lock) and os.path.getsize(lock)):  # A holds the workdir
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
         time.sleep(0.2)
-    second = finish(train_main(workdir))
+    second = train_main(workdir)
     first = finish(first)
     metrics_a = read_metrics(os.path.join(workdir, "metrics.jsonl"))
     with open(os.path.join(workdir, "run_info.json")) as f:
@@ -87,11 +95,11 @@ def chain(tmp_path_factory):
         f.write(b"\xde\xad\xbe\xef")
     with open(lock, "w") as f:
         f.write("pid 4194303 on host gone-host (since long ago)")
-    out["r"] = finish(train_main(workdir, {"training.steps": 9}))
+    out["r"] = train_main(workdir, {"training.steps": 9})
     out["metrics_r"] = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-    out["n"] = finish(train_main(workdir_n, {"training.steps": 9, "data.num_workers": 0}))
+    out["n"] = train_main(workdir_n, {"training.steps": 9, "data.num_workers": 0})
     out["metrics_n"] = read_metrics(os.path.join(workdir_n, "metrics.jsonl"))
-    out["h"] = finish(train_main(workdir, {"training.steps": 12, "model.hidden_dim": 32}))
+    out["h"] = train_main(workdir, {"training.steps": 12, "model.hidden_dim": 32})
     with open(os.path.join(workdir, "run_info.json")) as f:
         out["run_info_after"] = f.read()
     return out

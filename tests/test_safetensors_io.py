@@ -7,9 +7,8 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 
+import _entry
 import numpy as np
 import pytest
 from _train_helpers import ROOT
@@ -76,10 +75,8 @@ def test_eval_main_exits_2_on_a_three_byte_safetensors_file(tmp_path):
     ckpt.mkdir()
     shutil.copy(os.path.join(ROOT, "tests", "hf_reference", "gpt2", "config.json"), ckpt)
     (ckpt / SINGLE_FILE).write_bytes(b"abc")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    args = [sys.executable, os.path.join(ROOT, "eval_main.py"), f"--workdir={tmp_path}"]
-    args += [f"--hf_checkpoint={ckpt}", "--sharding_strategy=dp", "--tokenizer=byte"]
-    result = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    args = [f"--workdir={tmp_path}", f"--hf_checkpoint={ckpt}", "--sharding_strategy=dp"]
+    result = _entry.evaluate([*args, "--tokenizer=byte"])
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if "safetensors" in line]
     assert len(lines) == 1 and "too short for a safetensors file" in lines[0], result.stderr

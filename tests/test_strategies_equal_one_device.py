@@ -114,23 +114,32 @@ def _run(strategy_name, mesh, init_params=None, cfg=CFG, objective=_loss_and_gra
     return out
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return _run("dp", one_device_mesh())
-
-
 def _case_id(name, shape, overrides=None):
     extra = "".join(f"-{v}" for v in (overrides or {}).values())
     return f"{name}-{'x'.join(map(str, shape))}{extra}"
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[_case_id(*case) for case in CASES])
-def sharded(request, reference):
-    # (strategy, mesh shape[, model config overrides])
-    name, shape, *overrides = request.param
-    cfg = CFG.replace(**overrides[0]) if overrides else CFG
-    mesh = get_strategy(name).make_mesh(shape=shape)
-    return name, _run(name, mesh, init_params=reference["params"], cfg=cfg)
+def equality_fixtures(run, cases):
+    """An equality test's module fixtures: `reference`, `run("dp", one device)`, and
+    `sharded`, `(name, run(name, its mesh))` for each (strategy, mesh shape[, model config
+    overrides]) case, from the reference's parameters. A module binds both names:
+    `reference, sharded = ...`."""
+
+    @pytest.fixture(scope="module")
+    def reference():
+        return run("dp", one_device_mesh())
+
+    @pytest.fixture(scope="module", params=cases, ids=[_case_id(*case) for case in cases])
+    def sharded(request, reference):
+        name, shape, *overrides = request.param
+        mesh = get_strategy(name).make_mesh(shape=shape)
+        extra = {"cfg": CFG.replace(**overrides[0])} if overrides else {}
+        return name, run(name, mesh, init_params=reference["params"], **extra)
+
+    return reference, sharded
+
+
+reference, sharded = equality_fixtures(_run, CASES)
 
 
 def test_parameter_layouts_are_declared(sharded):
@@ -160,17 +169,25 @@ def test_strategy_actually_shards(sharded):
         assert "blocks/attention/q/weight" in split and "blocks/mlp/down/weight" in split
 
 
-def test_logits_loss_grads_equal_one_device(sharded, reference):
-    name, run = sharded
+def assert_step_equals_one_device(run, reference, scalars=("loss",)):
+    """Logits, the `scalars` (the loss, ...) and every gradient within the module's bounds."""
     np.testing.assert_allclose(run["logits"], reference["logits"], atol=2e-5, rtol=0)
-    assert abs(run["loss"] - reference["loss"]) < 2e-5
+    for name in scalars:
+        assert abs(run[name] - reference[name]) < 2e-5, name
     assert set(run["grads"]) == set(reference["grads"])
     for path, g in reference["grads"].items():
         np.testing.assert_allclose(run["grads"][path], g, atol=1e-5, rtol=1e-4, err_msg=path)
 
 
-def test_adamw_steps_equal_one_device(sharded, reference):
-    name, run = sharded
+def assert_adamw_steps_equal_one_device(run, reference):
     ref = np.asarray(reference["adam_losses"])
     assert ref[-1] < ref[0] - 0.05, "the reference run should learn (loss falls)"
     np.testing.assert_allclose(run["adam_losses"], ref, rtol=1e-4, atol=0)
+
+
+def test_logits_loss_grads_equal_one_device(sharded, reference):
+    assert_step_equals_one_device(sharded[1], reference)
+
+
+def test_adamw_steps_equal_one_device(sharded, reference):
+    assert_adamw_steps_equal_one_device(sharded[1], reference)

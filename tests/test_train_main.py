@@ -16,6 +16,7 @@ from _train_helpers import (
     run_config,
     run_train_main,
     train_losses,
+    train_main_process,
 )
 
 # DESIGN.md's public keys, and `mfu_at_precision` (MFU against the peak of the precision the
@@ -26,9 +27,11 @@ CONTRACT_KEYS |= {"mfu_at_precision"}
 
 @pytest.fixture(scope="module")
 def fsdp_tp_run(tmp_path_factory):
-    """One CLI run under fsdp_tp (checkpointing on, CPU peak measured): its workdir."""
+    """One CLI run under fsdp_tp (checkpointing on, CPU peak measured, every output file):
+    its workdir."""
     workdir = str(tmp_path_factory.mktemp("fsdp_tp"))
     overrides = {**SMALL_RUN, "checkpoint.enabled": True, "checkpoint.every": 20}
+    overrides |= {"logging.tensorboard": True, "logging.loss_curve": True}
     result = run_train_main(
         ["--sharding_strategy=fsdp_tp", f"--workdir={workdir}", *cli_flags(overrides)]
     )
@@ -134,6 +137,10 @@ BAD_INPUTS = {
         ["--config=configs/tiny.py", "--config.model.loss_chunk_size=1"],
         "no such config field 'loss_chunk_size' (valid in model: attention_impl, attention_int",
     ),
+    "more devices than there are": (
+        ["--config.training.num_devices=9"],
+        "training.num_devices=9 but 8 devices are available; use 1..8, or 0 for every device",
+    ),
     "unknown flag": (["--shardin_strategy=dp"], "shardin_strategy"),
     "missing config file": (["--config=configs/nope.py"], "configs/nope.py"),
     "bad config value": (["--config.optimizer.learning_rate=-1"], "learning_rate"),
@@ -144,10 +151,17 @@ BAD_INPUTS = {
 }
 
 
+# The process's own stderr and exit status, once for each stage a mistake is found in: the
+# flags (before JAX starts), the config file's overrides, the build (JAX started: no native
+# library line may reach stderr). The rest run in this process (tests/_entry.py).
+AS_A_PROCESS = {"unknown flag", "misspelt config field", "mesh not matching devices"}
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_exits_2_with_one_line(case, tmp_path):
     args, expected = BAD_INPUTS[case]
-    result = run_train_main([f"--workdir={tmp_path}", *args], timeout=120)
+    run = train_main_process if case in AS_A_PROCESS else run_train_main
+    result = run([f"--workdir={tmp_path}", *args])
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]
     # Exactly one line: the error, naming the problem; nothing else (no trace, no warnings).
@@ -179,6 +193,23 @@ def test_configs_parse_and_build_abstractly(name):
     assert low < model_cfg.num_params() < high
 
 
+def test_num_devices_runs_on_the_first_devices():
+    """--config.training.num_devices=N: the mesh of an N-device process, over the first N."""
+    import jax
+
+    from nnx_zoo.launch.build import plan_run
+
+    mesh = plan_run(run_config({"training.num_devices": 2})).mesh
+    assert list(mesh.devices.flat) == jax.devices()[:2] and dict(mesh.shape) == {
+        "data": 2,
+        "model": 1,
+    }
+    mesh = plan_run(run_config({"training.num_devices": 0})).mesh
+    assert mesh.size == 8
+    with pytest.raises(ValueError, match=r"^config training.num_devices=-1: must be >= 0"):
+        run_config({"training.num_devices": -1})
+
+
 def test_init_from_loads_the_checkpoint(tmp_path):
     from safetensors.numpy import load_file
 
@@ -198,7 +229,7 @@ def test_init_from_loads_the_checkpoint(tmp_path):
 
 def test_init_from_with_a_too_small_vocab_is_a_usage_error(tmp_path):
     hf_dir = os.path.join(os.path.dirname(__file__), "hf_reference", "llama")
-    result = run_train_main([f"--workdir={tmp_path}", f"--init_from={hf_dir}"], timeout=120)
+    result = run_train_main([f"--workdir={tmp_path}", f"--init_from={hf_dir}"])
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
         "error: model vocab_size=128 is smaller than the tokenizer's 257 ids (byte); use the "

@@ -105,6 +105,25 @@ def run_strategy(run: RunConfig) -> Strategy:
     return get_strategy(run.training.sharding_strategy)
 
 
+def run_devices(run: RunConfig) -> list:
+    """The devices the run uses: every device, or the first `training.num_devices` of them
+    (one process only: with several, every process's devices take part in the mesh)."""
+    wanted, devices = run.training.num_devices, jax.devices()
+    if not wanted:
+        return devices
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"training.num_devices={wanted} is for one process; with "
+            f"{jax.process_count()} processes the run uses every device (set it to 0)"
+        )
+    if wanted > len(devices):
+        raise ValueError(
+            f"training.num_devices={wanted} but {len(devices)} devices are available; use "
+            f"1..{len(devices)}, or 0 for every device"
+        )
+    return devices[:wanted]
+
+
 def build_optimizer(run: RunConfig):
     """(optax transformation, learning-rate schedule): the one place the optimizer section
     becomes an optimizer."""
@@ -201,7 +220,8 @@ def plan_run(
     model_cfg=None,
 ) -> ModelPlan:
     """The run's model planned once (zoo.plan_model) on `mesh` (default: the strategy's mesh
-    for the model, `training.mesh_shape` or its default rule, over `devices`, default all),
+    for the model, `training.mesh_shape` or its default rule, over `devices`, default
+    `run_devices`),
     after the run's own checks: the remat policy on this platform, the batch split, the
     attention backend, the position table, and the pipeline's micro-batches.
 
@@ -210,7 +230,9 @@ def plan_run(
     strategy = run_strategy(run)
     if mesh is None:
         mesh = strategy.make_mesh(
-            shape=run.training.mesh_shape or None, devices=devices, config=model_cfg
+            shape=run.training.mesh_shape or None,
+            devices=run_devices(run) if devices is None else devices,
+            config=model_cfg,
         )
     remat.check_platform(model_cfg.remat, mesh.devices.flat[0].platform)
     micro_batch = run.data.global_batch_size // run.optimizer.micro_batches
@@ -242,7 +264,7 @@ def build(
     plan: ModelPlan | None = None,
 ) -> Run:
     """Build the run's model, optimizer and train step on `mesh` (default: the strategy's
-    mesh over `devices`, default all).
+    mesh over `devices`, default `run_devices`).
 
     Args:
       abstract: shapes only (nothing allocated, nothing initialised); the step can be

@@ -366,6 +366,11 @@ def define_config_flag(
         f"--config={_resolve_config_path(a.split('=', 1)[1])}" if a.startswith("--config=") else a
         for a in sys.argv[1:]
     ]
+    # config_flags loads the file as the module `config_config` with the deprecated
+    # `load_module()`, which runs the source in a module of that name already in sys.modules:
+    # a second run in one process (a notebook, the tests) whose file defines no get_config(),
+    # or is not Python, would silently take the first run's get_config().
+    sys.modules.pop("config_config", None)
     try:
         return config_flags.DEFINE_config_file(
             "config", default, help_text, flag_values=flag_values, lock_config=True

@@ -164,7 +164,7 @@ def _announce(session: TrainSession) -> None:
     run, built = session.run, session.built
     say(
         f"{built.model_cfg.describe()}\nstrategy {built.strategy.name} on mesh "
-        f"{dict(built.mesh.shape)} ({jax.device_count()} devices, {jax.process_count()} "
+        f"{dict(built.mesh.shape)} ({built.mesh.size} devices, {jax.process_count()} "
         f"processes); batch {run.data.global_batch_size}x{run.data.seq_len}, "
         f"{run.optimizer.micro_batches} micro-batches; workdir {session.workdir}"
     )
@@ -204,7 +204,7 @@ def _loop_options(session: TrainSession) -> LoopOptions:
         tokens_per_step=run.data.global_batch_size * run.data.seq_len,
         # One formula for model FLOPs: the config's (6 * matmul params + causal attention).
         flops_per_token=built.model_cfg.flops_per_token(run.data.seq_len),
-        peak_flops=peak * jax.device_count(),
+        peak_flops=peak * built.mesh.size,
         precision_peak_ratio=flops.precision_peak_ratio(
             jax.devices()[0], built.model_cfg.quantization
         ),
@@ -249,6 +249,8 @@ def train(session: TrainSession) -> list[dict]:
             total,
             resume_step=start_step,
             progress_bar=run.logging.progress_bar,
+            tensorboard=run.logging.tensorboard,
+            loss_curve=run.logging.loss_curve,
         )
         try:
             batches = session.data.train_batches

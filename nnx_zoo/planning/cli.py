@@ -8,9 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import jax
-
-from nnx_zoo.launch.build import plan_run, starting_from
+from nnx_zoo.launch.build import plan_run, run_devices, starting_from
 from nnx_zoo.planning.chips import chip_for, chip_name_for
 from nnx_zoo.planning.compile import Candidate, Target, make_mesh, make_target, run_for
 from nnx_zoo.planning.moe import load_from_run, load_summary
@@ -271,7 +269,7 @@ def plan(request: Request, as_json: bool = False) -> str:
 
 def resolve_auto(run, log=print, init_from: str | None = None):
     """`train_main --sharding_strategy=auto`: the run config with the pick's strategy, mesh,
-    remat and micro-batches, for this process's view of the run's devices (all of them), and
+    remat and micro-batches, for this process's view of the run's devices (`run_devices`), and
     the model the run starts from (`init_from`'s architecture where given). Logs the one-line
     why; raises NoFitError (a ValueError) when nothing fits."""
 
@@ -281,7 +279,7 @@ def resolve_auto(run, log=print, init_from: str | None = None):
             "--sharding_strategy=auto, which chooses the mesh; name a strategy to set one"
         )
     given, run = run, starting_from(run, init_from)
-    devices = jax.devices()
+    devices = run_devices(run)
     chip = chip_for(chip_name_for(devices[0]))
     target = Target(
         name=f"{devices[0].device_kind}:{len(devices)}", devices=tuple(devices), chip=chip

@@ -218,6 +218,9 @@ class TrainingSection:
     # A name in shardings.STRATEGIES, or auto (--sharding_strategy overrides).
     sharding_strategy: str = "fsdp_tp"
     mesh_shape: str = ""  # e.g. 'data:4,model:2'; '' = the strategy's default (--mesh_shape)
+    # Run on the first N devices of this one process (one GPU of several, or 1/2/4 of the
+    # simulated CPU devices); 0: every device.
+    num_devices: int = 0
     eval_every: int = 0  # validation loss every N steps (and at the end); 0: only at the end
     eval_batches: int = 4  # global batches of validation data per evaluation
     # Tokens per device per chunk of the LM head fused with the loss (train and eval): a
@@ -252,6 +255,8 @@ class TrainingSection:
             )
         if self.eval_every < 0:
             _fail("training", "eval_every", self.eval_every, "must be >= 0 (0: only at the end)")
+        if self.num_devices < 0:
+            _fail("training", "num_devices", self.num_devices, "must be >= 0 (0: every device)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +275,8 @@ class LoggingSection:
     log_every: int = 10  # metrics.jsonl / TensorBoard / progress-bar line every N steps
     peak_tflops: float | None = None  # per-device peak for MFU; None: table, or measured on CPU
     progress_bar: bool = True  # tqdm bar on stderr (process 0)
+    tensorboard: bool = True  # TensorBoard event files under <workdir>/tensorboard
+    loss_curve: bool = True  # <workdir>/loss_curve.png at the end of the run (matplotlib)
     # 'START:END': a jax.profiler trace of steps START..END-1 (metrics.jsonl's step numbers)
     # into <workdir>/profile, for TensorBoard's profile plugin / XProf; '' traces nothing.
     profile_steps: str = ""

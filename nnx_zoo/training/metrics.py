@@ -9,8 +9,9 @@ Files under `workdir`:
                    `mfu`); evaluation lines carry `step` and `val_loss`. Each line is flushed
                    and fsync'ed as it is written. Non-finite floats are written as null (the
                    file stays strict JSON).
-  tensorboard/     event files: `train/<key>` and `eval/<key>` scalars.
-  loss_curve.png   written by `finalize()`: train and validation loss against step.
+  tensorboard/     event files: `train/<key>` and `eval/<key>` scalars (unless turned off).
+  loss_curve.png   written by `finalize()`: train and validation loss against step (unless
+                   turned off).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class MetricsWriter:
         (written after that checkpoint, before the crash) are dropped from metrics.jsonl and
         TensorBoard is told to purge its events after it.
       progress_bar: show the tqdm bar (on stderr).
+      tensorboard: write the TensorBoard event files.
+      loss_curve: write loss_curve.png at `finalize()`.
     """
 
     def __init__(
@@ -94,8 +97,11 @@ class MetricsWriter:
         *,
         resume_step: int | None = None,
         progress_bar: bool = True,
+        tensorboard: bool = True,
+        loss_curve: bool = True,
     ):
         self.workdir = workdir
+        self.loss_curve = loss_curve
         self.is_main_process = is_main_process
         self.total_steps = total_steps
         self.path = os.path.join(workdir, METRICS_FILE)
@@ -112,10 +118,12 @@ class MetricsWriter:
             self._drop_partial_last_line()
         self._file = open(self.path, "a")  # noqa: SIM115 -- held open for the whole run
 
-        SummaryWriter = _summary_writer_class()
-        # purge_step: TensorBoard hides events at steps >= it that an earlier, crashed run wrote.
-        purge_step = None if resume_step is None else resume_step + 1
-        self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR), purge_step=purge_step)
+        if tensorboard:
+            SummaryWriter = _summary_writer_class()
+            # purge_step: TensorBoard hides events at steps >= it that an earlier, crashed run
+            # wrote.
+            purge_step = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR), purge_step=purge_step)
         if progress_bar:
             from tqdm import tqdm
 
@@ -133,6 +141,8 @@ class MetricsWriter:
         os.fsync(self._file.fileno())
 
     def _add_scalars(self, prefix: str, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._tb is None:
+            return
         for key, value in metrics.items():
             value = _to_json_value(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -249,11 +259,12 @@ class MetricsWriter:
             self._file = None
 
     def finalize(self) -> None:
-        """End of training: close everything and write loss_curve.png."""
+        """End of training: close everything and write loss_curve.png (if asked for)."""
         if not self.is_main_process:
             return
         self.close()
-        self.plot_loss_curve()
+        if self.loss_curve:
+            self.plot_loss_curve()
 
     def __enter__(self) -> MetricsWriter:
         return self

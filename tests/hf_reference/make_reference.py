@@ -46,6 +46,14 @@ def build_config(family):
     # Sizes keep all five checkpoints under 2 MB and every sharded dim (V, F, N, K) divisible by 4,
     # so (4, 2) and (2, 4) meshes can shard them.
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=64, rms_norm_eps=1e-5)
+    # The decoders' shape: 2 layers, 8 query heads sharing 4 kv heads.
+    decoder = dict(
+        **common,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    )
     if family == "llama":
         # head_dim = 64 / 8 = 8: 4 rotary frequencies with wavelengths 6.3, 167, 4.4e3, 1.2e5.
         # With original_max_position_embeddings=256, low/high factors 1/4 (wavelength bounds
@@ -60,23 +68,15 @@ def build_config(family):
             original_max_position_embeddings=256,
         )
         cfg = transformers.LlamaConfig(
-            **common,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            max_position_embeddings=2048,
+            **decoder,
             rope_parameters=rope,
             tie_word_embeddings=False,
         )
         return transformers.LlamaForCausalLM, cfg
     if family == "qwen3":
         cfg = transformers.Qwen3Config(
-            **common,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
+            **decoder,
             head_dim=16,  # != 64 / 8: q_proj is [128, 64]
-            max_position_embeddings=2048,
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
             tie_word_embeddings=True,
             use_sliding_window=False,
@@ -84,11 +84,7 @@ def build_config(family):
         return transformers.Qwen3ForCausalLM, cfg
     if family == "mistral":
         cfg = transformers.MistralConfig(
-            **common,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            max_position_embeddings=2048,
+            **decoder,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
             sliding_window=WINDOW,
             tie_word_embeddings=False,
@@ -96,12 +92,8 @@ def build_config(family):
         return transformers.MistralForCausalLM, cfg
     if family == "gemma3":
         cfg = transformers.Gemma3TextConfig(
-            **common,
-            num_hidden_layers=3,
-            num_attention_heads=8,
-            num_key_value_heads=4,
+            **{**decoder, "num_hidden_layers": 3},
             head_dim=16,
-            max_position_embeddings=2048,
             # layer_types is what transformers reads; sliding_window_pattern is only a
             # backward-compat kwarg (layer i sliding unless (i + 1) % pattern == 0), passed so the
             # `_sliding_window_pattern` written into config.json agrees instead of saying 6.
@@ -144,18 +136,14 @@ def build_config(family):
         # 4 experts (expert axes 2 and 4 split them), top 2, top-k weights NOT renormalised
         # (Mixtral's are): the two families cover both router conventions.
         cfg = transformers.Qwen3MoeConfig(
-            **common,
             moe_intermediate_size=32,
             num_experts=4,
             num_experts_per_tok=2,
             norm_topk_prob=False,
             decoder_sparse_step=1,
             mlp_only_layers=[],
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
+            **decoder,
             head_dim=16,
-            max_position_embeddings=2048,
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
             tie_word_embeddings=False,
             use_sliding_window=False,
@@ -163,13 +151,9 @@ def build_config(family):
         return transformers.Qwen3MoeForCausalLM, cfg
     if family == "mixtral":
         cfg = transformers.MixtralConfig(
-            **{**common, "intermediate_size": 32},  # Mixtral's intermediate_size: one expert
+            **{**decoder, "intermediate_size": 32},  # Mixtral's intermediate_size: one expert
             num_local_experts=4,
             num_experts_per_tok=2,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            max_position_embeddings=2048,
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
             sliding_window=None,
             router_jitter_noise=0.0,
