@@ -80,8 +80,8 @@ def evaluate(args: list[str]) -> Result:
     return run_main("eval_main", args)
 
 
-def export(args: list[str]) -> Result:
-    return run_main("export_main", args)
+def export(args: list[str], *, cwd: str = ROOT) -> Result:
+    return run_main("export_main", args, cwd=cwd)
 
 
 def plan(args: list[str]) -> Result:

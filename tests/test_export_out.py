@@ -29,8 +29,10 @@ def workdir(tmp_path_factory):
     return path
 
 
-def _export(workdir: str, out, *flags: str, fmt: str = "hf"):
-    return _entry.export([f"--workdir={workdir}", f"--format={fmt}", f"--out={out}", *flags])
+def _export(workdir: str, out, *flags: str, fmt: str = "hf", cwd: str = _entry.ROOT):
+    return _entry.export(
+        [f"--workdir={workdir}", f"--format={fmt}", f"--out={out}", *flags], cwd=cwd
+    )
 
 
 def _refused(result, *expected: str) -> str:
@@ -75,8 +77,10 @@ def test_a_file_is_refused_and_kept(workdir, tmp_path, fmt):
 
 def test_out_dot_in_a_working_directory_is_refused(workdir, tmp_path):
     (tmp_path / "train.py").write_text("print('mine')")
-    os.chdir(tmp_path)  # _entry restores the working directory
-    _refused(_export(workdir, "."), f"--out={tmp_path} exists and holds files (train.py)")
+    _refused(
+        _export(workdir, ".", cwd=str(tmp_path)),
+        f"--out={tmp_path} exists and holds files (train.py)",
+    )
     assert _tree(tmp_path) == {"train.py": b"print('mine')"}
 
 
