@@ -56,8 +56,12 @@ def run_config(overrides: dict):
 
 
 def child_env(num_devices: int = 8) -> dict:
+    """A process's environment: the test session's, with XLA's flags (tests/conftest.py:
+    the compile pipeline, so a process and this worker compile alike) and `num_devices`."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+    count = "--xla_force_host_platform_device_count="
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+    env["XLA_FLAGS"] = " ".join([*kept, f"{count}{num_devices}"])
     env["JAX_PLATFORMS"] = "cpu"
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     return env

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _train_helpers import child_env
 from flax import nnx
 
 import configs.tiny
@@ -54,9 +55,7 @@ def eval_main(workdir, *flags):
 def eval_main_process(workdir, *flags, num_devices=8):
     """eval_main as a process of `num_devices` devices: what a host of that many sees, and the
     entry point's own stderr and exit status."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env(num_devices)
     return subprocess.run(
         [sys.executable, "eval_main.py", f"--workdir={workdir}", *flags],
         cwd=ROOT,

@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from _train_helpers import assert_same_history, run_train_main
+from _train_helpers import assert_same_history, child_env, run_train_main
 
 from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
 from nnx_zoo.runtime.preemption import EXIT_PREEMPTED
@@ -49,9 +49,7 @@ TIMEOUT = 600  # a guard against a hang, not a budget: a loaded 2-core host take
 
 
 def env(num_devices=8):
-    e = dict(os.environ)
-    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
-    e["JAX_PLATFORMS"] = "cpu"
+    e = child_env(num_devices)
     e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
     return e
 
