@@ -37,6 +37,8 @@ import re
 import sys
 from collections import defaultdict
 
+from bench.overrides import apply_overrides
+
 HOST_GAPS = "host_gaps"
 
 
@@ -90,10 +92,7 @@ def _config(args):
         config.data.seq_len = args.seq
     if args.remat:
         config.model.remat = args.remat
-    for override in args.override or []:
-        path, value = override.split("=", 1)
-        section, field = path.split(".")
-        setattr(config[section], field, type(config[section][field])(value))
+    apply_overrides(config, args.override)
     return config
 
 

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from bench.overrides import apply_overrides
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,10 +41,7 @@ def _child(args) -> None:
     config.logging.progress_bar = False
     if args.peak_tflops:
         config.logging.peak_tflops = args.peak_tflops
-    for override in args.override or []:
-        path, value = override.split("=", 1)
-        section, field = path.split(".")
-        setattr(config[section], field, type(config[section][field])(value))
+    apply_overrides(config, args.override)
     for strategy in args.strategies.split(","):
         config.training.sharding_strategy = strategy
         run = RunConfig.from_config_dict(config)

@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 
+from bench.overrides import apply_overrides
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
 
@@ -120,10 +122,7 @@ def _config(args):
         config.data.global_batch_size = args.batch
     if args.seq:
         config.data.seq_len = args.seq
-    for override in args.override or []:
-        path, value = override.split("=", 1)
-        section, field = path.split(".")
-        setattr(config[section], field, type(config[section][field])(value))
+    apply_overrides(config, args.override)
     return config
 
 

@@ -113,3 +113,20 @@ def count_constructions(monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(decoder.DecoderLM, "__init__", counted)
     return count
+
+
+def save_as_run(workdir: str, run, mesh, model, optimizer, step: int = 3) -> None:
+    """`model` and `optimizer` (fsdp_tp on `mesh`) saved at `step` as a run of `run`'s config
+    saves them: with its data iterator and run_info, for eval_main / serve_main to load."""
+    from nnx_zoo import data
+    from nnx_zoo.checkpoint.manager import Checkpointer
+    from nnx_zoo.data.tokenizers import make_tokenizer
+
+    tokenizer = make_tokenizer(run.data.tokenizer)
+    it = data.make_dataset(
+        run.data.source, "train", tokenizer, run.data.seq_len, run.data.global_batch_size
+    )
+    run_info = {"config": run.to_dict(), "strategy": "fsdp_tp", "mesh_shape": dict(mesh.shape)}
+    ckpt = Checkpointer(workdir, save_every=1, keep=1, run_info=run_info)
+    ckpt.save(step, model=model, optimizer=optimizer, data_iter=it)
+    ckpt.close()

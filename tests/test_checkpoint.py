@@ -54,6 +54,22 @@ def leaves(module, what=nnx.Param):
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(module, what))]
 
 
+def restored_equal(directory: str, step: int, target, params, opt_state):
+    """The model and optimizer `build(*target)` makes, restored from `directory`'s step, after
+    checking that their parameters and optimizer state equal `params` / `opt_state` bit for
+    bit; the model."""
+    mesh, model, optimizer = build(*target, seed=5)
+    ckpt = Checkpointer(directory, save_every=1, keep=1, run_info={})
+    with jax.set_mesh(mesh):
+        ckpt.restore(step, model=model, optimizer=optimizer, data_iter=data_iter())
+    ckpt.close()
+    for got, want in zip(leaves(model), params, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(leaves(optimizer, nnx.optimizer.OptState), opt_state, strict=True):
+        np.testing.assert_array_equal(got, want)
+    return model
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A checkpoint at step 7 written under fsdp_tp on a (4, 2) mesh, and what it holds."""

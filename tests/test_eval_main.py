@@ -17,10 +17,10 @@ import optax
 import pytest
 from _train_helpers import child_env
 from flax import nnx
+from model_utils import save_as_run
 
 import configs.tiny
 from nnx_zoo import data
-from nnx_zoo.checkpoint.manager import Checkpointer
 from nnx_zoo.checkpoint.steps import checkpoint_dir
 from nnx_zoo.data.tokenizers import make_tokenizer
 from nnx_zoo.evaluation.metrics import json_safe
@@ -90,14 +90,8 @@ def saved(tmp_path_factory):
             ),
         )
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    save_as_run(workdir, run, mesh, model, optimizer)
     tokenizer = make_tokenizer(run.data.tokenizer)
-    it = data.make_dataset(
-        run.data.source, "train", tokenizer, run.data.seq_len, run.data.global_batch_size
-    )
-    run_info = {"config": run.to_dict(), "strategy": "fsdp_tp", "mesh_shape": dict(mesh.shape)}
-    ckpt = Checkpointer(workdir, save_every=1, keep=1, run_info=run_info)
-    ckpt.save(3, model=model, optimizer=optimizer, data_iter=it)
-    ckpt.close()
 
     val = data.build_dataset(
         run.data.source,

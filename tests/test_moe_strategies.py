@@ -17,8 +17,7 @@ from flax import nnx
 
 from nnx_zoo.training.loop import objective_from_nll
 from shardings import get_strategy
-from shardings.specs import normalize
-from zoo import check_model_fits, get_config, param_layouts
+from zoo import check_model_fits, get_config
 from zoo.loss import token_nll
 
 # 8 experts of 64, top 2; aux weight raised so its gradient is not lost in the NLL's.
@@ -59,11 +58,7 @@ reference, sharded = equal.equality_fixtures(_run, CASES)
 
 def test_layouts_are_declared(sharded):
     name, run = sharded
-    declared = {path: spec for path, _, spec in param_layouts(CFG, get_strategy(name))}
-    assert set(declared) == set(run["live_layouts"])
-    for path, spec in declared.items():
-        live = run["live_layouts"][path]
-        assert live == normalize(spec, len(live)), f"{name}: {path} is {live}, declared {spec}"
+    equal.check_parameter_layouts(CFG, sharded)
     assert "Moe" in {kind for kind, _, _ in run["records"]}
     for kind, want, live in run["records"]:
         assert live == want, f"{name}: a {kind} returned {live}, declared {want}"

@@ -15,12 +15,11 @@ import json
 import os
 
 import _entry
-import jax
 import numpy as np
 import pytest
 from _train_helpers import SMALL_RUN, cli_flags, run_train_main, train_losses
 from flax import nnx
-from test_checkpoint import build, data_iter, leaves, take_optimizer_step
+from test_checkpoint import build, data_iter, leaves, restored_equal, take_optimizer_step
 
 from nnx_zoo.checkpoint.manager import Checkpointer
 
@@ -42,15 +41,7 @@ def _save(workdir, strategy_shape):
 )
 def test_checkpoint_moves_between_pipeline_and_fsdp_bit_for_bit(tmp_path, source, target):
     params, opt_state = _save(str(tmp_path), source)
-    mesh, model, optimizer = build(*target, seed=5)
-    ckpt = Checkpointer(str(tmp_path), save_every=1, keep=1, run_info={})
-    with jax.set_mesh(mesh):
-        ckpt.restore(3, model=model, optimizer=optimizer, data_iter=data_iter())
-    ckpt.close()
-    for got, want in zip(leaves(model), params, strict=True):
-        np.testing.assert_array_equal(got, want)
-    for got, want in zip(leaves(optimizer, nnx.optimizer.OptState), opt_state, strict=True):
-        np.testing.assert_array_equal(got, want)
+    model = restored_equal(str(tmp_path), 3, target, params, opt_state)
     # The restored stacked weights carry the target's layout: L over `stage` under fsdp_pp.
     q = nnx.state(model, nnx.Param)["blocks"]["attention"]["q"]["weight"][...]
     assert (tuple(q.sharding.spec)[0] == "stage") == (target is PIPE)

@@ -15,12 +15,11 @@ import json
 import os
 
 import _entry
-import jax
 import numpy as np
 import pytest
 from _train_helpers import SMALL_RUN, cli_flags, train_losses
 from flax import nnx
-from test_checkpoint import build, data_iter, leaves, take_optimizer_step
+from test_checkpoint import build, data_iter, leaves, restored_equal, take_optimizer_step
 
 from nnx_zoo.checkpoint.manager import Checkpointer
 
@@ -91,15 +90,7 @@ def test_checkpoint_moves_between_fsdp_tp_sp_and_fsdp_tp_bit_for_bit(tmp_path, s
     ckpt.close()
     params, opt_state = leaves(model), leaves(optimizer, nnx.optimizer.OptState)
 
-    mesh, model, optimizer = build(*target, seed=5)
-    ckpt = Checkpointer(str(tmp_path), save_every=1, keep=1, run_info={})
-    with jax.set_mesh(mesh):
-        ckpt.restore(3, model=model, optimizer=optimizer, data_iter=data_iter())
-    ckpt.close()
-    for got, want in zip(leaves(model), params, strict=True):
-        np.testing.assert_array_equal(got, want)
-    for got, want in zip(leaves(optimizer, nnx.optimizer.OptState), opt_state, strict=True):
-        np.testing.assert_array_equal(got, want)
+    restored_equal(str(tmp_path), 3, target, params, opt_state)
 
 
 BAD_INPUTS = {

@@ -26,12 +26,10 @@ import pytest
 from _serving_helpers import perturbed_model
 from _train_helpers import ROOT, child_env
 from flax import nnx
+from model_utils import save_as_run
 
 import configs.tiny
-from nnx_zoo import data
-from nnx_zoo.checkpoint.manager import Checkpointer
 from nnx_zoo.data.chat import ChatTemplate
-from nnx_zoo.data.tokenizers import make_tokenizer
 from nnx_zoo.training.config import RunConfig
 from shardings import get_strategy
 
@@ -69,14 +67,7 @@ def workdir(tmp_path_factory):
     model = perturbed_model(run.model.decoder_config(), strategy, mesh)
     with jax.set_mesh(mesh):
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    tokenizer = make_tokenizer(run.data.tokenizer)
-    it = data.make_dataset(
-        run.data.source, "train", tokenizer, run.data.seq_len, run.data.global_batch_size
-    )
-    run_info = {"config": run.to_dict(), "strategy": "fsdp_tp", "mesh_shape": dict(mesh.shape)}
-    ckpt = Checkpointer(workdir, save_every=1, keep=1, run_info=run_info)
-    ckpt.save(3, model=model, optimizer=optimizer, data_iter=it)
-    ckpt.close()
+    save_as_run(workdir, run, mesh, model, optimizer)
     return workdir
 
 

@@ -143,8 +143,13 @@ reference, sharded = equality_fixtures(_run, CASES)
 
 
 def test_parameter_layouts_are_declared(sharded):
+    check_parameter_layouts(CFG, sharded)
+
+
+def check_parameter_layouts(cfg, sharded):
+    """Every parameter of `cfg` under the case's strategy has the layout its rules declare."""
     name, run = sharded
-    declared = {path: spec for path, _, spec in param_layouts(CFG, get_strategy(name))}
+    declared = {path: spec for path, _, spec in param_layouts(cfg, get_strategy(name))}
     assert set(declared) == set(run["live_layouts"])
     for path, spec in declared.items():
         live = run["live_layouts"][path]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-from zoo.layers.attention.splash import block_size, on_fresh_thread
+from zoo.layers.attention.splash import mha_kernel, on_fresh_thread
 
 # A block where no query sees anything: the log-sum-exp it contributes (weight exp(-huge) = 0).
 _EMPTY_LSE = splash.DEFAULT_MASK_VALUE
@@ -48,25 +48,7 @@ def _kernel(heads: int, T: int, S: int, causal: bool, interpret: bool):
 
 def _build(heads, T, S, causal, interpret):
     mask = masks.CausalMask((T, S)) if causal else masks.FullMask((T, S))
-    bq, bkv = block_size(T), block_size(S)
-    sizes = splash.BlockSizes(
-        block_q=bq,
-        block_kv=bkv,
-        block_kv_compute=bkv,
-        block_q_dkv=bq,
-        block_kv_dkv=bkv,
-        block_kv_dkv_compute=bkv,
-        block_q_dq=bq,
-        block_kv_dq=bkv,
-    )
-    return splash.make_splash_mha(
-        masks.MultiHeadMask([mask] * heads),
-        block_sizes=sizes,
-        head_shards=1,
-        q_seq_shards=1,
-        save_residuals=True,
-        interpret=interpret,
-    )
+    return mha_kernel(mask, heads, T, S, interpret=interpret, save_residuals=True)
 
 
 def _to_heads_major(q_BTKGD, k_BSKD, v_BSKD, scale):

@@ -77,6 +77,11 @@ def _build_kernel(heads, T, S, causal, window, interpret):
         mask = masks.CausalMask((T, S))
     else:
         mask = masks.FullMask((T, S))
+    return mha_kernel(mask, heads, T, S, interpret=interpret)
+
+
+def mha_kernel(mask, heads: int, T: int, S: int, *, interpret: bool, save_residuals=False):
+    """splash's multi-head kernel: `mask` ([T, S]) on every head, tiles of `block_size`."""
     bq, bkv = block_size(T), block_size(S)
     blocks = splash.BlockSizes(
         block_q=bq,
@@ -93,6 +98,7 @@ def _build_kernel(heads, T, S, causal, window, interpret):
         block_sizes=blocks,
         head_shards=1,
         q_seq_shards=1,
+        save_residuals=save_residuals,
         interpret=interpret,
     )
 
