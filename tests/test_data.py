@@ -406,19 +406,20 @@ _MP_SCRIPT = textwrap.dedent(
 )
 
 
+def _run_script(script, *args) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` as a plain process that imports the checkout."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
 def test_worker_processes_change_neither_the_batches_nor_the_position(tmp_path):
     script = tmp_path / "mp_check.py"
     script.write_text(_MP_SCRIPT)
     source = _write_txt(tmp_path / "docs.txt", _doc_texts(200))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, str(script), source],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    proc = _run_script(script, source)
     assert proc.returncode == 0 and "MP_OK" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -445,14 +446,6 @@ def test_worker_processes_start_outside_an_absl_app(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text(_PLAIN_SCRIPT)
     source = _write_txt(tmp_path / "docs.txt", _doc_texts(50))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, str(script), source],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    proc = _run_script(script, source)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "PLAIN_OK ['positions', 'segment_ids', 'tokens'] (4, 32)" in proc.stdout, proc.stderr
