@@ -37,7 +37,7 @@ import re
 import sys
 from collections import defaultdict
 
-from bench.overrides import apply_overrides
+from bench.overrides import apply_overrides, shipped_config
 
 HOST_GAPS = "host_gaps"
 
@@ -83,13 +83,7 @@ def hlo_breakdown(args) -> dict[str, dict]:
 
 
 def _config(args):
-    module = __import__(f"configs.{args.config}", fromlist=["get_config"])
-    config = module.get_config()
-    config.unlock()
-    if args.batch:
-        config.data.global_batch_size = args.batch
-    if args.seq:
-        config.data.seq_len = args.seq
+    config = shipped_config(args.config, batch=args.batch, seq=args.seq)
     if args.remat:
         config.model.remat = args.remat
     apply_overrides(config, args.override)

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from bench.overrides import apply_overrides
+from bench.overrides import apply_overrides, shipped_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
@@ -113,15 +113,9 @@ def _hf_config(cfg) -> dict:
 
 
 def _config(args):
-    module = __import__(f"configs.{args.config}", fromlist=["get_config"])
-    config = module.get_config()
-    config.unlock()
+    config = shipped_config(args.config, batch=args.batch, seq=args.seq)
     config.checkpoint.enabled = False
     config.logging.progress_bar = False
-    if args.batch:
-        config.data.global_batch_size = args.batch
-    if args.seq:
-        config.data.seq_len = args.seq
     apply_overrides(config, args.override)
     return config
 

@@ -132,6 +132,22 @@ def train_losses(workdir: str) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+def assert_evaluates_under_dp(workdir: str, steps: int) -> None:
+    """eval_main under dp on the run's last checkpoint (step `steps`) gives the loss the run
+    logged there as val_loss (float32 reassociation: rel 1e-5)."""
+    import _entry
+    import numpy as np
+
+    result = _entry.evaluate([f"--workdir={workdir}", "--sharding_strategy=dp"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        val = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
+    with open(os.path.join(workdir, "eval.json")) as f:
+        evaluated = json.load(f)
+    assert evaluated["step"] == steps
+    np.testing.assert_allclose(evaluated["loss"], val[-1], rtol=1e-5)
+
+
 def char_tokenizer(directory, num_ids: int | None = None) -> tuple[str, int]:
     """A character-level tokenizer.json (printable ASCII, newline, tab, [UNK], </s>: 99 ids,
     which fit the 128-id reference models), padded with filler tokens to `num_ids` when given.

@@ -11,13 +11,16 @@ own last validation loss.
 
 from __future__ import annotations
 
-import json
-import os
-
 import _entry
 import numpy as np
 import pytest
-from _train_helpers import SMALL_RUN, cli_flags, run_train_main, train_losses
+from _train_helpers import (
+    SMALL_RUN,
+    assert_evaluates_under_dp,
+    cli_flags,
+    run_train_main,
+    train_losses,
+)
 from flax import nnx
 from test_checkpoint import build, data_iter, leaves, restored_equal, take_optimizer_step
 
@@ -107,11 +110,4 @@ def test_train_resume_eval_under_dp(tmp_path):
     assert len(losses) == STEPS
     np.testing.assert_allclose(losses, train_losses(flat), rtol=1e-5)
 
-    proc = _entry.evaluate([f"--workdir={piped}", "--sharding_strategy=dp"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(os.path.join(piped, "metrics.jsonl")) as f:
-        val = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
-    with open(os.path.join(piped, "eval.json")) as f:
-        evaluated = json.load(f)
-    assert evaluated["step"] == STEPS
-    np.testing.assert_allclose(evaluated["loss"], val[-1], rtol=1e-5)
+    assert_evaluates_under_dp(piped, STEPS)

@@ -11,13 +11,12 @@ fsdp_cp / fsdp_tp_cp, through the entry points, in-process (issue 41, check 1):
 
 from __future__ import annotations
 
-import json
 import os
 
 import _entry
 import numpy as np
 import pytest
-from _train_helpers import SMALL_RUN, cli_flags, train_losses
+from _train_helpers import SMALL_RUN, assert_evaluates_under_dp, cli_flags, train_losses
 from flax import nnx
 from test_checkpoint import build, data_iter, leaves, restored_equal, take_optimizer_step
 
@@ -68,14 +67,7 @@ def test_trains_with_dp_losses_and_evaluates_under_dp(tmp_path, dp_losses, case)
     assert len(losses) == STEPS
     np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
 
-    result = _entry.evaluate([f"--workdir={workdir}", "--sharding_strategy=dp"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        val = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
-    with open(os.path.join(workdir, "eval.json")) as f:
-        evaluated = json.load(f)
-    assert evaluated["step"] == STEPS
-    np.testing.assert_allclose(evaluated["loss"], val[-1], rtol=1e-5)
+    assert_evaluates_under_dp(workdir, STEPS)
 
 
 SP, TP = ("fsdp_tp_sp", (4, 2)), ("fsdp_tp", (4, 2))
