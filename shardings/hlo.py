@@ -224,11 +224,14 @@ def _top_level(shape_text: str) -> list[str]:
 
 
 def _output_shape(op: str, is_start: bool, shape_text: str) -> str:
-    # An async start returns (operands, results, context...) except all-reduce-start,
-    # whose result is the reduced value(s) itself.
-    if is_start and op != "all-reduce":
+    # An async start returns (operands, results, context...). all-reduce-start returned the
+    # reduced value(s) itself up to jax 0.10's XLA (`f32[8]`, or a combined op's tuple
+    # `(f32[8], f32[4])`); newer XLA wraps it like the others: `((f32[8]), f32[8])`.
+    if is_start:
         elements = _top_level(shape_text)
-        if len(elements) >= 2:
+        if op != "all-reduce" and len(elements) >= 2:
+            return elements[1]
+        if op == "all-reduce" and len(elements) == 2 and elements[0].startswith("("):
             return elements[1]
     return shape_text
 

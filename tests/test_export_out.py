@@ -133,19 +133,40 @@ def test_export_overwrite_replaces_only_its_own_output(workdir, tmp_path):
         shutil.rmtree(out, ignore_errors=True)  # the workdir is shared by the module
 
 
-def test_hf_export_of_a_byte_run_tokenizes_like_the_run(workdir, tmp_path):
-    """Item 8: transformers loads the export's tokenizer, and it gives our byte ids."""
-    from transformers import AutoTokenizer
+_TEXT = "def f(x):\n\treturn x  # naïve 日本語 🙂"
+
+
+@pytest.fixture(scope="module")
+def byte_export(workdir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("byte_export") / "hf"
+    result = _export(workdir, out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_hf_export_of_a_byte_run_writes_a_tokenizer_json_with_its_ids(byte_export):
+    """Item 8: the export's tokenizer.json (read by the `tokenizers` library, a dependency)
+    gives our byte ids and decodes them back."""
+    from tokenizers import Tokenizer
 
     from nnx_zoo.data.tokenizers import ByteTokenizer
 
-    out = tmp_path / "hf"
-    result = _export(workdir, out)
-    assert result.returncode == 0, result.stderr[-3000:]
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    text = "def f(x):\n\treturn x  # naïve 日本語 🙂"
+    tokenizer = Tokenizer.from_file(str(byte_export / "tokenizer.json"))
+    ids = tokenizer.encode(_TEXT, add_special_tokens=False).ids
+    assert ids == ByteTokenizer().encode(_TEXT)
+    assert tokenizer.decode(ids) == _TEXT
+
+
+def test_hf_export_of_a_byte_run_tokenizes_like_the_run_in_transformers(byte_export):
+    """Item 8: transformers loads the export's tokenizer, and it gives our byte ids."""
+    transformers = pytest.importorskip(
+        "transformers", reason="the reference is transformers' AutoTokenizer (extra [hf])"
+    )
+    from nnx_zoo.data.tokenizers import ByteTokenizer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(byte_export))
     ours = ByteTokenizer()
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert ids == ours.encode(text)
-    assert tokenizer.decode(ids) == text
+    ids = tokenizer(_TEXT, add_special_tokens=False)["input_ids"]
+    assert ids == ours.encode(_TEXT)
+    assert tokenizer.decode(ids) == _TEXT
     assert tokenizer.eos_token_id == ours.eos_id

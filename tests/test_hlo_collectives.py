@@ -108,3 +108,31 @@ def test_fp8_arrays_count_one_byte_and_each_op_names_its_dtypes():
     (gather,) = collectives(fp8_gather, {"data": 4})
     assert gather.array_bytes == 64 * 128 and gather.dtypes == ("f8e4m3fn",)
     assert _by_name()["all-gather-start"].dtypes == ("bf16",)
+
+
+# all-reduce-start's result: the reduced value itself up to jax 0.10's XLA, alone or a
+# combined op's tuple; newer XLA (jax 0.12's GPU compiles) wraps it as the other async starts:
+# ((operands), results). Each is counted once, at the reduced arrays' size.
+_ALL_REDUCE_STARTS = """HloModule m, entry_computation_layout={()->()}
+
+ENTRY %main () -> () {
+  %p = f32[128]{0} parameter(0)
+  %q = f32[64]{0} parameter(1)
+  %old = f32[128]{0} all-reduce-start(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %old_done = f32[128]{0} all-reduce-done(%old)
+  %combined = (f32[128]{0}, f32[64]{0}) all-reduce-start(%p, %q), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %combined_done = (f32[128]{0}, f32[64]{0}) all-reduce-done(%combined)
+  %new = ((f32[128]{0}), f32[128]{0}) all-reduce-start(%p), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add, output_to_operand_aliasing={{1}: (0, {})}
+  %new_done = f32[128]{0} all-reduce-done(%new)
+  ROOT %t = () tuple()
+}
+"""  # noqa: E501 -- HLO lines as XLA prints them
+
+
+def test_all_reduce_start_counts_the_reduced_arrays_in_either_spelling():
+    ops = {c.name: c for c in collectives(_ALL_REDUCE_STARTS, MESH)}
+    assert {name: c.op for name, c in ops.items()} == dict.fromkeys(
+        ("old", "combined", "new"), "all-reduce"
+    )
+    assert ops["old"].array_bytes == ops["new"].array_bytes == 128 * 4
+    assert ops["combined"].array_bytes == (128 + 64) * 4
