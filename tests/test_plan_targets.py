@@ -30,6 +30,9 @@ def _compile_all(topology):
     return plans, cfg
 
 
+# Each fixture is over 60 s on CI (60-85 s): the tiny step compiled for a real 8-chip target
+# under every strategy in NAMES, by libtpu / the CUDA plugin. Every test of the module reads
+# those plans (collectives, memory, kernels per strategy); each compile is needed once.
 @pytest.fixture(scope="module")
 def tpu_plans():
     return _compile_all("v5p:2x2x2")
