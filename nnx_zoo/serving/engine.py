@@ -7,11 +7,10 @@
 
 Each turn of the loop:
   1. drops cancelled jobs (their slots free at once);
-  2. admits waiting jobs into free slots and prefills them together (one prefill of
-     `slots.rows` rows, the batch the mesh's data axis needs, or of `max_batch` rows for more),
-     each one's first token sent straight away: a new request's time to first token is one
-     prefill, not the running requests' remaining tokens nor the prefills of those admitted
-     with it;
+  2. admits waiting jobs into free slots and prefills them (in groups of `slots.rows`, the
+     batch the mesh's data axis needs), each one's first token sent straight away: a new
+     request's time to first token is its prefill plus those admitted before it in the same
+     turn, not the running requests' remaining tokens;
   3. runs one decode step for every slot, and sends each running job its next token.
 A job that finishes (EOS, a stop string, its max_tokens) gives its slot back in the turn it
 finishes, before the next admission. The thread sleeps while there is nothing to do.
@@ -167,10 +166,9 @@ class Engine:
                     return
                 self.cancelled += len(self.scheduler.drop_cancelled())
                 admitted = self.scheduler.admit()
-            if admitted:  # at most the free slots: one prefill group holds them all
-                group = self.slots.group(len(admitted))
-                for at in range(0, len(admitted), group):
-                    self._prefill(admitted[at : at + group])
+            rows = self.slots.rows
+            for at in range(0, len(admitted), rows):
+                self._prefill(admitted[at : at + rows])
             self._decode()
 
     def _prefill(self, jobs: list[Job]) -> None:

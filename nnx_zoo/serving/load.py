@@ -34,7 +34,7 @@ class ServeRequest:
     lora: str = "merge"  # merge: adapters folded into the weights; apply: kept apart
     chat_template: str | None = None  # a Jinja file; None: the tokenizer directory's
     served_model_name: str | None = None  # None: the workdir's (or HF directory's) name
-    warmup: bool = True  # compile decode and every prefill bucket and group before serving
+    warmup: bool = True  # compile decode and every prefill bucket before serving
 
 
 @dataclasses.dataclass
@@ -70,7 +70,9 @@ def build(request: ServeRequest) -> Served:
         template, template_error = _tokenizer_template(settings.tokenizer)
     engine = Engine(slots, tokenizer, max_queue=request.max_queue)
     if request.warmup:
-        slots.compile_all()
+        slots.compile_decode()
+        for bucket in slots.buckets:
+            slots.compile_prefill(bucket)
     source = request.load.hf_checkpoint or request.load.workdir
     name = request.served_model_name or os.path.basename(os.path.normpath(source))
     what = f"hf checkpoint {source}" if request.load.hf_checkpoint else f"{source} step {step}"

@@ -11,14 +11,12 @@ token's column is its position. Segment id 1 marks the request's tokens, 0 every
 which no query attends: a slot's old request, left behind when a new one is inserted, is
 masked by resetting the row's segment ids, not by clearing its keys.
 
-Prefill. A new request's prompt runs in `rows` rows (the batch must divide over the mesh's
-`data` axis; spare rows repeat the last request, and their writes repeat its writes),
-right-padded to a length bucket (powers of two up to `max_seq_len`), into a fresh cache of
-that length; its keys and values are then written into the slot's row of the big cache, and
-the first token is drawn from the logits of the prompt's last token. Requests admitted
-together (more than `rows` of them) run as one prefill of `max_batch` rows, not one after
-another, so the last of a burst waits for one prefill, not for all of those before it. One
-compiled program per (bucket, group size), each used by every group whose prompts fit it.
+Prefill. A new request's prompt runs alone (well, in `rows` rows: the batch must divide over
+the mesh's `data` axis; spare rows repeat the last request, and their writes repeat its
+writes), right-padded to a length bucket (powers of two up to `max_seq_len`), into a fresh
+cache of that length; its keys and values are then written into the slot's row of the big
+cache, and the first token is drawn from the logits of the prompt's last token. One compiled
+program per bucket, each used by every request whose prompt fits it.
 
 Decode. One token for each of the `max_batch` slots (T = 1), every step the same shapes: one
 compiled program. A free slot computes too (its row is masked: segment id 0, and its write
@@ -29,9 +27,8 @@ split into one array per layer once, at construction (`zoo.generate.layer_list`)
 decode then read each layer's weights directly (for one-token steps the scan's per-layer
 slice copy triples the traffic), and the weights are held once.
 
-`traces` counts how often each program was traced: one per bucket and group size used
-(`("prefill", bucket)` for `rows` rows, `("prefill", bucket, "xG")` for a group of G) and one
-decode, never one per request (the engine's tests check it).
+`traces` counts how often each program was traced: one per bucket used and one decode, never
+one per request (the engine's tests check it).
 """
 
 from __future__ import annotations
@@ -107,33 +104,15 @@ class Slots:
             raise ValueError(f"a prompt of {length} tokens does not fit {self.max_seq_len}")
         return next(b for b in self.buckets if b >= length)
 
-    def groups(self) -> tuple[int, ...]:
-        """The row counts a prefill runs at: `rows`, and `max_batch` for a burst."""
-        return (self.rows,) if self.max_batch == self.rows else (self.rows, self.max_batch)
-
-    def group(self, n: int) -> int:
-        """The rows a prefill of `n` prompts runs at (see the module docstring)."""
-        if not 1 <= n <= self.max_batch:
-            raise ValueError(f"prefill takes 1 to {self.max_batch} prompts, not {n}")
-        return self.rows if n <= self.rows else self.max_batch
-
-    def compile_all(self) -> None:
-        """Every program serving can run: decode, and prefill at each bucket and group."""
-        self.compile_decode()
-        for bucket in self.buckets:
-            for group in self.groups():
-                self.compile_prefill(bucket, group)
-
-    def compile_prefill(self, bucket: int, group: int | None = None):
-        R = group or self.rows
-        if (bucket, R) not in self._prefill:
-            trace = functools.partial(_prefill, self._graphdef, self.traces, self.rows)
-            fn, rows = jax.jit(trace, donate_argnums=1), self._shapes_of_rows
+    def compile_prefill(self, bucket: int):
+        if bucket not in self._prefill:
+            fn = jax.jit(functools.partial(_prefill, self._graphdef, self.traces), donate_argnums=1)
+            R, rows = self.rows, self._shapes_of_rows
             tokens = jax.ShapeDtypeStruct((R, bucket), jnp.int32, sharding=self._tokens)
             args = (*self._shapes(), tokens, rows(R, jnp.int32), rows(R, jnp.int32))
             with jax.set_mesh(self.mesh):
-                self._prefill[bucket, R] = fn.lower(*args, self._sampling_shapes(R)).compile()
-        return self._prefill[bucket, R]
+                self._prefill[bucket] = fn.lower(*args, self._sampling_shapes(R)).compile()
+        return self._prefill[bucket]
 
     def compile_decode(self):
         if self._decode is None:
@@ -162,20 +141,21 @@ class Slots:
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int], sampling):
         """Write each prompt into its slot (the slot's old request is gone) and return each
         one's first token (int list). `sampling`: (temperature, top_k, top_p, seed) lists,
-        one entry per prompt. At most `max_batch` prompts, run at the longest one's bucket."""
+        one entry per prompt. At most `self.rows` prompts, all of one bucket's length."""
         n = len(prompts)
-        group = self.group(n)
+        if not 1 <= n <= self.rows:
+            raise ValueError(f"prefill takes 1 to {self.rows} prompts, not {n}")
         lengths = [len(p) for p in prompts]
         bucket = self.bucket(max(lengths))
         # Spare rows repeat the last prompt into the last slot: the same writes twice.
-        pad = group - n
+        pad = self.rows - n
         prompts, slots = [*prompts, *[prompts[-1]] * pad], [*slots, *[slots[-1]] * pad]
         lengths = [*lengths, *[lengths[-1]] * pad]
         sampling = [[*column, *[column[-1]] * pad] for column in sampling]
-        tokens = np.zeros((group, bucket), np.int32)
+        tokens = np.zeros((self.rows, bucket), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
-        program = self.compile_prefill(bucket, group)
+        program = self.compile_prefill(bucket)
         self.cache, first = program(
             self._state,
             self.cache,
@@ -251,10 +231,10 @@ def _last_logits(model, x_BTM, last_B):
     return jax.sharding.reshard(logits_B1V[:, 0, :], P(model.sharding.tokens[0], None))
 
 
-def _prefill(graphdef, traces, rows, state, cache, tokens_RP, length_R, slot_R, sampling):
-    R, bucket = tokens_RP.shape
-    traces[("prefill", bucket) if rows == R else ("prefill", bucket, f"x{R}")] += 1
+def _prefill(graphdef, traces, state, cache, tokens_RP, length_R, slot_R, sampling):
+    traces["prefill", tokens_RP.shape[1]] += 1
     model = nnx.merge(graphdef, state)
+    R, bucket = tokens_RP.shape
     spec = model.sharding.tokens
     columns_RP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (R, bucket))
     columns_RP = jax.sharding.reshard(columns_RP, spec)
