@@ -56,10 +56,12 @@ def test_qwen3_moe_trains_under_fsdp_ep(moe_run):
         assert len(load) == 8 and abs(sum(load) - 1.0) < 1e-3, load  # shares of assignments
         # E * sum(f * p) >= 1 when f and p agree; a broken router would give 0 or NaN.
         assert 0.5 < record["aux_loss"] < 8.0, record["aux_loss"]
-        # Dropless (CPU's padded exchange at capacity factor 0); the busiest expert's share
-        # over the mean is at least 1 and at most E.
+        # Dropless (CPU's padded exchange at capacity factor 0). The busiest expert's share over
+        # the mean lies in [1, E]; its ends mean a metric stuck at perfect balance (1) or a
+        # router sending every token to one expert (E = 8), neither of which a live router
+        # on 512 tokens a step gives.
         assert record["moe_dropped"] == 0.0
-        assert 1.0 <= record["moe_load_spread"] <= 8.0, record["moe_load_spread"]
+        assert 1.0 < record["moe_load_spread"] < 8.0, record["moe_load_spread"]
         # The spread is the worst layer's busiest share x E; the shares are the layers' mean,
         # so their busiest x E cannot exceed it (5-decimal rounding of the shares aside).
         assert record["moe_load_spread"] >= 8 * max(load) - 1e-3, (record, load)

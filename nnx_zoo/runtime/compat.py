@@ -3,8 +3,8 @@
 pyproject.toml takes ranges (jax 0.10.2 up to the 0.12 series, with flax, optax, orbax and
 grain to match). CI runs the suite at both ends (.ci/run): the floor on Python 3.11 and the
 newest that resolves on Python 3.12. Where the two ends behave differently the difference is
-handled here, by what the installed version does (never by a `jax._src` import), and
-tests/test_compat.py checks each side: the recorded behaviour of each end, and the live
+handled here, by what the installed version does (never by importing jax's private modules),
+and tests/test_compat.py checks each side: the recorded behaviour of each end, and the live
 behaviour of whichever end is installed.
 
 Known differences:
