@@ -159,9 +159,15 @@ def parse_flags(argv, flag_values):
 
 # --- flag tables -----------------------------------------------------------------------------
 
-# A table row's kind -> the absl definer; a tuple kind is an enum's values.
-_DEFINE = {str: "DEFINE_string", int: "DEFINE_integer", float: "DEFINE_float", bool: "DEFINE_bool"}
-_DEFINE[list] = "DEFINE_list"  # comma-separated strings
+# A table row's kind -> the absl definer (list: comma-separated strings); a tuple kind is an
+# enum's values.
+_DEFINE = {
+    str: "DEFINE_string",
+    int: "DEFINE_integer",
+    float: "DEFINE_float",
+    bool: "DEFINE_bool",
+    list: "DEFINE_list",
+}
 
 
 class FlagTable(types.SimpleNamespace):
@@ -229,9 +235,15 @@ class LoadFlags:
 
 
 def define_load_flags(flag_values, *, workdir_help: str, hf_help: str) -> LoadFlags:
+    """The load flags, in the entry point's `flag_values`; `workdir_help` and `hf_help` say
+    what the entry point does with the run directory and with a Hugging Face one."""
     fv = flag_values
     table = define_flags(
-        fv, ("workdir", str, None, workdir_help), ("hf_checkpoint", str, None, hf_help), STEP
+        fv,
+        ("workdir", str, None, workdir_help),
+        ("hf_checkpoint", str, None, hf_help),
+        STEP,
+        TOKENIZER,
     )
     return LoadFlags(
         table.workdir,
@@ -240,7 +252,7 @@ def define_load_flags(flag_values, *, workdir_help: str, hf_help: str) -> LoadFl
         strategy_flag(fv, "; default: the run's."),
         mesh_shape_flag(fv, "the strategy's rule"),
         attention_flag(fv, "the run's"),
-        define_flags(fv, TOKENIZER).tokenizer,
+        table.tokenizer,
     )
 
 
