@@ -32,92 +32,45 @@ from nnx_zoo.launch import cli
 
 cli.preamble()
 
-from absl import flags  # noqa: E402
-
 FLAGS = cli.new_flags()
 
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Run directory (checkpoints/ and eval.json).", flag_values=FLAGS
+LOAD = cli.define_load_flags(
+    FLAGS,
+    workdir_help="Run directory (checkpoints/ and eval.json).",
+    hf_help="Evaluate a Hugging Face checkpoint directory instead of the run's.",
 )
-_STRATEGY = cli.strategy_flag(FLAGS, "; default: the run's.")
-_MESH_SHAPE = cli.mesh_shape_flag(FLAGS, "the strategy's rule")
-_STEP = flags.DEFINE_integer(
-    "step", None, "Checkpoint step; default: the latest complete one.", flag_values=FLAGS
-)
-_DATA = flags.DEFINE_string(
-    "data",
-    None,
-    "Held-out data (path / dir / glob; all of it); default: the run's validation.",
-    flag_values=FLAGS,
-)
-_EVAL_BATCHES = flags.DEFINE_integer(
-    "eval_batches", None, "Batches; default: the run's.", flag_values=FLAGS
-)
-_BATCH_SIZE = flags.DEFINE_integer(
-    "batch_size", None, "Rows per batch; default: the run's.", flag_values=FLAGS
-)
-_SEQ_LEN = flags.DEFINE_integer(
-    "seq_len", None, "Tokens per row; default: the run's.", flag_values=FLAGS
-)
-_TOKENIZER = flags.DEFINE_string(
-    "tokenizer",
-    None,
-    "'byte', tokenizer.json or .model; default: the run's (or the HF dir's).",
-    flag_values=FLAGS,
-)
-_ATTENTION = cli.attention_flag(FLAGS, "the run's")
-_LOSS_CHUNK = flags.DEFINE_integer(
-    "loss_chunk_size",
-    None,
-    "Tokens per device per LM-head+loss chunk (0: full logits).",
-    flag_values=FLAGS,
-)
-_PROMPT = flags.DEFINE_string(
-    "prompt", None, "Text to continue (greedy unless --temperature).", flag_values=FLAGS
-)
-_MAX_NEW_TOKENS = flags.DEFINE_integer(
-    "max_new_tokens", 64, "Tokens to generate.", flag_values=FLAGS
-)
-_TEMPERATURE = flags.DEFINE_float(
-    "temperature", 0.0, "0: greedy; > 0: sampling.", flag_values=FLAGS
-)
-_TOP_K = flags.DEFINE_integer(
-    "top_k", 0, "Sample among the k most likely tokens; 0: all.", flag_values=FLAGS
-)
-_SEED = flags.DEFINE_integer(
-    "seed", 0, "Sampling seed (--prompt, and --tasks that sample).", flag_values=FLAGS
-)
-_HF_CHECKPOINT = flags.DEFINE_string(
-    "hf_checkpoint",
-    None,
-    "Evaluate a Hugging Face checkpoint directory instead of the run's.",
-    flag_values=FLAGS,
-)
-
-_TASKS = flags.DEFINE_string(
-    "tasks",
-    None,
-    "lm-eval tasks, comma-separated: run them (not the held-out metrics).",
-    flag_values=FLAGS,
-)
-_INCLUDE_PATH = flags.DEFINE_string(
-    "include_path",
-    None,
-    "Directory of local task YAML; lm_eval_tasks: the shipped examples.",
-    flag_values=FLAGS,
-)
-_NUM_FEWSHOT = flags.DEFINE_integer(
-    "num_fewshot", None, "Few-shot examples; default: task's.", flag_values=FLAGS
-)
-_LIMIT = flags.DEFINE_float(
-    "limit", None, "Examples per task (N, or a fraction if < 1).", flag_values=FLAGS
-)
-
-_EVALUATE = flags.DEFINE_bool(
-    "evaluate",
-    True,
-    "Compute the held-out metrics; --noevaluate with --prompt only generates.",
-    flag_values=FLAGS,
+EVAL = cli.define_flags(
+    FLAGS,
+    (
+        "data",
+        str,
+        None,
+        "Held-out data (path / dir / glob; all of it); default: the run's validation.",
+    ),
+    ("eval_batches", int, None, "Batches; default: the run's."),
+    ("batch_size", int, None, "Rows per batch; default: the run's."),
+    ("seq_len", int, None, "Tokens per row; default: the run's."),
+    ("loss_chunk_size", int, None, "Tokens per device per LM-head+loss chunk (0: full logits)."),
+    ("prompt", str, None, "Text to continue (greedy unless --temperature)."),
+    ("max_new_tokens", int, 64, "Tokens to generate."),
+    ("temperature", float, 0.0, "0: greedy; > 0: sampling."),
+    ("top_k", int, 0, "Sample among the k most likely tokens; 0: all."),
+    ("seed", int, 0, "Sampling seed (--prompt, and --tasks that sample)."),
+    ("tasks", str, None, "lm-eval tasks, comma-separated: run them (not the held-out metrics)."),
+    (
+        "include_path",
+        str,
+        None,
+        "Directory of local task YAML; lm_eval_tasks: the shipped examples.",
+    ),
+    ("num_fewshot", int, None, "Few-shot examples; default: task's."),
+    ("limit", float, None, "Examples per task (N, or a fraction if < 1)."),
+    (
+        "evaluate",
+        bool,
+        True,
+        "Compute the held-out metrics; --noevaluate with --prompt only generates.",
+    ),
 )
 
 
@@ -125,33 +78,21 @@ def _request():
     from nnx_zoo.checkpoint.workdir import expand
     from nnx_zoo.evaluation.run import EvalRequest, Generation
 
-    if not _WORKDIR.value:
+    if not LOAD.workdir.value:
         cli.usage_error("--workdir is required (the run directory; eval.json is written there)")
     generation = None
-    if _PROMPT.value is not None:
+    if EVAL.prompt.value is not None:
         generation = Generation(
-            prompt=_PROMPT.value,
-            max_new_tokens=_MAX_NEW_TOKENS.value,
-            temperature=_TEMPERATURE.value,
-            top_k=_TOP_K.value,
-            seed=_SEED.value,
+            **EVAL.values("prompt", "max_new_tokens", "temperature", "top_k", "seed")
         )
-    overrides = dict(
-        data=_DATA.value,
-        mesh_shape=_MESH_SHAPE.value,
-        attention_impl=_ATTENTION.value,
-        strategy=_STRATEGY.value,
-        loss_chunk_size=_LOSS_CHUNK.value,
-        tokenizer=_TOKENIZER.value,
-        seq_len=_SEQ_LEN.value,
-        batch_size=_BATCH_SIZE.value,
-        eval_batches=_EVAL_BATCHES.value,
+    overrides = LOAD.overrides() | EVAL.values(
+        "data", "loss_chunk_size", "seq_len", "batch_size", "eval_batches"
     )
     return EvalRequest(
-        workdir=expand(_WORKDIR.value),
-        hf_checkpoint=expand(_HF_CHECKPOINT.value) if _HF_CHECKPOINT.value else None,
-        step=_STEP.value,
-        evaluate=_EVALUATE.value,
+        workdir=expand(LOAD.workdir.value),
+        hf_checkpoint=LOAD.hf_dir(),
+        step=LOAD.step.value,
+        evaluate=EVAL.evaluate.value,
         generation=generation,
         overrides=overrides,
     )
@@ -162,7 +103,7 @@ def main(argv):
     cli.quiet_logging()
     from nnx_zoo.evaluation import run as evaluation
 
-    if _TASKS.value is not None:  # lm-evaluation-harness tasks (nnx_zoo/evaluation/harness.py)
+    if EVAL.tasks.value is not None:  # lm-evaluation-harness tasks (nnx_zoo/evaluation/harness.py)
         _run_tasks()
         return
     try:
@@ -180,10 +121,10 @@ def _run_tasks():
     from nnx_zoo.evaluation import harness
 
     try:
-        include = harness.include_dir(_INCLUDE_PATH.value) if _INCLUDE_PATH.value else None
+        include = harness.include_dir(EVAL.include_path.value) if EVAL.include_path.value else None
         request = _request()
-        tasks = harness.prepare(_TASKS.value, include, _NUM_FEWSHOT.value, _LIMIT.value)
-        results, result = harness.evaluate(request, tasks, seed=_SEED.value)
+        tasks = harness.prepare(EVAL.tasks.value, include, EVAL.num_fewshot.value, EVAL.limit.value)
+        results, result = harness.evaluate(request, tasks, seed=EVAL.seed.value)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         cli.usage_error(cli.device_hint(e))
     try:

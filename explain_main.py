@@ -25,39 +25,29 @@ from nnx_zoo.launch import cli
 cli.simulate_cpu_devices("devices", default="8")
 cli.preamble(huge_pages=False, cpu_flags=False, cpu_only=True)
 
-from absl import flags  # noqa: E402
-
 FLAGS = cli.new_flags()
 
-_MODEL = flags.DEFINE_string(
-    "model", "tiny", "model preset (zoo.get_config name)", flag_values=FLAGS
-)
 _CONFIG = cli.define_config_flag(
     FLAGS, None, "A run config file (as train_main.py's); its model section wins over --model."
 )
-_STRATEGIES = flags.DEFINE_list(
-    "strategies", None, "strategies; default: all of them", flag_values=FLAGS
-)
-_DEVICES = flags.DEFINE_integer(
-    "devices", 8, "simulated devices, when running on CPU", flag_values=FLAGS
-)
-_WRITE_GOLDEN = flags.DEFINE_string(
-    "write_golden",
-    None,
-    "write DIR/<strategy>.txt, the layout report tests/golden pins, and stop",
-    flag_values=FLAGS,
-)
-_SLICES = flags.DEFINE_integer(
-    "slices",
-    1,
-    "slices the devices stand for (the default `replica` size of hsdp / hsdp_tp)",
-    flag_values=FLAGS,
-)
-_COLLECTIVES = flags.DEFINE_bool(
-    "collectives",
-    False,
-    "also compile train_main's step and count its collectives",
-    flag_values=FLAGS,
+EXPLAIN = cli.define_flags(
+    FLAGS,
+    ("model", str, "tiny", "model preset (zoo.get_config name)"),
+    ("strategies", list, None, "strategies; default: all of them"),
+    ("devices", int, 8, "simulated devices, when running on CPU"),
+    (
+        "write_golden",
+        str,
+        None,
+        "write DIR/<strategy>.txt, the layout report tests/golden pins, and stop",
+    ),
+    (
+        "slices",
+        int,
+        1,
+        "slices the devices stand for (the default `replica` size of hsdp / hsdp_tp)",
+    ),
+    ("collectives", bool, False, "also compile train_main's step and count its collectives"),
 )
 
 
@@ -84,12 +74,12 @@ def main(argv):
             cfg = model_config(run)
         else:
             run = RunConfig.from_config_dict({})
-            cfg = get_config(_MODEL.value)
-        strategies = [get_strategy(s) for s in _STRATEGIES.value or STRATEGIES]
+            cfg = get_config(EXPLAIN.model.value)
+        strategies = [get_strategy(s) for s in EXPLAIN.strategies.value or STRATEGIES]
     except (ValueError, OSError) as e:
         cli.usage_error(e)
-    if _WRITE_GOLDEN.value:
-        out = pathlib.Path(_WRITE_GOLDEN.value)
+    if EXPLAIN.write_golden.value:
+        out = pathlib.Path(EXPLAIN.write_golden.value)
         out.mkdir(parents=True, exist_ok=True)
         for s in strategies:
             text = layout_report(s.name, param_layouts(cfg, s), s.lm_sharding())
@@ -102,11 +92,11 @@ def main(argv):
     print(f"quantization: {describe_quantization(cfg.quantization)}")
     print(f"{jax.device_count()} devices; default meshes:")
     for s in strategies:
-        shape = s.default_mesh_shape(jax.device_count(), cfg, num_slices=_SLICES.value)
+        shape = s.default_mesh_shape(jax.device_count(), cfg, num_slices=EXPLAIN.slices.value)
         print(f"  {s.name}: " + ", ".join(f"{a}={n}" for a, n in zip(s.axes, shape, strict=True)))
     print()
     print(layout_table({s.name: param_layouts(cfg, s) for s in strategies}))
-    if _COLLECTIVES.value:
+    if EXPLAIN.collectives.value:
         print()
         print("collectives of one train step (dcn: crosses slices)")
         for s in strategies:
@@ -128,7 +118,7 @@ def _compiled_text(run, cfg, strategy):
     from shardings.hybrid import partition_slices
     from shardings.specs import split_size
 
-    shape = strategy.default_mesh_shape(jax.device_count(), cfg, num_slices=_SLICES.value)
+    shape = strategy.default_mesh_shape(jax.device_count(), cfg, num_slices=EXPLAIN.slices.value)
     mesh = strategy.make_mesh(shape=shape, config=cfg)
     rows = split_size(strategy.batch_spec(), 0, mesh.shape) * 2
     replace = dataclasses.replace

@@ -24,52 +24,51 @@ from nnx_zoo.launch import cli
 
 cli.preamble()
 
-from absl import flags  # noqa: E402
-
 FLAGS = cli.new_flags()
 
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Run directory (its checkpoints/).", flag_values=FLAGS
-)
-_STEP = flags.DEFINE_integer(
-    "step", None, "Checkpoint step; default: the latest complete one.", flag_values=FLAGS
-)
-_FORMAT = flags.DEFINE_string(
-    "format", None, "hf (merged checkpoint) | peft (LoRA adapter).", flag_values=FLAGS
-)
-_OUT = flags.DEFINE_string(
-    "out",
-    None,
-    "Directory to write: a new or empty one (not a file, nor a run's workdir or its files).",
-    flag_values=FLAGS,
-)
-_OVERWRITE = flags.DEFINE_bool(
-    "overwrite",
-    False,
-    "Replace an earlier export at --out (only what it wrote, as its manifest lists).",
-    flag_values=FLAGS,
+EXPORT = cli.define_flags(
+    FLAGS,
+    ("workdir", str, None, "Run directory (its checkpoints/)."),
+    cli.STEP,
+    ("format", str, None, "hf (merged checkpoint) | peft (LoRA adapter)."),
+    (
+        "out",
+        str,
+        None,
+        "Directory to write: a new or empty one (not a file, nor a run's workdir or its files).",
+    ),
+    (
+        "overwrite",
+        bool,
+        False,
+        "Replace an earlier export at --out (only what it wrote, as its manifest lists).",
+    ),
 )
 
 
 def main(argv):
     cli.no_arguments(argv)
     cli.quiet_logging()
-    for flag in (_WORKDIR, _FORMAT, _OUT):
+    for flag in (EXPORT.workdir, EXPORT.format, EXPORT.out):
         if not flag.value:
             cli.usage_error(f"--{flag.name} is required (--workdir=DIR --format=hf|peft --out=OUT)")
     from nnx_zoo.checkpoint.workdir import expand
     from nnx_zoo.export import export_run
 
     try:
-        out = expand(_OUT.value)
+        out = expand(EXPORT.out.value)
         step = export_run(
-            expand(_WORKDIR.value), out, _FORMAT.value, _STEP.value, overwrite=_OVERWRITE.value
+            expand(EXPORT.workdir.value),
+            out,
+            EXPORT.format.value,
+            EXPORT.step.value,
+            overwrite=EXPORT.overwrite.value,
         )
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         cli.usage_error(cli.device_hint(e))
     except OSError as e:  # --out's directory cannot be written (permissions, a full disk)
-        cli.usage_error(f"--out={_OUT.value}: cannot write the export ({e.strerror or e})")
-    print(f"wrote step {step} as {_FORMAT.value} to {out}", flush=True)
+        cli.usage_error(f"--out={EXPORT.out.value}: cannot write the export ({e.strerror or e})")
+    print(f"wrote step {step} as {EXPORT.format.value} to {out}", flush=True)
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -28,95 +28,76 @@ cli.simulate_cpu_devices(
 # plan compiles the very program train_main runs.
 cli.preamble(huge_pages=False, cpu_only=True)
 
-from absl import flags  # noqa: E402
-
 FLAGS = cli.new_flags()
 
 from nnx_zoo.planning.targets import EXAMPLES  # noqa: E402
 from zoo.layers.remat import POLICIES  # noqa: E402
 
 RUN = cli.define_run_flags(FLAGS, " | a comma list | all | auto (pick the best)", planning=True)
-_MODEL = flags.DEFINE_string(
-    "model", None, "A model preset (zoo.get_config), instead of --config.", flag_values=FLAGS
-)
-_TOPOLOGY = flags.DEFINE_string(
-    "topology",
-    None,
-    f"Target: {', '.join(EXAMPLES)}, or cpu:N (this host's CPU devices).",
-    flag_values=FLAGS,
-)
-_BATCH = flags.DEFINE_integer(
-    "batch_size", None, "Alias of --config.data.global_batch_size.", flag_values=FLAGS
-)
-_SEQ_LEN = flags.DEFINE_integer(
-    "seq_len", None, "Alias of --config.data.seq_len.", flag_values=FLAGS
-)
-_REMAT = flags.DEFINE_list(
-    "remat",
-    None,
-    f"one or several of {','.join(POLICIES)} (offload: TPU/GPU targets); default: "
-    "config.model.remat, none,dots,full for auto.",
-    flag_values=FLAGS,
-)
-_MICRO = flags.DEFINE_list(
-    "micro_batches",
-    None,
-    "Micro-batch counts; default: the config's, 1,2,4,8 for auto.",
-    flag_values=FLAGS,
-)
-_DTYPE = flags.DEFINE_string("dtype", None, "Alias of --config.model.dtype.", flag_values=FLAGS)
-_MEMORY = flags.DEFINE_float(
-    "memory_gib", None, "Pretend the chip has this much memory.", flag_values=FLAGS
-)
-_MAX_COMPILES = flags.DEFINE_integer(
-    "max_compiles", 16, "Most compiles `auto` may spend.", flag_values=FLAGS
-)
-_MOE_LOAD = flags.DEFINE_string(
-    "moe_load_from",
-    None,
-    "MoE: the workdir of a train_main run of the same model (a short CPU run will do); the "
-    "plan adds the router's measured load spread over experts and expert shards.",
-    flag_values=FLAGS,
-)
-_JSON = flags.DEFINE_bool(
-    "json", False, "One JSON object per candidate on stdout.", flag_values=FLAGS
+PLAN = cli.define_flags(
+    FLAGS,
+    ("model", str, None, "A model preset (zoo.get_config), instead of --config."),
+    ("topology", str, None, f"Target: {', '.join(EXAMPLES)}, or cpu:N (this host's CPU devices)."),
+    ("batch_size", int, None, "Alias of --config.data.global_batch_size."),
+    ("seq_len", int, None, "Alias of --config.data.seq_len."),
+    (
+        "remat",
+        list,
+        None,
+        f"one or several of {','.join(POLICIES)} (offload: TPU/GPU targets); default: "
+        "config.model.remat, none,dots,full for auto.",
+    ),
+    ("micro_batches", list, None, "Micro-batch counts; default: the config's, 1,2,4,8 for auto."),
+    ("dtype", str, None, "Alias of --config.model.dtype."),
+    ("memory_gib", float, None, "Pretend the chip has this much memory."),
+    ("max_compiles", int, 16, "Most compiles `auto` may spend."),
+    (
+        "moe_load_from",
+        str,
+        None,
+        "MoE: the workdir of a train_main run of the same model (a short CPU run will do); the "
+        "plan adds the router's measured load spread over experts and expert shards.",
+    ),
+    ("json", bool, False, "One JSON object per candidate on stdout."),
 )
 
 
 def main(argv):
     cli.no_arguments(argv)
     cli.quiet_logging()
-    if not _TOPOLOGY.value:
+    if not PLAN.topology.value:
         cli.usage_error("--topology is required, e.g. --topology=v5p:2x2x2 or --topology=h100:8")
     from nnx_zoo.checkpoint.workdir import expand
     from nnx_zoo.planning import cli as planner
 
     config = None
-    if not _MODEL.value or cli.config_file_given():
+    if not PLAN.model.value or cli.config_file_given():
         try:  # config_flags defers a failed load of the file to the first use of the config
             config = RUN.config.value.to_dict()
         except Exception as e:  # noqa: BLE001 -- any error in the file: one line, exit 2
             cli.usage_error(cli.config_file_message(e))
     try:
         request = planner.Request(
-            topology=_TOPOLOGY.value,
             config=config,
-            model=_MODEL.value,
             explicit=cli.explicit_config_overrides(RUN.config),
             strategies=RUN.sharding_strategy.value,
             mesh_shape=RUN.mesh_shape.value,
-            batch_size=_BATCH.value,
-            seq_len=_SEQ_LEN.value,
-            remat=_REMAT.value,
-            micro_batches=_MICRO.value,
             attention_impl=RUN.attention_impl.value,
-            dtype=_DTYPE.value,
-            memory_gib=_MEMORY.value,
-            max_compiles=_MAX_COMPILES.value,
-            moe_load_from=_MOE_LOAD.value,
             init_from=expand(RUN.init_from.value) if RUN.init_from.value else None,
+            **PLAN.values(
+                "topology",
+                "model",
+                "batch_size",
+                "seq_len",
+                "remat",
+                "micro_batches",
+                "dtype",
+                "memory_gib",
+                "max_compiles",
+                "moe_load_from",
+            ),
         )
-        output = planner.plan(request, as_json=_JSON.value)
+        output = planner.plan(request, as_json=PLAN.json.value)
     except (ValueError, OSError) as e:  # bad input (--init_from's too), or nothing fits
         cli.usage_error(cli.device_hint(e))
     print(output, flush=True)

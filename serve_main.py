@@ -24,61 +24,39 @@ from nnx_zoo.launch import cli
 
 cli.preamble()
 
-from absl import flags  # noqa: E402
-
 FLAGS = cli.new_flags()
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory to serve.", flag_values=FLAGS)
-_HF_CHECKPOINT = flags.DEFINE_string(
-    "hf_checkpoint", None, "Serve a Hugging Face checkpoint directory instead.", flag_values=FLAGS
+LOAD = cli.define_load_flags(
+    FLAGS,
+    workdir_help="Run directory to serve.",
+    hf_help="Serve a Hugging Face checkpoint directory instead.",
 )
-_STEP = flags.DEFINE_integer(
-    "step", None, "Checkpoint step; default: the latest complete one.", flag_values=FLAGS
-)
-_STRATEGY = cli.strategy_flag(FLAGS, "; default: the run's.")
-_MESH_SHAPE = cli.mesh_shape_flag(FLAGS, "the strategy's rule")
-_ATTENTION = cli.attention_flag(FLAGS, "the run's")
-_TOKENIZER = flags.DEFINE_string(
-    "tokenizer",
-    None,
-    "'byte', tokenizer.json or .model; default: the run's (or the HF dir's).",
-    flag_values=FLAGS,
-)
-_LORA = flags.DEFINE_enum(
-    "lora",
-    "merge",
-    ["merge", "apply"],
-    "A LoRA run's adapters: merged into the weights (faster), or applied beside them.",
-    flag_values=FLAGS,
-)
-_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.", flag_values=FLAGS)
-_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on; 0: any free one.", flag_values=FLAGS)
-_NAME = flags.DEFINE_string(
-    "served_model_name",
-    None,
-    "The model's name in the API; default: the workdir's (or HF directory's) name.",
-    flag_values=FLAGS,
-)
-_MAX_BATCH = flags.DEFINE_integer(
-    "max_batch", 8, "Decode slots: requests generating at once.", flag_values=FLAGS
-)
-_MAX_SEQ_LEN = flags.DEFINE_integer(
-    "max_seq_len",
-    None,
-    "Tokens per slot (prompt + output); default: the model's, at most 2048.",
-    flag_values=FLAGS,
-)
-_MAX_QUEUE = flags.DEFINE_integer(
-    "max_queue", 64, "Requests waiting for a slot; past it: 503.", flag_values=FLAGS
-)
-_CHAT_TEMPLATE = flags.DEFINE_string(
-    "chat_template",
-    None,
-    "A Jinja chat template file; default: the tokenizer directory's.",
-    flag_values=FLAGS,
-)
-_WARMUP = flags.DEFINE_bool(
-    "warmup", True, "Compile every program before listening.", flag_values=FLAGS
+SERVE = cli.define_flags(
+    FLAGS,
+    (
+        "lora",
+        ("merge", "apply"),
+        "merge",
+        "A LoRA run's adapters: merged into the weights (faster), or applied beside them.",
+    ),
+    ("host", str, "127.0.0.1", "Address to listen on."),
+    ("port", int, 8000, "Port to listen on; 0: any free one."),
+    (
+        "served_model_name",
+        str,
+        None,
+        "The model's name in the API; default: the workdir's (or HF directory's) name.",
+    ),
+    ("max_batch", int, 8, "Decode slots: requests generating at once."),
+    (
+        "max_seq_len",
+        int,
+        None,
+        "Tokens per slot (prompt + output); default: the model's, at most 2048.",
+    ),
+    ("max_queue", int, 64, "Requests waiting for a slot; past it: 503."),
+    ("chat_template", str, None, "A Jinja chat template file; default: the tokenizer directory's."),
+    ("warmup", bool, True, "Compile every program before listening."),
 )
 
 
@@ -87,30 +65,27 @@ def _request():
     from nnx_zoo.evaluation.run import EvalRequest
     from nnx_zoo.serving.load import ServeRequest
 
-    if bool(_WORKDIR.value) == bool(_HF_CHECKPOINT.value):
+    if bool(LOAD.workdir.value) == bool(LOAD.hf_checkpoint.value):
         cli.usage_error("give one of --workdir (a run directory) or --hf_checkpoint (an HF dir)")
-    hf = expand(_HF_CHECKPOINT.value) if _HF_CHECKPOINT.value else None
+    hf = LOAD.hf_dir()
     load = EvalRequest(
-        workdir=hf or expand(_WORKDIR.value),
+        workdir=hf or expand(LOAD.workdir.value),
         hf_checkpoint=hf,
-        step=_STEP.value,
+        step=LOAD.step.value,
         evaluate=False,
-        overrides=dict(
-            mesh_shape=_MESH_SHAPE.value,
-            attention_impl=_ATTENTION.value,
-            strategy=_STRATEGY.value,
-            tokenizer=_TOKENIZER.value,
-        ),
+        overrides=LOAD.overrides(),
     )
     return ServeRequest(
         load=load,
-        max_batch=_MAX_BATCH.value,
-        max_seq_len=_MAX_SEQ_LEN.value,
-        max_queue=_MAX_QUEUE.value,
-        lora=_LORA.value,
-        chat_template=_CHAT_TEMPLATE.value,
-        served_model_name=_NAME.value,
-        warmup=_WARMUP.value,
+        **SERVE.values(
+            "max_batch",
+            "max_seq_len",
+            "max_queue",
+            "lora",
+            "chat_template",
+            "served_model_name",
+            "warmup",
+        ),
     )
 
 
@@ -129,7 +104,7 @@ def main(argv):
     from nnx_zoo.serving import load
 
     request = _request()
-    sock = _listen(_HOST.value, _PORT.value)  # a port in use: said before the model loads
+    sock = _listen(SERVE.host.value, SERVE.port.value)  # a port in use: said before the model loads
     with sock:
         try:
             served = load.build(request)

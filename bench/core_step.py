@@ -14,42 +14,39 @@ import sys
 
 from absl import app, flags
 
-_MODEL = flags.DEFINE_string("model", "tiny", "model preset")
+from bench import step_timing
+from bench.step_timing import define_step_flags, simulate_cpu_devices, time_train_step
+
+STEP = define_step_flags(model="tiny", model_help="model preset", devices=8, batch=16)
+flags.adopt_module_key_flags(step_timing)  # --help lists them with this bench's own
 _STRATEGIES = flags.DEFINE_list("strategies", ["dp", "fsdp", "tp", "fsdp_tp"], "strategies")
-_DEVICES = flags.DEFINE_integer("devices", 8, "simulated CPU devices")
-_BATCH = flags.DEFINE_integer("batch", 16, "global batch (rows)")
-_SEQ = flags.DEFINE_integer("seq", 128, "tokens per row")
-_STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
 
 
 def main(argv):
     del argv
     if "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={_DEVICES.value}"
-        )
+        simulate_cpu_devices(STEP.devices.value)
         from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 
         set_cpu_flags()
     import jax
 
-    from bench.step_timing import time_train_step
     from shardings import get_strategy
     from zoo import get_config
 
-    cfg = get_config(_MODEL.value)
-    print(f"{cfg.describe()}; batch {_BATCH.value}x{_SEQ.value}; {jax.device_count()} devices")
+    batch, seq, steps = STEP.batch.value, STEP.seq.value, STEP.steps.value
+    cfg = get_config(STEP.model.value)
+    print(f"{cfg.describe()}; batch {batch}x{seq}; {jax.device_count()} devices")
     for name in _STRATEGIES.value:
         mesh = get_strategy(name).make_mesh(config=cfg)
         compile_s, step_s = time_train_step(
-            cfg, name, mesh, batch_size=_BATCH.value, seq_len=_SEQ.value, steps=_STEPS.value
+            cfg, name, mesh, batch_size=batch, seq_len=seq, steps=steps
         )
-        tokens_per_s = _BATCH.value * _SEQ.value / step_s
+        tokens_per_s = batch * seq / step_s
         print(
             f"{name:8s} mesh {dict(mesh.shape)}: compile {compile_s:6.2f} s, "
-            f"step {1e3 * step_s:8.1f} ms (median of {_STEPS.value}), {tokens_per_s:,.0f} tokens/s"
+            f"step {1e3 * step_s:8.1f} ms (median of {steps}), {tokens_per_s:,.0f} tokens/s"
         )
 
 

@@ -41,22 +41,16 @@ def _report(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
-def _rows(packed: bool, B: int, T: int):
+def _rows(packed: bool, T: int):
     """Segment ids and positions: packed rows hold documents of 300, 500, 224 and of 700 then
     324 padding; unpacked rows are one document from 0 of lengths 1024 and 611."""
     import numpy as np
 
-    seg = np.zeros((B, T), np.int32)
-    pos = np.zeros((B, T), np.int32)
-    rows = ([300, 500, 224], [700]) if packed else ([T], [611])
-    for b, docs in enumerate(rows):
-        start = 0
-        for i, n in enumerate(docs):
-            seg[b, start : start + n] = i + 1
-            pos[b, start : start + n] = np.arange(n)
-            start += n
-        if not packed:
-            pos[b] = np.arange(T)  # unpacked: positions run on through the padding
+    from tests.attention_reference import packed_rows
+
+    seg, pos = packed_rows(([300, 500, 224], [700]) if packed else ([T], [611]), T)
+    if not packed:
+        pos[:] = np.arange(T)  # unpacked: positions run on through the padding
     return seg, pos
 
 
@@ -70,7 +64,7 @@ def _attention_case(packed: bool, D: int) -> bool:
     B, T, N, K = 2, 1024, 8, 2
     rng = np.random.default_rng(D)
     q, k, v = (jnp.asarray(rng.standard_normal((B, T, h, D)), jnp.bfloat16) for h in (N, K, K))
-    seg, pos = _rows(packed, B, T)
+    seg, pos = _rows(packed, T)
     segments = Segments.self_attention(jnp.asarray(seg), jnp.asarray(pos), packed=packed)
     visible = jnp.asarray(seg > 0)[:, :, None, None]
     weights = jnp.cos(jnp.arange(D, dtype=jnp.float32))

@@ -18,12 +18,12 @@ import sys
 
 from absl import app, flags
 
-_MODEL = flags.DEFINE_string("model", "qwen3-moe-tiny", "MoE model preset")
+from bench import step_timing
+from bench.step_timing import define_step_flags, simulate_cpu_devices, time_train_step
+
+STEP = define_step_flags(model="qwen3-moe-tiny", model_help="MoE model preset", devices=1, batch=8)
+flags.adopt_module_key_flags(step_timing)  # --help lists them with this bench's own
 _STRATEGY = flags.DEFINE_string("strategy", "dp", "sharding strategy")
-_DEVICES = flags.DEFINE_integer("devices", 1, "simulated CPU devices")
-_BATCH = flags.DEFINE_integer("batch", 8, "global batch (rows)")
-_SEQ = flags.DEFINE_integer("seq", 128, "tokens per row")
-_STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
 _HIDDEN = flags.DEFINE_integer("hidden_dim", None, "override M (heads keep their head_dim)")
 _EXPERTS = flags.DEFINE_integer("num_experts", None, "override E")
 _TOP_K = flags.DEFINE_integer("experts_per_tok", None, "override k")
@@ -40,17 +40,14 @@ def main(argv):
         # Named, not defaulted: a GPU host's JAX_PLATFORMS would otherwise decide silently.
         os.environ["JAX_PLATFORMS"] = {"gpu": "cuda"}.get(_PLATFORM.value, _PLATFORM.value)
         if _PLATFORM.value == "cpu":
-            os.environ["XLA_FLAGS"] = (
-                os.environ.get("XLA_FLAGS", "")
-                + f" --xla_force_host_platform_device_count={_DEVICES.value}"
-            )
+            simulate_cpu_devices(STEP.devices.value)
     import jax
 
-    from bench.step_timing import time_train_step
     from shardings import get_strategy
     from zoo import get_config
 
-    moe_cfg = get_config(_MODEL.value)
+    batch, seq, steps = STEP.batch.value, STEP.seq.value, STEP.steps.value
+    moe_cfg = get_config(STEP.model.value)
     overrides = {
         "hidden_dim": _HIDDEN.value,
         "num_experts": _EXPERTS.value,
@@ -63,22 +60,17 @@ def main(argv):
         num_experts=0, ffn_dim=moe_cfg.num_experts_per_tok * moe_cfg.moe_ffn_dim
     )
     strategy = get_strategy(_STRATEGY.value)
-    print(f"batch {_BATCH.value}x{_SEQ.value}; {jax.device_count()} devices; {strategy.name}")
+    print(f"batch {batch}x{seq}; {jax.device_count()} devices; {strategy.name}")
     for label, cfg in (("dense (active size)", dense_cfg), ("moe dropless", moe_cfg)):
         mesh = strategy.make_mesh(config=cfg)
         compile_s, step_s = time_train_step(
-            cfg,
-            strategy.name,
-            mesh,
-            batch_size=_BATCH.value,
-            seq_len=_SEQ.value,
-            steps=_STEPS.value,
+            cfg, strategy.name, mesh, batch_size=batch, seq_len=seq, steps=steps
         )
         print(
             f"{label:20s} {cfg.describe()}\n{'':20s} active FLOPs/token "
-            f"{cfg.flops_per_token(_SEQ.value) / 1e6:.2f} M; compile {compile_s:.1f} s; step "
-            f"{1e3 * step_s:.1f} ms (median of {_STEPS.value}); "
-            f"{_BATCH.value * _SEQ.value / step_s:,.0f} tokens/s"
+            f"{cfg.flops_per_token(seq) / 1e6:.2f} M; compile {compile_s:.1f} s; step "
+            f"{1e3 * step_s:.1f} ms (median of {steps}); "
+            f"{batch * seq / step_s:,.0f} tokens/s"
         )
 
 

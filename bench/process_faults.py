@@ -31,14 +31,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps  # noqa: E402
+from tests._train_helpers import SMALL_SHAPES  # noqa: E402
 
 RUN = {
-    "model.hidden_dim": 64,
-    "model.num_layers": 2,
-    "model.head_dim": 8,
-    "model.ffn_dim": 128,
-    "data.seq_len": 64,
-    "data.global_batch_size": 16,
+    **SMALL_SHAPES,  # the tests' small run: it compiles and trains in seconds
     "optimizer.warmup_steps": 0,
     "training.steps": 400,
     "training.eval_every": 0,

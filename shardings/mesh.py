@@ -111,7 +111,7 @@ def check_divisible(
                 continue
             axes, size = axes_of(axes), entry_size(axes, mesh.shape)
             if shape[dim] % size:
-                axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
+                axis_text = _axis_text(axes, mesh)
                 raise ValueError(
                     f"{strategy_name}: {path} has shape {tuple(shape)}; its dim {dim} (size "
                     f"{shape[dim]}) is split over mesh axis {axis_text}, which does not divide "
@@ -134,35 +134,43 @@ def check_batch(
     residual_seq = None if residual_spec is None or len(residual_spec) < 2 else residual_spec[1]
     batch_seq = batch_spec[1] if len(batch_spec) > 1 else None
     if seq_len is not None and residual_seq is not None and batch_seq is None:
-        seq_axes = axes_of(residual_seq)
-        size = entry_size(seq_axes, mesh.shape)
-        if seq_len % size:
-            axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in seq_axes)
-            raise ValueError(
-                f"{strategy_name}: sequence length {seq_len} is split over mesh axis "
-                f"{axis_text} in the residual stream between blocks (sequence parallelism); "
-                f"use a sequence length that is a multiple of {size}"
-            )
-    if seq_len is not None and len(batch_spec) > 1 and batch_spec[1] is not None:
-        seq_axes = axes_of(batch_spec[1])
-        chunks = 2 * entry_size(seq_axes, mesh.shape)
-        if seq_len % chunks:
-            axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in seq_axes)
-            raise ValueError(
-                f"{strategy_name}: sequence length {seq_len} is split over mesh axis "
-                f"{axis_text} in 2 load-balanced chunks per device; use a sequence length "
-                f"that is a multiple of {chunks}"
-            )
+        _check_seq_split(
+            strategy_name,
+            seq_len,
+            residual_seq,
+            mesh,
+            "in the residual stream between blocks (sequence parallelism)",
+        )
+    if seq_len is not None and batch_seq is not None:
+        _check_seq_split(
+            strategy_name, seq_len, batch_seq, mesh, "in 2 load-balanced chunks per device", 2
+        )
     axes = batch_spec[0] if len(batch_spec) else None
     if axes is None:
         return
     axes, size = axes_of(axes), entry_size(axes, mesh.shape)
     if batch_size % size:
-        axis_text = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
+        axis_text = _axis_text(axes, mesh)
         raise ValueError(
             f"{strategy_name}: batch size {batch_size} is split over mesh axis {axis_text}, "
             f"which does not divide it; use a batch size that is a multiple of {size}"
         )
+
+
+def _check_seq_split(strategy_name, seq_len, seq_entry, mesh, how: str, chunks_per_device=1):
+    """T divides into `chunks_per_device` pieces on each device of the axes `seq_entry` names."""
+    seq_axes = axes_of(seq_entry)
+    size = chunks_per_device * entry_size(seq_axes, mesh.shape)
+    if seq_len % size:
+        axis_text = _axis_text(seq_axes, mesh)
+        raise ValueError(
+            f"{strategy_name}: sequence length {seq_len} is split over mesh axis {axis_text} "
+            f"{how}; use a sequence length that is a multiple of {size}"
+        )
+
+
+def _axis_text(axes, mesh) -> str:
+    return "x".join(f"{a}={mesh.shape[a]}" for a in axes)
 
 
 def compile_platform() -> str:

@@ -24,6 +24,13 @@ import pytest
 import test_strategies_equal_one_device as equal
 from flax import nnx
 from model_utils import one_device_mesh
+from test_strategies_equal_one_device import (  # noqa: F401 -- collected here, on this module's fixtures
+    test_adamw_steps_equal_one_device,
+    test_logits_loss_grads_equal_one_device,
+    test_module_outputs_have_declared_layouts,
+    test_parameter_layouts_are_declared,
+    test_strategy_actually_shards,
+)
 
 from nnx_zoo.planning.chips import chip_for
 from nnx_zoo.planning.compile import Candidate, Target, compile_plan
@@ -53,13 +60,6 @@ def _trainer_objective(model, batch):
     loss, grads = nnx.value_and_grad(mean_loss)(model)
     logits = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
     return loss, logits, grads, {}
-
-
-test_parameter_layouts_are_declared = equal.test_parameter_layouts_are_declared
-test_module_outputs_have_declared_layouts = equal.test_module_outputs_have_declared_layouts
-test_strategy_actually_shards = equal.test_strategy_actually_shards
-test_logits_loss_grads_equal_one_device = equal.test_logits_loss_grads_equal_one_device
-test_adamw_steps_equal_one_device = equal.test_adamw_steps_equal_one_device
 
 
 @pytest.fixture(scope="module")

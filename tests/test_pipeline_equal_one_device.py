@@ -17,6 +17,13 @@ from __future__ import annotations
 import pytest
 import test_strategies_equal_one_device as equal
 from model_utils import one_device_mesh
+from test_strategies_equal_one_device import (  # noqa: F401 -- collected here, on this module's fixtures
+    test_adamw_steps_equal_one_device,
+    test_logits_loss_grads_equal_one_device,
+    test_module_outputs_have_declared_layouts,
+    test_parameter_layouts_are_declared,
+    test_strategy_actually_shards,
+)
 
 from shardings import get_strategy
 from zoo import get_config
@@ -34,13 +41,6 @@ CASES = [
     ("fsdp_tp_pp", (4, 1, 2), 4, 1, 4, "none"),
     ("fsdp_pp", (4, 2), 4, 2, 8, "full"),  # circular on 4 stages
 ]
-
-# The shared tests, run on this module's fixtures.
-test_parameter_layouts_are_declared = equal.test_parameter_layouts_are_declared
-test_module_outputs_have_declared_layouts = equal.test_module_outputs_have_declared_layouts
-test_strategy_actually_shards = equal.test_strategy_actually_shards
-test_logits_loss_grads_equal_one_device = equal.test_logits_loss_grads_equal_one_device
-test_adamw_steps_equal_one_device = equal.test_adamw_steps_equal_one_device
 
 
 @pytest.fixture(scope="module")

@@ -71,10 +71,11 @@ def _loss_and_grads(model, batch):
     return loss, logits, grads, {}
 
 
-def _run(strategy_name, mesh, init_params=None, cfg=CFG, objective=_loss_and_grads):
-    """Everything the checks compare, from one model: layouts, logits, loss, grads, the
-    loss sequence of ten AdamW steps, and the objective's extra scalars."""
-    strategy = get_strategy(strategy_name)
+def _run(strategy, mesh, init_params=None, cfg=CFG, objective=_loss_and_grads):
+    """Everything the checks compare, from one model under `strategy` (a name, or a Strategy
+    of the test's own): layouts, logits, loss, grads, the loss sequence of ten AdamW steps,
+    and the objective's extra scalars."""
+    strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
     batch_np = packed_batch(batch=8, seq=32, vocab=cfg.vocab_size)
     with jax.set_mesh(mesh):
         model = create_model(cfg, strategy, rngs=nnx.Rngs(0))

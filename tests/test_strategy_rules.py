@@ -1,30 +1,21 @@
 """Strategies are rule tables: a new one is a few lines, the default mesh fits every model,
 and the declared layouts of the four named strategies are pinned by golden files.
 
-Tolerances as in test_strategies_equal_one_device.py: float32, a split contraction sums in
-another order than one device, so 2e-5 absolute on logits and loss, 1e-5 + 1e-4 relative on
-gradients.
+A table's strategy is run and compared with the one-device run as every named strategy is
+(test_strategies_equal_one_device.py: its run, and its tolerances).
 """
 
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
+import test_strategies_equal_one_device as equal
 from flax import nnx
-from model_utils import (
-    host_params,
-    load_params,
-    one_device_mesh,
-    packed_batch,
-    put_batch,
-    record_outputs,
-)
+from model_utils import one_device_mesh
 
 from shardings import STRATEGIES, get_strategy
 from shardings.strategies import DATA, MODEL, Strategy
 from zoo import check_model_fits, create_model, get_config
-from zoo.loss import lm_loss
 from zoo.registry import presets
 
 CFG = get_config("tiny")
@@ -47,53 +38,19 @@ TP_SEQUENCE_RESIDUAL = Strategy(
 )
 
 
-def _forward_and_grads(strategy, mesh, init_params=None):
-    batch_np = packed_batch(batch=8, seq=32, vocab=CFG.vocab_size)
-    with jax.set_mesh(mesh):
-        model = create_model(CFG, strategy, rngs=nnx.Rngs(0))
-        if init_params is not None:
-            load_params(model, init_params)
-        batch = put_batch(batch_np, strategy.batch_spec())
-
-        @nnx.jit
-        def step(model, batch):
-            def loss_fn(model):
-                logits = model(
-                    batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
-                )
-                return lm_loss(logits, batch["tokens"], batch["segment_ids"])[0], logits
-
-            return nnx.value_and_grad(loss_fn, has_aux=True)(model)
-
-        with record_outputs() as records:
-            (loss, logits), grads = step(model, batch)
-        return {
-            "params": host_params(model),
-            "records": records,
-            "loss": float(loss),
-            "logits": np.asarray(logits),
-            "grads": host_params(grads),
-        }
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return _forward_and_grads(get_strategy("dp"), one_device_mesh())
+    return equal._run("dp", one_device_mesh())
 
 
 @pytest.fixture(scope="module")
 def sequence_parallel(reference):
     mesh = TP_SEQUENCE_RESIDUAL.make_mesh(shape=(4, 2))
-    return _forward_and_grads(TP_SEQUENCE_RESIDUAL, mesh, init_params=reference["params"])
+    return equal._run(TP_SEQUENCE_RESIDUAL, mesh, init_params=reference["params"])
 
 
 def test_strategy_from_a_table_equals_one_device(sequence_parallel, reference):
-    run = sequence_parallel
-    np.testing.assert_allclose(run["logits"], reference["logits"], atol=2e-5, rtol=0)
-    assert abs(run["loss"] - reference["loss"]) < 2e-5
-    assert set(run["grads"]) == set(reference["grads"])
-    for path, g in reference["grads"].items():
-        np.testing.assert_allclose(run["grads"][path], g, atol=1e-5, rtol=1e-4, err_msg=path)
+    equal.assert_step_equals_one_device(sequence_parallel, reference)
 
 
 def test_strategy_from_a_table_splits_the_residual_on_seq(sequence_parallel):

@@ -6,7 +6,8 @@ one-line usage error (exit 2).
 
 train_main and plan_main define the same run flags here (`define_run_flags`), so a train_main
 command line, pasted into plan_main, plans exactly the run it would start; eval_main and
-explain_main take the flags they share from here too. Import this module, and call
+serve_main load a checkpoint by the same flags (`define_load_flags`), and every entry point
+writes the rest of its flags as a table (`define_flags`). Import this module, and call
 `preamble()`, before anything imports jax.
 """
 
@@ -16,6 +17,7 @@ import dataclasses
 import os
 import re
 import sys
+import types
 
 EXIT_USAGE = 2
 # configs/ sits beside this package at the top level (checkout and wheel alike).
@@ -153,6 +155,105 @@ def parse_flags(argv, flag_values):
         usage_error(e)
     except Exception as e:  # noqa: BLE001 -- the --config file (any error in it) or an override
         usage_error(_unknown_field_message(e) or config_file_message(e))
+
+
+# --- flag tables -----------------------------------------------------------------------------
+
+# A table row's kind -> the absl definer (list: comma-separated strings); a tuple kind is an
+# enum's values.
+_DEFINE = {
+    str: "DEFINE_string",
+    int: "DEFINE_integer",
+    float: "DEFINE_float",
+    bool: "DEFINE_bool",
+    list: "DEFINE_list",
+}
+
+
+class FlagTable(types.SimpleNamespace):
+    """An entry point's flag holders by name (`table.step.value`)."""
+
+    def values(self, *names: str) -> dict[str, object]:
+        """The parsed values of the flags `names`, by name: the keyword arguments of a request
+        whose fields are named as its flags are."""
+        return {name: getattr(self, name).value for name in names}
+
+
+def define_flags(flag_values, *rows: tuple) -> FlagTable:
+    """Flags from a table, one `(name, kind, default, help)` row each, defined in the entry
+    point's `flag_values`; kind is str, int, float, bool, list (comma-separated strings), or a
+    tuple of the values an enum takes."""
+    from absl import flags
+
+    holders = {}
+    for name, kind, default, help_text in rows:
+        if isinstance(kind, tuple):
+            holders[name] = flags.DEFINE_enum(
+                name, default, list(kind), help_text, flag_values=flag_values
+            )
+        else:
+            define = getattr(flags, _DEFINE[kind])
+            holders[name] = define(name, default, help_text, flag_values=flag_values)
+    return FlagTable(**holders)
+
+
+STEP = ("step", int, None, "Checkpoint step; default: the latest complete one.")
+TOKENIZER = (
+    "tokenizer",
+    str,
+    None,
+    "'byte', tokenizer.json or .model; default: the run's (or the HF dir's).",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadFlags:
+    """Which checkpoint eval_main and serve_main load, and how it runs here (absl flag
+    holders): the runtime choices override the ones the run recorded."""
+
+    workdir: object
+    hf_checkpoint: object
+    step: object
+    sharding_strategy: object
+    mesh_shape: object
+    attention_impl: object
+    tokenizer: object
+
+    def hf_dir(self) -> str | None:
+        from nnx_zoo.checkpoint.workdir import expand
+
+        return expand(self.hf_checkpoint.value) if self.hf_checkpoint.value else None
+
+    def overrides(self) -> dict[str, object]:
+        """The runtime choices, as `EvalRequest.overrides` takes them."""
+        return dict(
+            strategy=self.sharding_strategy.value,
+            mesh_shape=self.mesh_shape.value,
+            attention_impl=self.attention_impl.value,
+            tokenizer=self.tokenizer.value,
+        )
+
+
+def define_load_flags(flag_values, *, workdir_help: str, hf_help: str) -> LoadFlags:
+    """The load flags, in the entry point's `flag_values`; `workdir_help` and `hf_help` say
+    what the entry point does with the run directory and with a Hugging Face one."""
+    fv = flag_values
+    table = define_flags(
+        fv,
+        ("workdir", str, None, workdir_help),
+        ("hf_checkpoint", str, None, hf_help),
+        STEP,
+        TOKENIZER,
+    )
+    return LoadFlags(
+        table.workdir,
+        table.hf_checkpoint,
+        table.step,
+        strategy_flag(fv, "; default: the run's."),
+        mesh_shape_flag(fv, "the strategy's rule"),
+        attention_flag(fv, "the run's"),
+        table.tokenizer,
+    )
 
 
 # --- the run config flags --------------------------------------------------------------------
