@@ -5,6 +5,8 @@ start."""
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 from nnx_zoo.runtime.xla_cpu import set_cpu_flags
@@ -14,10 +16,37 @@ from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 # (tests/test_moe_strategies.py: 102 -> 71 CPU-seconds). It changes neither the HLO passes
 # (layouts, collectives, buffer assignment) nor what a comparison compares: both sides of one
 # compile under the same flags, and the train_main processes the tests start inherit them.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+CHEAP_COMPILE = (
+    "--xla_force_host_platform_device_count=8"
     " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-).strip()
+)
+# XLA's older CPU backends (jax 0.10) also emit fusions through the elemental IR emitter
+# instead of the MLIR fusion emitters when asked: a tiny train step compiles in ~0.6x the time
+# (bench.core_step's compile 2.3 -> 1.4 s) and the floor leg's train tests take ~0.7x the
+# CPU-seconds. Later XLA has only the MLIR emitters and aborts on the unknown flag, so it is
+# added only where a CPU client starts with it.
+LEGACY_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+_DECIDED = "NNX_ZOO_TEST_XLA_FLAGS"
+
+
+def _xla_takes(flag: str) -> bool:
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+        env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        check=False,
+    )
+    return probe.returncode == 0
+
+
+# The first process to load this file (the xdist controller, or plain pytest) decides; its
+# workers and the processes they start inherit the environment.
+if _DECIDED not in os.environ:
+    flags = CHEAP_COMPILE
+    if _xla_takes(LEGACY_FUSION_EMITTERS):
+        flags += " " + LEGACY_FUSION_EMITTERS
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+    os.environ[_DECIDED] = flags
 os.environ["JAX_PLATFORMS"] = "cpu"
 # The XLA CPU flags every entry point starts with (nnx_zoo/runtime/xla_cpu.py): a run in this
 # process (tests/_entry.py) then compiles the program a train_main process compiles, and the
