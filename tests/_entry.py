@@ -39,7 +39,10 @@ def run_main(module: str, args: list[str], *, cwd: str = ROOT) -> Result:
     among them) are defined against that command line."""
     # Not `*_main.py`: argv[0] of that form would re-execute this process for huge pages.
     argv = [module, *[str(a) for a in args]]
-    saved_argv, saved_cwd = sys.argv, os.getcwd()
+    # The environment too: plan_main and explain_main add the CPU device count their command
+    # line asks for to XLA_FLAGS at import (a process's own start-up), and every process a
+    # later test of this worker starts would inherit it (a bench on 3 devices, not 8).
+    saved_argv, saved_cwd, saved_environ = sys.argv, os.getcwd(), dict(os.environ)
     out, err = io.StringIO(), io.StringIO()
     code = 0
     sys.argv = list(argv)
@@ -60,6 +63,8 @@ def run_main(module: str, args: list[str], *, cwd: str = ROOT) -> Result:
     finally:
         sys.argv = saved_argv
         os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_environ)
     return Result(code, out.getvalue(), err.getvalue())
 
 

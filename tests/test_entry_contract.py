@@ -7,6 +7,7 @@ exit status is checked where a run is preempted: tests/test_resume.py, test_proc
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -74,7 +75,11 @@ STAGES = ["--sharding_strategy=fsdp_pp", "--mesh_shape=data:1,stage:3", *cli_fla
 )
 def test_plan_main_names_train_mains_cause(batch, cause):
     flags = [*STAGES, f"--config.data.global_batch_size={batch}"]
+    environ = dict(os.environ)
     plan = _entry.plan(["--topology=cpu:3", *flags])
+    # plan_main asks XLA for 3 CPU devices at import; run in this worker, that must not
+    # reach the processes later tests start (seen: a bench child on 3 devices, not 8).
+    assert dict(os.environ) == environ
     lines = plan.stderr.strip().splitlines()
     assert plan.returncode == 2 and len(lines) == 1, plan.stderr[-2000:]
     assert re.search(cause, lines[0]), lines[0]
