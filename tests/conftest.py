@@ -19,6 +19,12 @@ from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 CHEAP_COMPILE = (
     "--xla_force_host_platform_device_count=8"
     " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    # The tests that compile for an H100 here (no GPU to autotune on) take XLA's default
+    # kernel configurations: newer XLA otherwise ranks every Triton GEMM's tilings with its
+    # cost model, half of such a compile (jax 0.12: tiny's fsdp step on h100:8, 16 -> 9 s;
+    # jax 0.10 does not, 6 s either way). Which kernels, collectives and buffers the step
+    # has is decided before that; only each GEMM's tile sizes can differ.
+    " --xla_gpu_autotune_level=0"
 )
 # XLA's older CPU backends (jax 0.10) also emit fusions through the elemental IR emitter
 # instead of the MLIR fusion emitters when asked: a tiny train step compiles in ~0.6x the time
