@@ -159,9 +159,10 @@ def hsdp_pair(tmp_path_factory) -> list[float]:
     return train_losses(workdir)
 
 
-# Over 60 s on CI each (~75 s): two train_main processes over gloo, then the one-process run.
-# Their subject is JAX's multi-process runtime, which only separate processes exercise; the
-# hsdp pair is made once and also serves the Slurm test.
+# Among the slowest on CI (fsdp_ep 45 s on the floor leg, 50 s on the newest, 2026-11-27): two
+# train_main processes over gloo, then the one-process run. Their subject is JAX's multi-process
+# runtime, which only separate processes exercise; the hsdp pair is made once and also serves the
+# Slurm test.
 @pytest.mark.parametrize("strategy", ["hsdp", "fsdp_ep"])
 def test_two_processes_equal_one(tmp_path, strategy, request):
     if strategy == "hsdp":
@@ -186,7 +187,7 @@ def test_slurm_variables_form_the_run(tmp_path, hsdp_pair):
     np.testing.assert_array_equal(train_losses(str(tmp_path / "slurm")), hsdp_pair)
 
 
-# Over 60 s on CI (~60 s): an uninterrupted one-process run, two processes that save, and
+# 27-34 s on CI (2026-11-27): an uninterrupted one-process run, two processes that save, and
 # one process that resumes; a checkpoint crossing process counts needs those processes.
 def test_a_run_moves_between_one_and_two_processes(tmp_path, capsys):
     saving = {"checkpoint.enabled": True, "checkpoint.every": 3, "checkpoint.keep": 3}

@@ -30,7 +30,8 @@ def _compile_all(topology):
     return plans, cfg
 
 
-# Each fixture is over 60 s on CI (60-85 s): the tiny step compiled for a real 8-chip target
+# Each fixture is the slowest of its leg after the process tests (the GPU one 32 s on the
+# floor leg, 48 s on the newest, 2026-11-27): the tiny step compiled for a real 8-chip target
 # under every strategy in NAMES, by libtpu / the CUDA plugin. Every test of the module reads
 # those plans (collectives, memory, kernels per strategy); each compile is needed once.
 @pytest.fixture(scope="module")

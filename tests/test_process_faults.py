@@ -277,10 +277,10 @@ def _preempt(workdir: str, name: str, after: int, targets: tuple[int, ...]) -> d
     return dict(out=launch.out(0), saved=steps, logged=logged_steps(workdir))
 
 
-# Over 60 s on CI (~130 s): four two-process runs of train_main (a reference, a kill, and
-# two preemptions that each resume the last), each paying two process starts and a gloo
-# rendezvous. The processes are the subject (what one sees when its peer dies or is
-# signalled), so none runs in-process; the tests below only read this one chain.
+# Over 60 s on CI (75 s on the floor leg, 84 s on the newest, 2026-11-27): four two-process runs of
+# train_main (a reference, a kill, and two preemptions that each resume the last), each paying two
+# process starts and a gloo rendezvous. The processes are the subject (what one sees when its peer
+# dies or is signalled), so none runs in-process; the tests below only read this one chain.
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     base = tmp_path_factory.mktemp("process_faults")
