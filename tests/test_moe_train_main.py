@@ -56,15 +56,17 @@ def test_qwen3_moe_trains_under_fsdp_ep(moe_run):
         assert len(load) == 8 and abs(sum(load) - 1.0) < 1e-3, load  # shares of assignments
         # E * sum(f * p) >= 1 when f and p agree; a broken router would give 0 or NaN.
         assert 0.5 < record["aux_loss"] < 8.0, record["aux_loss"]
-        # Dropless (CPU's padded exchange at capacity factor 0). The busiest expert's share over
-        # the mean lies in [1, E]; its ends mean a metric stuck at perfect balance (1) or a
-        # router sending every token to one expert (E = 8), neither of which a live router
-        # on 512 tokens a step gives.
-        assert record["moe_dropped"] == 0.0
-        assert 1.0 < record["moe_load_spread"] < 8.0, record["moe_load_spread"]
-        # The spread is the worst layer's busiest share x E; the shares are the layers' mean,
-        # so their busiest x E cannot exceed it (5-decimal rounding of the shares aside).
-        assert record["moe_load_spread"] >= 8 * max(load) - 1e-3, (record, load)
+        assert record["moe_dropped"] == 0.0  # dropless (CPU's padded exchange, factor 0)
+        # The spread is the worst layer's busiest share x E; the logged shares are the mean
+        # of the L = 2 layers', so an expert's share in one layer is at least its mean share
+        # (for the busiest one) and at most L x it: the spread lies between E x and L x E x
+        # the busiest logged share (5-decimal rounding of the shares aside). A spread taken
+        # from anything else than this step's router load falls outside.
+        spread, busiest = record["moe_load_spread"], max(load)
+        assert 8 * busiest - 1e-3 <= spread <= 2 * 8 * busiest + 1e-3, (spread, load)
+    # A live metric: the router's balance moves as it trains (a constant, such as perfect
+    # balance at 1, would pass the bounds above for a constant load).
+    assert len({round(r["moe_load_spread"], 4) for r in records}) > 1, records
     with open(os.path.join(workdir, "run_info.json")) as f:
         assert json.load(f)["strategy"] == "fsdp_ep"
 
@@ -95,7 +97,12 @@ def test_plan_reports_the_router_load_the_run_measured(moe_run):
         np.mean([r["moe_load_spread"] for r in last]), abs=1e-4
     )
     assert plan["load_spread_shard"] == pytest.approx(shards.max() * 4 / shards.sum(), abs=1e-4)
-    assert 1.0 <= plan["load_spread_shard"] <= plan["load_spread_expert"] + 1e-4
+    # The shard spread follows the plan's mesh: one expert per shard on expert:8, the busiest
+    # expert's mean share x 8 (where 2 experts per shard above averaged the busiest with its
+    # neighbour).
+    single = _plan(mesh_shape="data:1,expert:8", moe_load_from=workdir)
+    assert single["load_spread_shard"] == pytest.approx(share.max() * 8 / share.sum(), abs=1e-4)
+    assert single["load_spread_expert"] == plan["load_spread_expert"]
 
 
 def test_moe_load_from_refuses_what_it_cannot_use(tmp_path, moe_run):
