@@ -72,6 +72,8 @@ class _Tokenize:
         if is_long_text(doc):  # the chunker tokenizes it in pieces (data/chunking.py)
             return doc
         if isinstance(doc, str):
+            if not doc:  # an empty text (a streamed source reads it so): no document
+                return np.zeros(0, np.int32)
             encode_np = getattr(tok, "encode_np", None)
             ids = encode_np(doc) if encode_np else np.asarray(tok.encode(doc), dtype=np.int32)
         else:

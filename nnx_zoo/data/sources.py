@@ -13,14 +13,19 @@ Sources:
     .arrayrecord / .array_record
               already tokenized: one record per document, its token ids as little-endian int32
               bytes (`np.asarray(ids, '<i4').tobytes()`), without EOS. `write_token_documents`
-              writes this format. Read lazily, so corpora larger than memory work; the text
-              formats are read into memory.
+              writes this format.
+  Every kind is read lazily, a document when it is asked for, so corpora larger than memory
+  work: the text formats through an index of where each document lies, built in one streaming
+  pass per file and cached (nnx_zoo/data/text_index.py, nnx_zoo/data/text_source.py). An empty
+  text reads as '' and becomes no tokens (the pipeline skips it).
   A path that does not exist, or a glob matching nothing, raises FileNotFoundError naming it; a
   file that cannot be read as its kind raises ValueError naming the file (and the line, for
-  text: bytes that are not UTF-8, a JSONL line that is not an object with the text field).
+  text: bytes that are not UTF-8 at start; a JSONL line that is not an object with the text
+  field when it is read, the first line of each file at start).
 
 Split: each document has a key (its file path relative to the stdlib, `name:index` for user
-files, its record index for ArrayRecord); a hash of the key puts `validation_fraction` of the
+files -- index counting the file's non-blank lines or paragraphs, so the split needs no text
+read --, its record index for ArrayRecord); a hash of the key puts `validation_fraction` of the
 documents in 'validation' and the rest in 'train', the same on every machine. 'all' keeps every
 document (for a file that is itself held-out data).
 """
@@ -34,11 +39,13 @@ import re
 import sysconfig
 import zlib
 from collections.abc import Iterable, Sequence
+from functools import partial
 
 import grain
 import numpy as np
 
-from nnx_zoo.runtime.console import one_line
+from nnx_zoo.data import text_index
+from nnx_zoo.data.text_source import TextDocuments
 
 DEFAULT_SOURCE = "default"
 DEFAULT_MAX_BYTES = 16 * 2**20  # ~12 MB of stdlib code today; reads in well under a second
@@ -126,48 +133,18 @@ def jsonl_records(path: str):
                 ) from None
 
 
-def _read_jsonl(path: str, text_field: str) -> list[str]:
-    texts = []
-    for line_no, record in jsonl_records(path):
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            got = (
-                f"an object without a string {text_field!r}"
-                if isinstance(record, dict)
-                else json.dumps(record)[:40]
-            )
-            raise ValueError(
-                f"{path}:{line_no}: expected a JSON object with a string field "
-                f"{text_field!r} (data.text_field), got {got}"
-            )
-        if record[text_field]:  # an empty text is no document (it has no next token)
-            texts.append(record[text_field])
-    return texts
-
-
-def _read_text_file(path: str, text_field: str) -> list[str]:
-    if path.endswith(".txt"):
-        with open(path, "rb") as f:
-            text = _decode(f.read(), path)
-        return [p.strip("\n") for p in _PARAGRAPH_BREAK.split(text) if p.strip()]
-    if path.endswith(".jsonl"):
-        return _read_jsonl(path, text_field)
+def _check_text_column(path: str, schema, text_field: str) -> None:
+    """A Parquet file's text column must exist and hold strings (checked at start)."""
     import pyarrow
-    import pyarrow.parquet as pq
 
-    try:
-        schema = pq.read_schema(path)
-        if text_field not in schema.names:
-            raise ValueError(f"{path}: no column {text_field!r} (columns: {schema.names})")
-        kind = schema.field(text_field).type
-        if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
-            raise ValueError(
-                f"{path}: column {text_field!r} holds {kind}, not strings; data.text_field "
-                f"must name a text column (columns: {schema.names})"
-            )
-        column = pq.read_table(path, columns=[text_field])[text_field].to_pylist()
-    except pyarrow.ArrowException as e:
-        raise ValueError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
-    return [t for t in column if t]
+    if text_field not in schema.names:
+        raise ValueError(f"{path}: no column {text_field!r} (columns: {schema.names})")
+    kind = schema.field(text_field).type
+    if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
+        raise ValueError(
+            f"{path}: column {text_field!r} holds {kind}, not strings; data.text_field "
+            f"must name a text column (columns: {schema.names})"
+        )
 
 
 def _in_validation(key: str, fraction: float) -> bool:
@@ -198,35 +175,76 @@ def load_documents(
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if source == DEFAULT_SOURCE:
-        keyed = stdlib_documents()
-    else:
-        files = _expand(source)
-        token_files = [p for p in files if p.endswith(_TOKEN_SUFFIXES)]
-        for path in files:
-            if not path.endswith(_TEXT_SUFFIXES + _TOKEN_SUFFIXES):
-                raise ValueError(
-                    f"unsupported data file {path!r}: expected .txt, .jsonl, .parquet or "
-                    ".arrayrecord"
-                )
-        if token_files:
-            if len(token_files) != len(files):
-                raise ValueError(f"data source {source!r} mixes ArrayRecord and text files")
-            return _token_documents(source, token_files, split, validation_fraction)
-        keyed = [
-            (f"{os.path.basename(path)}:{i}", text)
-            for path in files
-            for i, text in enumerate(_read_text_file(path, text_field))
-        ]
-    if not keyed:
-        raise ValueError(
-            f"data source {source!r} holds no documents: every text is empty "
-            f"(data.text_field={text_field!r} names the text)"
-        )
+        return _default_documents(split, validation_fraction)
+    files = _expand(source)
+    token_files = [p for p in files if p.endswith(_TOKEN_SUFFIXES)]
+    for path in files:
+        if not path.endswith(_TEXT_SUFFIXES + _TOKEN_SUFFIXES):
+            raise ValueError(
+                f"unsupported data file {path!r}: expected .txt, .jsonl, .parquet or .arrayrecord"
+            )
+    if token_files:
+        if len(token_files) != len(files):
+            raise ValueError(f"data source {source!r} mixes ArrayRecord and text files")
+        return _token_documents(source, token_files, split, validation_fraction)
+    return _text_documents(source, files, split, text_field, validation_fraction)
+
+
+def _default_documents(split: str, validation_fraction: float) -> grain.MapDataset:
+    """The standard library's files, in memory (16 MB at most)."""
+    keyed = stdlib_documents()
     in_val = _both_sides([_in_validation(k, validation_fraction) for k, _ in keyed])
     texts = [text for (_, text), keep in zip(keyed, _keep(in_val, split), strict=True) if keep]
     if not texts:
-        raise ValueError(_no_documents(source, split, len(keyed), validation_fraction))
+        raise ValueError(_no_documents(DEFAULT_SOURCE, split, len(keyed), validation_fraction))
     return grain.MapDataset.source(texts)
+
+
+def _text_documents(source, files, split, text_field, validation_fraction) -> grain.MapDataset:
+    """The documents of text files, read when asked for (nnx_zoo/data/text_source.py)."""
+    indexes = [
+        text_index.index_file(p, text_field, partial(_check_text_column, text_field=text_field))
+        for p in files
+    ]
+    buckets = np.concatenate([ix.buckets for ix in indexes])
+    every = _no_text_error(source, text_field)
+    if not len(buckets):
+        raise every
+    for f, ix in enumerate(indexes):  # a wrong data.text_field shows on the first line
+        if ix.kind == "jsonl" and len(ix):
+            first = sum(len(x) for x in indexes[:f])
+            TextDocuments(indexes, np.array([first]), text_field)[0]
+    in_val = _both_sides(buckets < validation_fraction * 10_000)
+    ids = np.flatnonzero(_keep(in_val, split))
+    if not len(ids):
+        raise ValueError(_no_documents(source, split, len(buckets), validation_fraction))
+    docs = TextDocuments(indexes, ids, text_field)
+    if not _any_text(docs):  # empty texts read as '' (no document); not one text in the split
+        if split == "all" or not _any_text(
+            TextDocuments(indexes, np.arange(len(buckets)), text_field)
+        ):
+            raise every
+        if split == "validation":
+            raise NoValidationSplitError(
+                f"data source {source!r} has no text in split 'validation': its "
+                f"{len(ids)} documents there are empty"
+            )
+        raise ValueError(
+            f"data source {source!r} has no text in split {split!r}: every text there is empty"
+        )
+    return grain.MapDataset.source(docs)
+
+
+def _no_text_error(source: str, text_field: str) -> ValueError:
+    return ValueError(
+        f"data source {source!r} holds no documents: every text is empty "
+        f"(data.text_field={text_field!r} names the text)"
+    )
+
+
+def _any_text(docs) -> bool:
+    """Whether any document is not empty: reads until one is (the first, but for odd data)."""
+    return any(docs[i] for i in range(len(docs)))
 
 
 def _both_sides(in_validation) -> np.ndarray:
