@@ -266,7 +266,8 @@ _CHILD = textwrap.dedent(
             line = next(l for l in f if l.startswith("VmData:"))
         return int(line.split()[1]) * 1024
 
-    resource.setrlimit(resource.RLIMIT_DATA, (data_bytes() + int(sys.argv[2]), resource.RLIM_INFINITY))
+    cap = data_bytes() + int(sys.argv[2])
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))
     if sys.argv[3] == "whole":  # what the in-memory reader did first
         open(sys.argv[1], "rb").read()
     docs = load_documents(sys.argv[1], "train")

@@ -58,7 +58,7 @@ def from_run_info(
     """Settings from the run's record (or the HF defaults when `run_info` is None); each of
     `overrides` (strategy, tokenizer, seq_len, batch_size, eval_batches, loss_chunk_size) that
     is not None replaces the recorded value. `data` evaluates all of that source instead of
-    the run's validation split."""
+    the run's validation split (its `data.validation_source` whole, when it had one)."""
     if run_info is not None:
         run = run_config(run_info)
         d = run.data
@@ -100,11 +100,13 @@ def from_run_info(
             f"--loss_chunk_size={base['loss_chunk_size']} must be >= 0 (0: full logits)"
         )
     source = base.pop("source")
+    # The run's own held-out source (data.validation_source) is validated on whole.
+    held_out = run_info is not None and run.data.validation_source
     return EvalSettings(
         mesh_shape=mesh_shape,
         attention_impl=attention_impl,
-        source=data or source,
-        split="all" if data else "validation",
+        source=data or held_out or source,
+        split="all" if data or held_out else "validation",
         data_format=data_format,
         **base,
     )

@@ -44,16 +44,31 @@ def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
         chat_overflow=d.chat_overflow,
     )
     notes = []
+    # A separate held-out source is validated on whole, and the training source is all trained.
+    train_split, val_source, val_split = "train", d.source, "validation"
+    if d.validation_source:
+        train_split, val_source, val_split = "all", d.validation_source, "all"
     train_iter = data.make_dataset(
-        d.source, "train", num_workers=d.num_workers, notes=notes, **common
+        d.source,
+        train_split,
+        num_workers=d.num_workers,
+        notes=notes,
+        shuffle=True,  # also for split 'all', which alone would make one pass in order
+        repeat=True,
+        **common,
     )
     try:
         val_dataset = data.build_dataset(
-            d.source, "validation", num_batches=run.training.eval_batches, notes=notes, **common
+            val_source, val_split, num_batches=run.training.eval_batches, notes=notes, **common
         )
     except data.NoValidationSplitError as e:  # one document: train on it, validate nothing
         val_dataset = None
         notes.append(f"{e}; val_loss is not computed")
+    except BaseException as e:  # a held-out source that cannot serve: no worker outlives it
+        train_iter.close()
+        if d.validation_source and isinstance(e, FileNotFoundError | ValueError):
+            raise type(e)(f"data.validation_source: {e}") from None
+        raise
     return RunData(
         tokenizer=tokenizer,
         train_iter=train_iter,

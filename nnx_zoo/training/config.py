@@ -154,6 +154,10 @@ class DataSection:
     num_workers: int = 0  # Grain worker processes for reading/tokenizing (0: in-process)
     shuffle_seed: int = 0  # seeds document shuffling and packing order
     validation_fraction: float = 0.02  # share of documents held out for validation loss
+    # A separate held-out source (text path/dir/glob, or pre-tokenized ArrayRecord), validated
+    # on whole; the training source is then not split (all of it trains, and
+    # validation_fraction is unused). '': validate on the hashed validation_fraction of source.
+    validation_source: str = ""
     # text: documents, loss on every token | chat: JSONL/Parquet records with `messages`
     # (role/content), rendered with the tokenizer dir's chat template, loss on the assistant
     # turns | prompt_completion: records with `prompt` and `completion`, loss on completions.
