@@ -53,6 +53,7 @@ PARAGRAPH_STRIP = b"\r\n"
 _SURE_TEXT = np.ones(256, dtype=bool)
 _SURE_TEXT[[ord(c) for c in " \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"]] = False
 _SURE_TEXT[0x80:] = False
+_ASCII_TEXT = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xff]")
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,18 @@ def _utf8_error(path: str, region: bytes, lines_before: int, error: UnicodeDecod
 
 
 def _not_blank(buf: bytes, starts: np.ndarray, ends: np.ndarray, strip: bytes) -> np.ndarray:
-    """For each piece buf[start:end]: does it hold a non-white-space character?"""
-    sure = _SURE_TEXT[np.frombuffer(buf, np.uint8)]
-    seen = np.zeros(len(buf) + 1, np.int32 if len(buf) < 2**31 else np.int64)
-    np.cumsum(sure, out=seen[1:])
-    keep = seen[ends] > seen[starts]
-    for j in np.flatnonzero(~keep):  # no ASCII text: blank, or text outside ASCII
-        keep[j] = bool(buf[starts[j] : ends[j]].strip(strip).decode("utf-8").strip())
+    """For each piece buf[start:end]: does it hold a non-white-space character? Most pieces
+    start with one (a JSONL line with '{'); the others are searched, and decoded when they
+    hold no ASCII text."""
+    arr = np.frombuffer(buf, np.uint8)
+    keep = np.zeros(len(starts), bool)
+    filled = ends > starts
+    keep[filled] = _SURE_TEXT[arr[starts[filled]]]
+    for j in np.flatnonzero(filled & ~keep):
+        start, end = int(starts[j]), int(ends[j])
+        keep[j] = _ASCII_TEXT.search(buf, start, end) is not None or bool(
+            buf[start:end].strip(strip).decode("utf-8").strip()
+        )
     return keep
 
 
