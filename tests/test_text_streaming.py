@@ -304,3 +304,21 @@ def test_a_corpus_larger_than_the_memory_cap_streams(tmp_path):
     # The cap is real: reading the file whole, as the in-memory reader did, fails under it.
     whole = child("whole")
     assert whole.returncode != 0 and "MemoryError" in whole.stderr, whole.stderr[-2000:]
+
+
+def test_empty_texts_make_no_tokens_in_the_batches(tmp_path):
+    """An empty text reads as '' and the pipeline packs nothing for it (not an EOS alone)."""
+    from test_data import _expected_chunks, _segments
+
+    from nnx_zoo import data
+    from nnx_zoo.data.tokenizers import ByteTokenizer
+
+    texts = [f"text {i} " * (i % 5 + 1) for i in range(30)]
+    lines = [json.dumps({"text": t}) for t in texts]
+    for at in (0, 7, 8, 21):
+        lines.insert(at, json.dumps({"text": ""}))
+    (tmp_path / "e.jsonl").write_text("\n".join(lines) + "\n")
+    batches = data.make_dataset(
+        str(tmp_path / "e.jsonl"), "all", ByteTokenizer(), 32, 4, process_index=0, process_count=1
+    )
+    assert sorted(_segments(batches)) == sorted(_expected_chunks(texts, ByteTokenizer(), 32))
