@@ -26,6 +26,12 @@ import numpy as np
 from nnx_zoo.data.text_index import PARAGRAPH_STRIP, FileIndex, line_of
 
 PARQUET_CACHED_GROUPS = 2
+# Grain reads hundreds of documents ahead, and a source that repeats asks for the same one
+# again and again: each read of a large text would be a copy of its own (a 50 MB line, read
+# ahead by every read thread, took gigabytes). Texts of this many bytes or more are kept, up
+# to LARGE_CACHE_BYTES in all, so a repeated read hands back the same string.
+LARGE_TEXT_BYTES = 1 << 20
+LARGE_CACHE_BYTES = 256 << 20
 
 
 class TextDocuments:
@@ -55,17 +61,19 @@ class TextDocuments:
         self._open()
 
     def _open(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a large read opens its file under it
         self._fds: dict[int, int] = {}
         self._parquet: dict[int, object] = {}
         self._groups: collections.OrderedDict = collections.OrderedDict()
+        self._large: collections.OrderedDict = collections.OrderedDict()  # i -> (text, bytes)
+        self._large_bytes = 0
 
     def __getstate__(self):
         # File handles and cached row groups stay in the process that opened them.
         return {
             k: v
             for k, v in self.__dict__.items()
-            if k not in ("_lock", "_fds", "_parquet", "_groups")
+            if k not in ("_lock", "_fds", "_parquet", "_groups", "_large", "_large_bytes")
         }
 
     def __setstate__(self, state):
@@ -86,6 +94,20 @@ class TextDocuments:
         if self._kinds[f] == "parquet":
             return self._parquet_text(f, int(self._start[i]))
         start, end = int(self._start[i]), int(self._end[i])
+        if end - start < LARGE_TEXT_BYTES:
+            return self._read_text(f, start, end)
+        with self._lock:  # one read of a large text at a time, and its string shared
+            if i in self._large:
+                self._large.move_to_end(i)
+                return self._large[i][0]
+            text = self._read_text(f, start, end)
+            self._large[i] = (text, end - start)
+            self._large_bytes += end - start
+            while self._large_bytes > LARGE_CACHE_BYTES and len(self._large) > 1:
+                self._large_bytes -= self._large.popitem(last=False)[1][1]
+            return text
+
+    def _read_text(self, f: int, start: int, end: int) -> str:
         raw = os.pread(self._fd(f), end - start, start)
         if self._kinds[f] == "txt":
             return raw.strip(PARAGRAPH_STRIP).decode("utf-8")
