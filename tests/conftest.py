@@ -32,6 +32,9 @@ CHEAP_COMPILE = (
 # CPU-seconds. Later XLA has only the MLIR emitters and aborts on the unknown flag, so it is
 # added only where a CPU client starts with it.
 LEGACY_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+# The tests' data files live and die with their tmp_path: no index of them is cached in the
+# user's ~/.cache (nnx_zoo/data/text_index.py; tests/test_text_streaming.py sets its own).
+os.environ["ZOO_DATA_CACHE"] = "off"
 _DECIDED = "NNX_ZOO_TEST_XLA_FLAGS"
 
 
