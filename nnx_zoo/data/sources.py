@@ -15,6 +15,8 @@ Sources:
               bytes (`np.asarray(ids, '<i4').tobytes()`), without EOS. `write_token_documents`
               writes this format. Read lazily, so corpora larger than memory work; the text
               formats are read into memory.
+  a token store: a directory holding `index.json`, written by `zoo-data` (data/token_store.py):
+              documents by number, the tokenizer's identity checked by the pipeline.
   A path that does not exist, or a glob matching nothing, raises FileNotFoundError naming it; a
   file that cannot be read as its kind raises ValueError naming the file (and the line, for
   text: bytes that are not UTF-8, a JSONL line that is not an object with the text field).
@@ -38,6 +40,7 @@ from collections.abc import Iterable, Sequence
 import grain
 import numpy as np
 
+from nnx_zoo.data import token_store
 from nnx_zoo.runtime.console import one_line
 
 DEFAULT_SOURCE = "default"
@@ -199,6 +202,8 @@ def load_documents(
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if source == DEFAULT_SOURCE:
         keyed = stdlib_documents()
+    elif token_store.is_store(source):
+        return _store_documents(source, split, validation_fraction)
     else:
         files = _expand(source)
         token_files = [p for p in files if p.endswith(_TOKEN_SUFFIXES)]
@@ -279,6 +284,30 @@ def _token_documents(source, files, split, validation_fraction) -> grain.MapData
     if not len(kept):
         raise ValueError(_no_documents(source, split, len(index), validation_fraction))
     return grain.MapDataset.source(kept.tolist()).map(_ReadRecord(data_source))
+
+
+class _ReadStoreDocument:
+    """Document number -> its int32 ids (a class so it pickles to workers)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __call__(self, number: int) -> np.ndarray:
+        return self.store.read([number])[0][0]
+
+
+def _store_documents(source, split, validation_fraction) -> grain.MapDataset:
+    store = token_store.TokenStore(source)
+    if store.with_mask:
+        raise ValueError(
+            f"data.source={source!r} holds {store.index['data_format']} records; set "
+            f"--config.data.format={store.index['data_format']}"
+        )
+    index = np.arange(len(store), dtype=np.int64)
+    kept = index[_keep(_both_sides(_index_in_validation(index, validation_fraction)), split)]
+    if not len(kept):
+        raise ValueError(_no_documents(source, split, len(index), validation_fraction))
+    return grain.MapDataset.source(kept.tolist()).map(_ReadStoreDocument(store))
 
 
 def write_token_documents(path: str, documents: Iterable[Sequence[int]]) -> None:
