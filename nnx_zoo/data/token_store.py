@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 
 import numpy as np
 
@@ -201,20 +202,28 @@ class TokenStore:
             raise ValueError(f"{self.path}: the shards' lengths do not match index.json")
         self.shard_starts = np.concatenate([[0], np.cumsum(counts)])  # first document of each
         self._readers: dict[int, object] = {}
+        self._opening = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getstate__(self):
-        return {**self.__dict__, "_readers": {}}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_opening")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _readers={}, _opening=threading.Lock())
 
     def _reader(self, shard: int):
         reader = self._readers.get(shard)
         if reader is None:
-            from array_record.python.array_record_module import ArrayRecordReader
+            # Grain's read threads ask at once; each shard's chunk index is read once.
+            with self._opening:
+                reader = self._readers.get(shard)
+                if reader is None:
+                    from array_record.python.array_record_module import ArrayRecordReader
 
-            file = os.path.join(self.path, self.index["shards"][shard]["file"])
-            reader = self._readers[shard] = ArrayRecordReader(file, _READ_OPTIONS)
+                    file = os.path.join(self.path, self.index["shards"][shard]["file"])
+                    reader = self._readers[shard] = ArrayRecordReader(file, _READ_OPTIONS)
         return reader
 
     def read(self, documents) -> list[tuple[np.ndarray, np.ndarray | None]]:
