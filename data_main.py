@@ -55,11 +55,12 @@ def main(argv):
             cli.usage_error(f"--{flag.name} is required (--source=PATH --out=DIR)")
     from nnx_zoo.data.tokenize_corpus import Request, tokenize_corpus
 
+    workers = DATA.num_workers.value
     request = Request(
         source=DATA.source.value,
         tokenizer=DATA.tokenizer.value,
         out=os.path.expanduser(DATA.out.value),
-        num_workers=DATA.num_workers.value or os.cpu_count() or 1,
+        num_workers=(os.cpu_count() or 1) if workers is None else workers,
         data_format=DATA.format.value,
         text_field=DATA.text_field.value,
         overwrite=DATA.overwrite.value,

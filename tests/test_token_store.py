@@ -261,3 +261,14 @@ def test_train_main_reads_a_store_and_refuses_another_tokenizer(store, tmp_path)
         ]
     )
     _exit_2(result, f"data.source={store!r} was tokenized with 'byte' (vocab 257", bpe, "vocab 300")
+
+
+def test_zoo_data_flags(corpus, tmp_path):
+    result = _zoo_data(["--help"])
+    assert result.returncode == 0 and "--shard_bytes" in result.stdout
+    _exit_2(_zoo_data([f"--source={corpus}"]), "--out is required")
+    _exit_2(_zoo_data([f"--source={corpus}", f"--out={tmp_path}", "--format=csv"]), "--format")
+    _exit_2(
+        _zoo_data([f"--source={corpus}", f"--out={tmp_path / 'o'}", "--num_workers=0"]),
+        "--num_workers and --shard_bytes must be at least 1",
+    )
