@@ -39,7 +39,7 @@ def test_console_script_help_exits_0(script, capsys):
 
 
 @pytest.mark.parametrize(
-    "module", ["train_main", "eval_main", "plan_main", "explain_main", "export_main"]
+    "module", ["train_main", "eval_main", "plan_main", "explain_main", "export_main", "data_main"]
 )
 def test_entry_point_help_exits_0(module):
     result = _entry.run_main(module, ["--help"])

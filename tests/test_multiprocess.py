@@ -11,7 +11,8 @@ one slice: the default mesh puts `replica` across the processes and `data` insid
 `fsdp_ep` on the tiny Qwen3-MoE, whose 8 experts put every device on `expert`: the token
 all-to-all of every MoE layer crosses the processes. `fsdp_tp` runs the elastic chain: one
 process to step 3, two processes from its checkpoint to step 6, one process again to step 9,
-against one process from 1 to 9 (the global batches themselves: test_elastic_data.py).
+against one process from 1 to 9 (the global batches themselves: test_elastic_data.py). And one
+run reads a zoo-data token store, where each process reads only its own rows (data/rows.py).
 """
 
 from __future__ import annotations
@@ -209,3 +210,22 @@ def test_a_run_moves_between_one_and_two_processes(tmp_path, capsys):
     assert len(moved) == 9
     np.testing.assert_allclose(moved, uninterrupted, rtol=RTOL)
     assert uninterrupted[3] - uninterrupted[-1] > 0.3  # steps 4-9 move: equality means something
+
+
+def test_two_processes_reading_a_token_store_equal_one(tmp_path):
+    """From a zoo-data store each process reads only its rows of each global batch
+    (nnx_zoo/data/rows.py); the losses are still the one-process run's."""
+    from nnx_zoo.data.tokenize_corpus import Request, tokenize_corpus
+
+    corpus = tmp_path / "corpus.jsonl"
+    with open(corpus, "w") as f:
+        for i in range(600):
+            f.write(json.dumps({"text": f"{i}: " + "lorem ipsum " * (i % 13 + 1)}) + "\n")
+    store = str(tmp_path / "store")
+    tokenize_corpus(Request(str(corpus), "byte", store, shard_bytes=20_000), log=lambda _: None)
+    run = {"data.source": store}
+    _two_processes(str(tmp_path / "two"), "fsdp_tp", run)
+    two_process = train_losses(str(tmp_path / "two"))
+    one_process = _one_process(str(tmp_path / "one"), "fsdp_tp", run)
+    np.testing.assert_allclose(two_process, one_process, rtol=RTOL)
+    assert one_process[0] - one_process[-1] > 0.5  # the losses move: equality means something

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
-from nnx_zoo.data import sources
+from nnx_zoo.data import sources, token_store
 from nnx_zoo.data.tokenizers import Tokenizer
 from nnx_zoo.runtime.console import one_line
 
@@ -385,10 +385,16 @@ def encode_records(
     dropped or cut is counted in one line appended to `notes`."""
     if overflow not in OVERFLOW:
         raise ValueError(f"data.chat_overflow={overflow!r}; valid: {', '.join(OVERFLOW)}")
-    keyed = _keyed_records(source, split, data_format, validation_fraction)
+    if token_store.is_store(source):  # encoded by zoo-data: read, not rendered again
+        encoded_records = _store_records(source, split, data_format, validation_fraction)
+    else:
+        encoded_records = [
+            (where, encode_record(record, tokenizer, template))
+            for where, record in _keyed_records(source, split, data_format, validation_fraction)
+        ]
+    keyed = encoded_records
     kept, too_long, cut, untrained, longest = [], 0, 0, 0, 0
-    for where, record in keyed:
-        encoded = encode_record(record, tokenizer, template)
+    for where, encoded in encoded_records:
         length = len(encoded["tokens"])
         if length > seq_len:
             longest = max(longest, length)
@@ -438,6 +444,25 @@ def encode_records(
     if counts and notes is not None:
         notes.append(f"{where}: {'; '.join(counts)}")
     return grain.MapDataset.source(kept)
+
+
+def _store_records(source, split, data_format, validation_fraction) -> list[tuple[str, dict]]:
+    """(where, {'tokens', 'loss_mask'}) of a chat / prompt_completion token store's split."""
+    store = token_store.TokenStore(source)
+    if store.index["data_format"] != data_format:
+        raise ValueError(
+            f"data.source={source!r} holds {store.index['data_format']} data; set "
+            f"--config.data.format={store.index['data_format']}"
+        )
+    number = np.arange(len(store), dtype=np.int64)
+    in_val = sources._both_sides(sources._index_in_validation(number, validation_fraction))
+    kept = number[sources._keep(in_val, split)]
+    if not len(kept):
+        raise ValueError(sources._no_documents(source, split, len(store), validation_fraction))
+    return [
+        (f"{source} record {int(n) + 1}", {"tokens": ids, "loss_mask": mask})
+        for n, (ids, mask) in zip(kept, store.read(kept), strict=True)
+    ]
 
 
 # ----------------------------------------------------------------------------- encoding

@@ -33,8 +33,14 @@ tokens_per_second). One process's rate, from bench/data_throughput.py on one cor
 with an 8k-id BPE tokenizer.json (0.66M with 2 workers), 3.3M reading the same ids
 pre-tokenized from ArrayRecord. The fastest run the README reports (llama3_1b on one H100)
 consumes 47k tokens/s, so one process serves ten such hosts even with BPE; past that,
-`num_workers` spreads tokenizing over a host's cores, and pre-tokenized ArrayRecord
-(`sources.write_token_documents`) takes tokenizing out of the run. `data_wait_time` in
+`num_workers` spreads tokenizing over a host's cores, and a pre-tokenized store (`zoo-data`,
+nnx_zoo/data/token_store.py) takes tokenizing out of the run.
+
+A text store as `source` takes another path (nnx_zoo/data/rows.py): concat-then-split rows read
+directly by number, each process reading only the rows of its share of each global batch; the
+batches have the same keys and the same independence of process and worker count, and the
+state is the batch index. A chat / prompt_completion store takes the pipeline below (its
+records are whole conversations, packed, never split). `data_wait_time` in
 metrics.jsonl shows when the stream falls behind.
 
 Each batch is a dict of int32 arrays [B, T]: `tokens`, `segment_ids` (1, 2, ... per document in
@@ -52,8 +58,10 @@ import grain
 import jax
 import numpy as np
 
+from nnx_zoo.data import token_store
 from nnx_zoo.data.chunking import ChunkDocuments, is_long_text
 from nnx_zoo.data.position import GlobalPosition
+from nnx_zoo.data.rows import store_batches
 from nnx_zoo.data.sources import DEFAULT_VALIDATION_FRACTION, load_documents
 from nnx_zoo.data.tokenizers import Tokenizer
 from nnx_zoo.runtime import absl_flags
@@ -238,6 +246,32 @@ def build_dataset(
         )
     shuffle = split == "train" if shuffle is None else shuffle
     repeat = split == "train" if repeat is None else repeat
+
+    if token_store.is_store(source):
+        index = token_store.read_index(source)
+        token_store.check_tokenizer(source, index, tokenizer)
+        if index["data_format"] != data_format:
+            raise ValueError(
+                f"data.source={source!r} holds {index['data_format']} data (zoo-data "
+                f"--format={index['data_format']}); set --config.data.format="
+                f"{index['data_format']}"
+            )
+        if data_format == "text":  # rows read directly, each process its own (data/rows.py)
+            return store_batches(
+                source,
+                split,
+                seq_len,
+                global_batch_size,
+                process_index=process_index,
+                process_count=process_count,
+                seed=seed,
+                shuffle=shuffle,
+                repeat=repeat,
+                num_batches=num_batches,
+                num_workers=num_workers,
+                validation_fraction=validation_fraction,
+            )
+        # chat records: never split into rows, so they take the document pipeline below
 
     if data_format == "text":
         docs = load_documents(

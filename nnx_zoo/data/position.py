@@ -82,6 +82,17 @@ def _reader_state(total: int, num_workers: int) -> dict[str, Any]:
     }
 
 
+def reader_documents(reader: dict[str, Any]) -> int:
+    """Elements a reading stage (a MapDataset read in order, in-process or by workers) has
+    handed on, from its Grain state; the token-store batches (data/rows.py) count batches so."""
+    return _reader_documents(reader)
+
+
+def reader_state(total: int, num_workers: int) -> dict[str, Any]:
+    """The Grain state of a reading stage with `num_workers` that has handed on `total`."""
+    return _reader_state(total, num_workers)
+
+
 def to_global(state: dict[str, Any]) -> dict[str, Any]:
     """The global form of a pipeline state (any worker count; already global is kept)."""
     state = copy.deepcopy(state)

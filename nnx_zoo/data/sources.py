@@ -18,6 +18,8 @@ Sources:
   work: the text formats through an index of where each document lies, built in one streaming
   pass per file and cached (nnx_zoo/data/text_index.py, nnx_zoo/data/text_source.py). An empty
   text reads as '' and becomes no tokens (the pipeline skips it).
+  a token store: a directory holding `index.json`, written by `zoo-data` (data/token_store.py):
+              documents by number, the tokenizer's identity checked by the pipeline.
   A path that does not exist, or a glob matching nothing, raises FileNotFoundError naming it; a
   file that cannot be read as its kind raises ValueError naming the file (and the line, for
   text: bytes that are not UTF-8 at start; a JSONL line that is not an object with the text
@@ -44,7 +46,7 @@ from functools import partial
 import grain
 import numpy as np
 
-from nnx_zoo.data import text_index
+from nnx_zoo.data import text_index, token_store
 from nnx_zoo.data.text_source import TextDocuments
 
 DEFAULT_SOURCE = "default"
@@ -176,6 +178,8 @@ def load_documents(
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if source == DEFAULT_SOURCE:
         return _default_documents(split, validation_fraction)
+    if token_store.is_store(source):
+        return _store_documents(source, split, validation_fraction)
     files = _expand(source)
     token_files = [p for p in files if p.endswith(_TOKEN_SUFFIXES)]
     for path in files:
@@ -297,6 +301,30 @@ def _token_documents(source, files, split, validation_fraction) -> grain.MapData
     if not len(kept):
         raise ValueError(_no_documents(source, split, len(index), validation_fraction))
     return grain.MapDataset.source(kept.tolist()).map(_ReadRecord(data_source))
+
+
+class _ReadStoreDocument:
+    """Document number -> its int32 ids (a class so it pickles to workers)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __call__(self, number: int) -> np.ndarray:
+        return self.store.read([number])[0][0]
+
+
+def _store_documents(source, split, validation_fraction) -> grain.MapDataset:
+    store = token_store.TokenStore(source)
+    if store.with_mask:
+        raise ValueError(
+            f"data.source={source!r} holds {store.index['data_format']} records; set "
+            f"--config.data.format={store.index['data_format']}"
+        )
+    index = np.arange(len(store), dtype=np.int64)
+    kept = index[_keep(_both_sides(_index_in_validation(index, validation_fraction)), split)]
+    if not len(kept):
+        raise ValueError(_no_documents(source, split, len(index), validation_fraction))
+    return grain.MapDataset.source(kept.tolist()).map(_ReadStoreDocument(store))
 
 
 def write_token_documents(path: str, documents: Iterable[Sequence[int]]) -> None:
