@@ -21,6 +21,8 @@ class RunData:
     # A fresh pass over the validation batches; None for a one-document source (no split).
     make_val_batches: Callable[[], Iterator[dict]] | None
     notes: list[str] = dataclasses.field(default_factory=list)  # printed when training starts
+    # data.mixture's source names, in the order of the batches' `source_ids`; () without one.
+    source_names: tuple[str, ...] = ()
 
     def close(self) -> None:
         # Worker processes (data.num_workers > 0) hold shared memory until closed.
@@ -44,12 +46,19 @@ def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
         chat_overflow=d.chat_overflow,
     )
     notes = []
-    train_iter = data.make_dataset(
-        d.source, "train", num_workers=d.num_workers, notes=notes, **common
-    )
+    components = d.mixture_components()
+    if components:
+        # Validation: the same weighted mix of the sources' validation splits (each read over
+        # and over until eval_batches batches are full), so val_loss weighs them as training does.
+        common["components"] = components
+        make, build = data.make_mixture, data.build_mixture
+    else:
+        common["source"] = d.source
+        make, build = data.make_dataset, data.build_dataset
+    train_iter = make(split="train", num_workers=d.num_workers, notes=notes, **common)
     try:
-        val_dataset = data.build_dataset(
-            d.source, "validation", num_batches=run.training.eval_batches, notes=notes, **common
+        val_dataset = build(
+            split="validation", num_batches=run.training.eval_batches, notes=notes, **common
         )
     except data.NoValidationSplitError as e:  # one document: train on it, validate nothing
         val_dataset = None
@@ -62,4 +71,5 @@ def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
         if val_dataset is None
         else lambda: (to_global(b, mesh, batch_spec) for b in val_dataset),
         notes=notes,
+        source_names=tuple(c.name for c in components),
     )
