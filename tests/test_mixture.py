@@ -350,6 +350,9 @@ def _run(workdir, mixture, steps):
         "logging.tensorboard": False,
         "logging.loss_curve": False,
         "checkpoint.every": 3,
+        # One schedule for both legs of the resumed run.
+        "optimizer.warmup_steps": 1,
+        "optimizer.decay_steps": 6,
     }
     return run_train_main([f"--workdir={workdir}", *cli_flags(flags)])
 
