@@ -4,7 +4,14 @@ validation split), tokenizers, and the Grain pipeline that packs documents into 
 Used by training, evaluation and the benches alike; imports nothing from them.
 """
 
+from nnx_zoo.data.mixture import build_mixture, make_mixture
 from nnx_zoo.data.pipeline import build_dataset, make_dataset
 from nnx_zoo.data.sources import NoValidationSplitError
 
-__all__ = ["NoValidationSplitError", "build_dataset", "make_dataset"]
+__all__ = [
+    "NoValidationSplitError",
+    "build_dataset",
+    "build_mixture",
+    "make_dataset",
+    "make_mixture",
+]

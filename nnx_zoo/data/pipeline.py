@@ -176,6 +176,85 @@ class _FixedBatches(grain.IterDataset):
         return _FixedBatchesIterator(self._parent.__iter__(), *self._args)
 
 
+def check_batch_split(global_batch_size: int, process_count: int) -> None:
+    if global_batch_size % process_count:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by the "
+            f"{process_count} processes"
+        )
+
+
+def packed_rows(
+    source: str,
+    split: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    seed: int,
+    *,
+    num_workers: int,
+    shuffle: bool,
+    repeat: bool,
+    num_packing_bins: int,
+    text_field: str = "text",
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+    shuffle_window: int = 1024,
+    data_format: str = "text",
+    chat_template=None,
+    chat_overflow: str = "drop",
+    notes: list[str] | None = None,
+) -> tuple[grain.IterDataset, tuple[str, ...]]:
+    """The packed rows of `source`/`split`, one at a time (the pipeline of the module
+    docstring up to packing): an IterDataset of dicts of int32 [seq_len] arrays, and their
+    keys. `build_dataset` batches them; a mixture (nnx_zoo/data/mixture.py) mixes several.
+    Its iterator's state converts to the global form with nnx_zoo/data/position.py."""
+    if data_format == "text":
+        docs = load_documents(
+            source, split, text_field=text_field, validation_fraction=validation_fraction
+        )
+        encode, keys = _Tokenize(tokenizer), ("tokens", "segment_ids", "positions")
+    else:
+        from nnx_zoo.data import chat
+
+        docs = chat.encode_records(
+            source,
+            split,
+            data_format,
+            validation_fraction,
+            tokenizer,
+            chat_template,
+            seq_len=seq_len,
+            overflow=chat_overflow,
+            notes=notes,
+        )
+        encode = _as_is  # encoded while building: each record fits a row, never split
+        keys = ("tokens", "segment_ids", "positions", "loss_mask")
+    if shuffle:
+        docs = docs.shuffle(seed=seed)
+    if repeat:
+        docs = docs.repeat(None)  # reseeds the shuffle every epoch
+    ds = docs.map(encode).to_iter_dataset()
+    if num_workers > 0:
+        # Grain reads absl flags as it starts the workers; outside an absl app (a bench, a
+        # notebook, a plain script) they are unparsed and it would raise.
+        absl_flags.mark_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+        # Worker outputs arrive in shared memory, freed when the array is dropped; the shuffle
+        # window and the packer keep chunks (views) for many steps, and at exit they would
+        # still hold it. A copy lets each segment go at once.
+        ds = ds.map(_copy)
+    ds = ChunkDocuments(ds, seq_len, tokenizer)
+    if shuffle and shuffle_window > 1:
+        ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
+    ds = grain.experimental.FirstFitPackIterDataset(
+        ds,
+        length_struct={k: seq_len for k in ("tokens", "loss_mask")[: len(keys) - 2]},
+        num_packing_bins=num_packing_bins,
+        seed=seed,
+        shuffle_bins=shuffle,
+    )
+    return ds.map(_rename_packed), keys
+
+
 def build_dataset(
     source: str,
     split: str,
@@ -239,11 +318,7 @@ def build_dataset(
     """
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
-    if global_batch_size % process_count:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is not divisible by the "
-            f"{process_count} processes"
-        )
+    check_batch_split(global_batch_size, process_count)
     shuffle = split == "train" if shuffle is None else shuffle
     repeat = split == "train" if repeat is None else repeat
 
@@ -273,52 +348,25 @@ def build_dataset(
             )
         # chat records: never split into rows, so they take the document pipeline below
 
-    if data_format == "text":
-        docs = load_documents(
-            source, split, text_field=text_field, validation_fraction=validation_fraction
-        )
-        encode, keys = _Tokenize(tokenizer), ("tokens", "segment_ids", "positions")
-    else:
-        from nnx_zoo.data import chat
-
-        docs = chat.encode_records(
-            source,
-            split,
-            data_format,
-            validation_fraction,
-            tokenizer,
-            chat_template,
-            seq_len=seq_len,
-            overflow=chat_overflow,
-            notes=notes,
-        )
-        encode = _as_is  # encoded while building: each record fits a row, never split
-        keys = ("tokens", "segment_ids", "positions", "loss_mask")
-    if shuffle:
-        docs = docs.shuffle(seed=seed)
-    if repeat:
-        docs = docs.repeat(None)  # reseeds the shuffle every epoch
-    ds = docs.map(encode).to_iter_dataset()
-    if num_workers > 0:
-        # Grain reads absl flags as it starts the workers; outside an absl app (a bench, a
-        # notebook, a plain script) they are unparsed and it would raise.
-        absl_flags.mark_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-        # Worker outputs arrive in shared memory, freed when the array is dropped; the shuffle
-        # window and the packer keep chunks (views) for many steps, and at exit they would
-        # still hold it. A copy lets each segment go at once.
-        ds = ds.map(_copy)
-    ds = ChunkDocuments(ds, seq_len, tokenizer)
-    if shuffle and shuffle_window > 1:
-        ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
-    ds = grain.experimental.FirstFitPackIterDataset(
-        ds,
-        length_struct={k: seq_len for k in ("tokens", "loss_mask")[: len(keys) - 2]},
+    ds, keys = packed_rows(
+        source,
+        split,
+        tokenizer,
+        seq_len,
+        seed,
+        num_workers=num_workers,
+        shuffle=shuffle,
+        repeat=repeat,
+        text_field=text_field,
+        validation_fraction=validation_fraction,
         num_packing_bins=num_packing_bins or max(global_batch_size, 16),
-        seed=seed,
-        shuffle_bins=shuffle,
+        shuffle_window=shuffle_window,
+        data_format=data_format,
+        chat_template=chat_template,
+        chat_overflow=chat_overflow,
+        notes=notes,
     )
-    ds = ds.map(_rename_packed).batch(global_batch_size, drop_remainder=repeat)
+    ds = ds.batch(global_batch_size, drop_remainder=repeat)
     if not repeat:
         ds = _FixedBatches(ds, global_batch_size, seq_len, num_batches, keys)
     elif num_batches is not None:

@@ -13,8 +13,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from nnx_zoo import data
+from nnx_zoo.data.mixture import SOURCE_IDS
 from nnx_zoo.evaluation.settings import EvalSettings
 from nnx_zoo.runtime.distributed import to_global
+from nnx_zoo.training.mixture_spec import parse_mixture
 from shardings.mesh import check_batch
 from shardings.specs import split_size
 from zoo.layers import pipeline
@@ -43,20 +45,22 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
         seq_len=settings.seq_len,
         residual_spec=model.sharding.block.residual,
     )
-    dataset = data.build_dataset(
-        settings.source,
-        settings.split,
-        tokenizer,
-        settings.seq_len,
-        rows,
+    common = dict(
+        tokenizer=tokenizer,
+        seq_len=settings.seq_len,
+        global_batch_size=rows,
         shuffle=False,
-        repeat=False,
         num_batches=settings.eval_batches,
         text_field=settings.text_field,
         validation_fraction=settings.validation_fraction,
         data_format=settings.data_format,
         chat_template=_chat_template(settings),
     )
+    if settings.mixture:  # the run's val_loss batches: its sources' splits mixed by weight
+        components = parse_mixture(settings.mixture)
+        dataset = data.build_mixture(components, settings.split, **common)
+    else:
+        dataset = data.build_dataset(settings.source, settings.split, repeat=False, **common)
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -76,6 +80,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     total_nll, total_tokens, total_bytes = 0.0, 0, 0
     with jax.set_mesh(mesh):
         for local in dataset:
+            local = {k: v for k, v in local.items() if k != SOURCE_IDS}
             short = padded_rows // jax.process_count() - local["tokens"].shape[0]
             if short > 0:
                 local = {
@@ -96,7 +101,9 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     if jax.process_count() > 1:
         total_bytes = int(np.sum(multihost_utils.process_allgather(np.int64(total_bytes))))
     if total_tokens == 0:
-        raise ValueError(f"no tokens to evaluate in {settings.source!r} ({settings.split})")
+        raise ValueError(
+            f"no tokens to evaluate in {settings.mixture or settings.source!r} ({settings.split})"
+        )
     loss = total_nll / total_tokens
     return {
         "loss": loss,

@@ -31,6 +31,9 @@ class EvalSettings:
     # text | chat | prompt_completion (nnx_zoo/data/chat.py): the run's; chat data counts answers
     # only.
     data_format: str = "text"
+    # The run's data.mixture ('' for none): then the validation batches are its sources'
+    # validation splits mixed by weight, as the run computed val_loss.
+    mixture: str = ""
 
 
 def _default_loss_chunk_size() -> int:
@@ -73,8 +76,9 @@ def from_run_info(
             eval_batches=run.training.eval_batches,
             loss_chunk_size=run.training.loss_chunk_size,
         )
-        data_format = d.format
+        data_format, mixture = d.format, d.mixture
     else:
+        mixture = ""
         data_format = "text"
         base = dict(
             strategy="fsdp_tp",
@@ -108,5 +112,6 @@ def from_run_info(
         source=data or held_out or source,
         split="all" if data or held_out else "validation",
         data_format=data_format,
+        mixture="" if data else mixture,
         **base,
     )

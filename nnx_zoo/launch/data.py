@@ -21,6 +21,8 @@ class RunData:
     # A fresh pass over the validation batches; None for a one-document source (no split).
     make_val_batches: Callable[[], Iterator[dict]] | None
     notes: list[str] = dataclasses.field(default_factory=list)  # printed when training starts
+    # data.mixture's source names, in the order of the batches' `source_ids`; () without one.
+    source_names: tuple[str, ...] = ()
 
     def close(self) -> None:
         # Worker processes (data.num_workers > 0) hold shared memory until closed.
@@ -44,23 +46,27 @@ def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
         chat_overflow=d.chat_overflow,
     )
     notes = []
-    # A separate held-out source is validated on whole, and the training source is all trained.
-    train_split, val_source, val_split = "train", d.source, "validation"
+    # A separate held-out source is validated on whole, and the training source(s) all trained.
+    train_split, val_split = "train", "validation"
     if d.validation_source:
-        train_split, val_source, val_split = "all", d.validation_source, "all"
-    train_iter = data.make_dataset(
-        d.source,
-        train_split,
-        num_workers=d.num_workers,
-        notes=notes,
-        shuffle=True,  # also for split 'all', which alone would make one pass in order
-        repeat=True,
-        **common,
-    )
+        train_split, val_split = "all", "all"
+    components = d.mixture_components()
+    train_common = dict(common, split=train_split, num_workers=d.num_workers, notes=notes)
+    if components:
+        train_iter = data.make_mixture(components=components, **train_common)
+    else:
+        # shuffle and repeat: also for split 'all', which alone would make one pass in order
+        train_iter = data.make_dataset(source=d.source, shuffle=True, repeat=True, **train_common)
+    val_common = dict(common, split=val_split, num_batches=run.training.eval_batches, notes=notes)
     try:
-        val_dataset = data.build_dataset(
-            val_source, val_split, num_batches=run.training.eval_batches, notes=notes, **common
-        )
+        if d.validation_source:
+            val_dataset = data.build_dataset(source=d.validation_source, **val_common)
+        elif components:
+            # The same weighted mix of the sources' validation splits (each read over and over
+            # until eval_batches batches are full), so val_loss weighs them as training does.
+            val_dataset = data.build_mixture(components=components, **val_common)
+        else:
+            val_dataset = data.build_dataset(source=d.source, **val_common)
     except data.NoValidationSplitError as e:  # one document: train on it, validate nothing
         val_dataset = None
         notes.append(f"{e}; val_loss is not computed")
@@ -77,4 +83,5 @@ def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
         if val_dataset is None
         else lambda: (to_global(b, mesh, batch_spec) for b in val_dataset),
         notes=notes,
+        source_names=tuple(c.name for c in components),
     )

@@ -11,6 +11,12 @@
   the run then starts that stream afresh from its beginning (with a warning), since the old
   position means nothing in a new stream. The number of processes and `num_workers` change
   neither the stream nor its saved position (nnx_zoo/data/position.py): they may differ freely.
+- A mixture's sources (`data.mixture`'s names and sources; a run of `data.source` alone is a
+  run without one). A resumed run must mix the same sources: `check_mixture` refuses another
+  set in one line naming the difference, since starting every source again would train on
+  their first rows twice without a word. Other weights are allowed: each source continues
+  where it was and the new weights apply from the resumed step on (nnx_zoo/data/mixture.py);
+  the note says so.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import dataclasses
 from nnx_zoo.checkpoint.restore import read_meta
 from nnx_zoo.checkpoint.steps import CorruptCheckpointError, checkpoint_dir, complete_steps
 from nnx_zoo.training.config import RunConfig
+from nnx_zoo.training.mixture_spec import describe_change
 
-# DataSection fields that define the document stream a saved iterator position refers to.
+# DataSection fields that define the document stream a saved iterator position refers to
+# (data.mixture: `check_mixture`).
 STREAM_FIELDS = (
     "format",
     "source",
@@ -71,3 +79,21 @@ def data_changes(run, saved) -> list[str]:
         for name in STREAM_FIELDS
         if getattr(saved.data, name) != getattr(run.data, name)
     ]
+
+
+def check_mixture(run, saved, step: int) -> str | None:
+    """The note for a mixture resumed with other weights (None when they are the same); a
+    ValueError naming the difference when its sources are not the checkpoint's."""
+    sources, weights = describe_change(saved.data.mixture, run.data.mixture)
+    if sources:
+        raise ValueError(
+            f"data.mixture differs from checkpoint step {step}'s in its sources ({sources}); a "
+            "workdir resumes the sources it saved: give them back (only weights may change), "
+            "or train the new mixture in a new --workdir"
+        )
+    if weights:
+        return (
+            f"data.mixture weights differ from checkpoint step {step}'s ({weights}): each "
+            f"source continues where it was, the new weights apply from step {step} on"
+        )
+    return None

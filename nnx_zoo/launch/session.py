@@ -118,6 +118,8 @@ def resume(session: TrainSession) -> int:
             # A newer checkpoint failed its checksums and was set aside: this one's record.
             found = resume_rules.saved_run(workdir, start)
         changes = resume_rules.data_changes(run, found[1]) if found is not None else []
+        note = resume_rules.check_mixture(run, found[1], start) if found is not None else None
+        session.notes += [note] if note and not changes else []
         if changes:
             warn(
                 f"the data differs from checkpoint step {start}'s ({'; '.join(changes)}): its "
@@ -216,6 +218,7 @@ def _loop_options(session: TrainSession) -> LoopOptions:
             parse_steps(run.logging.profile_steps), session.workdir, program=_program(built)
         ),
         on_phase=peers.note,
+        source_names=session.data.source_names,
     )
 
 

@@ -121,7 +121,6 @@ def to_global(local_batch: Mapping[str, np.ndarray], mesh, batch_spec: P) -> dic
     Process p's rows become the rows of the devices it owns, in device order: with the batch
     split over `data`, the global batch is the processes' local batches concatenated.
     """
-    sharding = NamedSharding(mesh, batch_spec)
     n = jax.process_count()
     if n > 1 and batch_spec[0] is None:
         # Each process hands over only its own block of the global batch's rows
@@ -130,5 +129,7 @@ def to_global(local_batch: Mapping[str, np.ndarray], mesh, batch_spec: P) -> dic
     out = {}
     for name, local in local_batch.items():
         global_shape = (local.shape[0] * n, *local.shape[1:])
+        # A per-row array ([B]: a mixture's source ids) takes the rows' split alone.
+        sharding = NamedSharding(mesh, P(*batch_spec[: local.ndim]))
         out[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
     return out

@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_zoo.training.mixture_spec import MixtureComponent, parse_mixture
 from zoo.layers.config import ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL, RUNTIME_FIELDS
 from zoo.layers.lora import LoraConfig
 from zoo.layers.pipeline_schedules import resolve_schedule
@@ -23,6 +24,7 @@ from zoo.registry import PRESET_DIMS
 SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora")
 DATA_FORMATS = ("text", "chat", "prompt_completion")  # nnx_zoo/data/chat.py's FORMATS
 CHAT_OVERFLOW = ("drop", "truncate_left", "error")  # nnx_zoo/data/chat.py's OVERFLOW
+DEFAULT_SOURCE = "default"  # nnx_zoo/data/sources.py's DEFAULT_SOURCE
 
 
 def _fail(section: str, field: str, value: Any, why: str) -> None:
@@ -166,6 +168,11 @@ class DataSection:
     # train without its prompt): drop it (counted in one line at start) | truncate_left (keep
     # its last seq_len tokens) | error (stop, naming it).
     chat_overflow: str = "drop"
+    # Several sources mixed by weight, 'name:source:weight,...' (e.g.
+    # 'code:/data/code:0.7,web:/data/web/*.jsonl:0.3'): each packed row comes from one
+    # source, each source's share of the rows is its weight (normalized); data.source then
+    # stays 'default'. '' reads data.source alone. docs/data.md#weighted-mixtures
+    mixture: str = ""
 
     def __post_init__(self):
         _finite("data", self)
@@ -180,6 +187,17 @@ class DataSection:
             _fail("data", "validation_fraction", self.validation_fraction, "must be in (0, 1)")
         if not self.source:
             _fail("data", "source", self.source, "'default' or a path / directory / glob")
+        if self.mixture_components() and self.source != DEFAULT_SOURCE:
+            _fail(
+                "data",
+                "source",
+                self.source,
+                "leave it at 'default' when data.mixture is set (the mixture names the sources)",
+            )
+
+    def mixture_components(self) -> tuple[MixtureComponent, ...]:
+        """data.mixture's (name, source, normalized weight) triples; () without a mixture."""
+        return parse_mixture(self.mixture)
 
 
 @dataclasses.dataclass(frozen=True)

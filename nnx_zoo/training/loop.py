@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -31,6 +32,24 @@ from jax.sharding import PartitionSpec as P
 from nnx_zoo.training.optim import accumulate_gradients
 
 Batch = Mapping[str, jax.Array]
+
+# A mixture's batches carry each row's source index [B] under this key
+# (nnx_zoo/data/mixture.py's SOURCE_IDS): the loop counts tokens per source from it, and the
+# steps never see it, so a mixture compiles the same step as a single source.
+SOURCE_IDS = "source_ids"
+
+
+def model_batch(batch: Batch) -> Batch:
+    """`batch` without the keys that are not the model's input (a mixture's source ids)."""
+    return {k: v for k, v in batch.items() if k != SOURCE_IDS} if SOURCE_IDS in batch else batch
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def tokens_per_source(segment_ids_BT, source_ids_B, num_sources: int):
+    """[num_sources] int32: the non-padding tokens of the batch that each source gave."""
+    tokens_B = jnp.sum(segment_ids_BT != 0, axis=1, dtype=jnp.int32)
+    of_source_BS = source_ids_B[:, None] == jnp.arange(num_sources, dtype=source_ids_B.dtype)
+    return jnp.sum(jnp.where(of_source_BS, tokens_B[:, None], 0), axis=0)
 
 
 class DivergedError(FloatingPointError):
@@ -179,7 +198,7 @@ class Trainer:
         Separate from the first step so step timings (tokens/s, MFU) never include it.
         """
         start = time.perf_counter()
-        self.compiled = self.lower(batch).compile()
+        self.compiled = self.lower(model_batch(batch)).compile()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
@@ -187,16 +206,17 @@ class Trainer:
         """The train (or eval) step lowered for the current state's and `batch`'s types; with
         abstract state (ShapeDtypeStructs on a target's mesh) this compiles for hardware not
         present."""
-        return (self._train_jit if train else self._eval_jit).lower(self.state, batch)
+        step = self._train_jit if train else self._eval_jit
+        return step.lower(self.state, model_batch(batch))
 
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimizer step; returns its metrics as (not yet fetched) device scalars."""
         step_fn = self.compiled or self._train_jit
-        self.state, metrics = step_fn(self.state, batch)
+        self.state, metrics = step_fn(self.state, model_batch(batch))
         return metrics
 
     def eval_step(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return self._eval_jit(self.state, batch)
+        return self._eval_jit(self.state, model_batch(batch))
 
     # -- the objects ----------------------------------------------------------------------
 
@@ -238,6 +258,9 @@ class LoopOptions:
     # Told what the loop does next ("during step 7", "while saving step 20"): what a process
     # whose peer was lost says it was doing (nnx_zoo/runtime/peers.py).
     on_phase: Callable[[str], None] | None = None
+    # data.mixture's source names, in the order of the batches' source ids: each training
+    # line gets `tokens/<name>`, the non-padding tokens of that source in the steps it covers.
+    source_names: tuple[str, ...] = ()
 
 
 def _fetch(metrics: dict[str, jax.Array]) -> dict:
@@ -265,6 +288,8 @@ class _Loop:
         # The step-time breakdown of each logged interval: seconds waiting for the next batch,
         # and seconds blocked saving a checkpoint (outside the timed interval, as validation).
         self.data_wait = self.checkpoint_wait = 0.0
+        # Per step of the interval being logged: [sources] device counts, fetched at the log.
+        self.source_tokens: list[jax.Array] = []
 
     def phase(self, text: str) -> None:
         if self.options.on_phase is not None:
@@ -288,6 +313,12 @@ class _Loop:
         profiler = self.options.profiler
         if profiler is not None:
             profiler.before(self.step + 1)
+        if self.options.source_names and SOURCE_IDS in batch:
+            self.source_tokens.append(
+                tokens_per_source(
+                    batch["segment_ids"], batch[SOURCE_IDS], len(self.options.source_names)
+                )
+            )
         self.metrics = self.trainer.train_step(batch)
         self.step += 1
         if profiler is not None:
@@ -327,6 +358,12 @@ class _Loop:
             record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
             record["moe_load_spread"] = float(fetched["moe_load_spread"])
             record["moe_dropped"] = float(fetched["moe_dropped"])
+        if self.source_tokens:
+            # int64 on the host: the interval's sum can pass int32's range on a large run.
+            counts = np.sum(np.asarray(jax.device_get(self.source_tokens), np.int64), axis=0)
+            for name, count in zip(o.source_names, counts, strict=True):
+                record[f"tokens/{name}"] = int(count)
+            self.source_tokens = []
         self.writer.write(self.step, record)
         self.data_wait = self.checkpoint_wait = 0.0
         self.records.append({"step": self.step, **record})

@@ -6,9 +6,10 @@ calls them unconditionally.
 Files under `workdir`:
   metrics.jsonl    one JSON object per line. Training lines carry `step` and whatever the loop
                    logs (at least `loss`, `learning_rate`, `grad_norm`, `tokens_per_second`,
-                   `mfu`); evaluation lines carry `step` and `val_loss`. Each line is flushed
-                   and fsync'ed as it is written. Non-finite floats are written as null (the
-                   file stays strict JSON).
+                   `mfu`; with data.mixture, `tokens/<name>` per source: its non-padding
+                   tokens since the previous training line); evaluation lines carry `step`
+                   and `val_loss`. Each line is flushed and fsync'ed as it is written.
+                   Non-finite floats are written as null (the file stays strict JSON).
   tensorboard/     event files: `train/<key>` and `eval/<key>` scalars (unless turned off).
   loss_curve.png   written by `finalize()`: train and validation loss against step (unless
                    turned off).
