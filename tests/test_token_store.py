@@ -117,7 +117,8 @@ def test_index_counts_equal_the_tokenizers_own_count(corpus, tmp_path):
     assert result.returncode == 0, result.stderr
     tokenizer = make_tokenizer(bpe)
     documents = list(sources.load_documents(f"{corpus}/*", "all"))  # what a run would read
-    want = [tokenizer.encode(text) for text in documents]
+    # An empty text is read as '' (its number keeps the split) and becomes no tokens.
+    want = [tokenizer.encode(text) for text in documents if text]
     with open(os.path.join(out, "index.json")) as f:
         index = json.load(f)
     assert index["documents"] == len(want) and index["tokens"] == sum(map(len, want))
@@ -193,7 +194,7 @@ def test_a_text_store_is_a_source_like_its_text(corpus, store):
     """load_documents reads the store's documents, split by the ArrayRecord hash; its
     records are the byte ids of the corpus's documents."""
     byte = ByteTokenizer()
-    want = [byte.encode(t) for t in sources.load_documents(corpus, "all")]
+    want = [byte.encode(t) for t in sources.load_documents(corpus, "all") if t]  # '' is none
     assert [d.tolist() for d in sources.load_documents(store, "all")] == want
     train = sources.load_documents(store, "train")
     validation = sources.load_documents(store, "validation")
