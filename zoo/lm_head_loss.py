@@ -16,7 +16,15 @@ for H100: 120 GB per step of memory-bound traffic in the head, against 30 GB her
   elementwise pass, without the max and sum reductions again;
 - both matmuls produce float32 (`preferred_element_type`), so the logits are not rounded
   to bf16 before the softmax, and the weight gradient accumulates across chunks in the
-  float32 carry, an addition XLA fuses into the GEMM (no separate pass over `[V, M]`).
+  float32 carry, an addition XLA fuses into the GEMM (no separate pass over `[V, M]`);
+- except where the weight is split on an axis the tokens are split on (FSDP's `M/data`):
+  there each chunk's weight gradient is a sum over devices, reduce-scattered into the
+  weight's shards, and its GEMM produces the compute dtype, as every other weight's
+  gradient under FSDP does, before the float32 sum over chunks. A float32 GEMM output
+  there costs a full float32 `[M, V]` per device: XLA adds the chunks' partial sums before
+  reducing them, and on TPU reduces them with an all-reduce of the whole head, where the
+  compute-dtype GEMM is fused with its reduce-scatter into a windowed loop that never
+  holds the unreduced `[M, V]` (docs/planning.md, "The LM head's gradient under FSDP").
 
 Exact under every layout: with the vocab split (`V/model`), the log-sum-exp's max and sum
 are reductions over a split dim, which XLA completes across the shards; the target logit is
@@ -316,6 +324,10 @@ def _chunks_nll_bwd(head: Head, unroll: bool, residuals, g_nBC):
     # Each gradient in its primal's layout (a weight split on M gets its reduce-scatter).
     w_spec = None if head.out_spec is None else _spec(weight)
 
+    # The dtype each chunk's weight gradient leaves its GEMM in (module docstring: float32,
+    # unless the gradient is reduce-scattered across devices, as under FSDP).
+    dw_dtype = weight_c.dtype if _gathered(head, x_nBCM, weight) else jnp.float32
+
     def chunk_grads(xs):
         x_BCM, targets_BC, lse_BC, g_BC = xs
         x_BCM = x_BCM.astype(weight_c.dtype)
@@ -324,9 +336,9 @@ def _chunks_nll_bwd(head: Head, unroll: bool, residuals, g_nBC):
         x_spec = None if head.out_spec is None else _spec(x_BCM)
         dx_BCM = jnp.einsum(dx_eq, dlogits_BCV, weight_c, out_sharding=x_spec)
         dw = jnp.einsum(
-            dw_eq, x_BCM, dlogits_BCV, out_sharding=w_spec, preferred_element_type=jnp.float32
+            dw_eq, x_BCM, dlogits_BCV, out_sharding=w_spec, preferred_element_type=dw_dtype
         )
-        return dx_BCM, dw
+        return dx_BCM, dw.astype(jnp.float32)
 
     def step(dw_acc, xs):
         dx_BCM, dw = chunk_grads(xs)
@@ -344,6 +356,16 @@ def _chunks_nll_bwd(head: Head, unroll: bool, residuals, g_nBC):
     else:
         dx_nBCM = dx_BCM[None]
     return dx_nBCM.astype(x_nBCM.dtype), dw.astype(weight.dtype), None
+
+
+def _gathered(head: Head, x_nBCM, weight) -> bool:
+    """Whether the weight is split on a mesh axis the tokens are split on (FSDP's `M/data`
+    with rows on `data`): each device then gathers it whole for its tokens' matmuls, and its
+    gradient, a sum over every device's tokens, is reduce-scattered into its shards."""
+    if head.out_spec is None:
+        return False
+    x_axes = {a for entry in _spec(x_nBCM) for a in axes_of(entry)}
+    return any(a in x_axes for entry in _spec(weight) for a in axes_of(entry))
 
 
 def _logits_grad(head: Head, raw_BCV, targets_BC, lse_BC, g_BC):
