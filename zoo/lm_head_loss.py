@@ -326,15 +326,25 @@ def _chunks_nll_bwd(head: Head, unroll: bool, residuals, g_nBC):
 
     # The dtype each chunk's weight gradient leaves its GEMM in (module docstring: float32,
     # unless the gradient is reduce-scattered across devices, as under FSDP).
-    dw_dtype = weight_c.dtype if _gathered(head, x_nBCM, weight) else jnp.float32
+    gathered = _gathered(head, x_nBCM, weight)
+    dw_dtype = weight_c.dtype if gathered else jnp.float32
 
     def chunk_grads(xs):
         x_BCM, targets_BC, lse_BC, g_BC = xs
-        x_BCM = x_BCM.astype(weight_c.dtype)
-        raw_BCV = _raw_logits(x_BCM, weight_c, head.tied, head.out_spec)
+        w_c = weight_c
+        if gathered:
+            # A weight gathered whole for the chunks' matmuls is gathered again per chunk
+            # here: the barrier (tying it to the chunk, as jax.checkpoint ties a rematerialised
+            # function's inputs) keeps XLA from reusing the forward pass's gathered copy,
+            # which it would otherwise hold from the forward pass through this one (remat's
+            # trade, memory for one more all-gather of the head; docs/planning.md).
+            weight_b, x_BCM = jax.lax.optimization_barrier((weight, x_BCM))
+            w_c = weight_b.astype(head.dtype)
+        x_BCM = x_BCM.astype(w_c.dtype)
+        raw_BCV = _raw_logits(x_BCM, w_c, head.tied, head.out_spec)
         dlogits_BCV = _logits_grad(head, raw_BCV, targets_BC, lse_BC, g_BC).astype(head.dtype)
         x_spec = None if head.out_spec is None else _spec(x_BCM)
-        dx_BCM = jnp.einsum(dx_eq, dlogits_BCV, weight_c, out_sharding=x_spec)
+        dx_BCM = jnp.einsum(dx_eq, dlogits_BCV, w_c, out_sharding=x_spec)
         dw = jnp.einsum(
             dw_eq, x_BCM, dlogits_BCV, out_sharding=w_spec, preferred_element_type=dw_dtype
         )
