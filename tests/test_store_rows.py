@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -283,7 +284,7 @@ def test_data_scale_zoo_data_part_at_a_small_size(tmp_path):
     )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-2000:]
-    row = next(line for line in out.splitlines() if line.startswith("| ") and " GB |" in line)
+    row = next(line for line in out.splitlines() if re.match(r"\| [\d.]+ GB \|", line))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[1] == "met" and cells[5].endswith("(equal)"), row
     assert cells[4] == cells[5].split()[0]  # the index's tokens, the tokenizer's count
