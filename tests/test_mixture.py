@@ -489,12 +489,16 @@ _WORKERS_SCRIPT = textwrap.dedent(
 )
 
 
-def test_worker_processes_change_neither_the_batches_nor_the_position(sources, tmp_path):
+@pytest.mark.parametrize("kind", ["text", "store_and_text"])
+def test_worker_processes_change_neither_the_batches_nor_the_position(
+    sources, stores, tmp_path, kind
+):
     from test_data import _run_script
 
+    paths = _kinds(sources, stores, kind)
     script = tmp_path / "workers.py"
     script.write_text(_WORKERS_SCRIPT)
-    proc = _run_script(script, f"a:{sources['a']}:0.7,b:{sources['b']}:0.3")
+    proc = _run_script(script, f"a:{paths['a']}:0.7,b:{paths['b']}:0.3")
     assert proc.returncode == 0 and "WORKERS_OK" in proc.stdout, proc.stderr[-3000:]
 
 
