@@ -51,6 +51,7 @@ def _train() -> int:
     # without them.
     from nnx_zoo.checkpoint import write_errors
     from nnx_zoo.checkpoint.workdir import expand, hold
+    from nnx_zoo.data import DataFileError
     from nnx_zoo.launch import session
     from nnx_zoo.runtime import console, distributed, peers
     from nnx_zoo.runtime.preemption import EXIT_PREEMPTED
@@ -108,6 +109,14 @@ def _train() -> int:
                 flush=True,
             )
             sys.exit(1)
+        except DataFileError as e:
+            # A streamed document read mid-run: the user's data, as at start (exit 2). What was
+            # saved and logged before it is complete (session.train closed the writers).
+            peers.leave()
+            cli.usage_error(
+                f"{e}; training stopped there"
+                f"{session.saved_note(workdir, run.checkpoint.enabled)()}"
+            )
         except Exception as e:  # noqa: BLE001 -- a save that could not be written: one line
             failure = write_errors.find(e)
             if failure is None:

@@ -1,7 +1,19 @@
-"""Bytes read and tokens/s per process when N processes read one token store (data/rows.py).
+"""The data goals of issue 46, measured: `--part=store` (the default), `zoo_data`,
+`text_memory`, or `all` of them.
 
-    python -m bench.data_scale [--store=DIR | --make_store=DIR] \
+    python -m bench.data_scale [--part=store] [--store=DIR | --make_store=DIR] \
         [--processes=1,2,4] [--batches=50] [--batch_size=16] [--seq_len=512]
+    python -m bench.data_scale --part=zoo_data [--gb=2] [--zoo_data_workers=2]
+    python -m bench.data_scale --part=text_memory [--gb=2] [--train_workers=0,2] [--steps=3]
+    python -m bench.data_scale --part=all [--gb=2]     # a store made in a temp dir
+
+`zoo_data` is bench/zoo_data_memory.py's measurement (zoo-data over a `--gb` GB JSONL with a
+BPE tokenizer.json: peak RSS of its process tree, tokens/s per worker, the index's counts
+against the tokenizer's own), `text_memory` bench/text_memory.py's (a tiny run straight from a
+`--gb` GB JSONL against the default source: peak RSS of the process tree and first step), both
+imported. The rest of this docstring is the `store` part:
+
+Bytes read and tokens/s per process when N processes read one token store (data/rows.py).
 
 For each N, N python processes (process p of N, no jax.distributed: a pure data bench) each
 build the training stream of the store and take the same `--batches` global batches (their
@@ -12,8 +24,9 @@ Goal: bytes read per process at N <= 1.3/N of the one-process run's. Then packin
 the share of documents split across rows and of padding, for the store's concat-then-split
 rows and for the document pipeline's first-fit packer on the same documents.
 
-`--make_store` writes a JSONL of `--documents` documents (lengths drawn from a log-normal,
-median about 150 bytes) and tokenizes it with zoo-data's library code (byte tokenizer).
+`--make_store` writes a JSONL of about one epoch of those batches' tokens (documents of
+log-normal lengths, median about 350 bytes) and tokenizes it with zoo-data's library code
+(byte tokenizer).
 Exit status 1 when a check or the goal fails.
 """
 
@@ -166,30 +179,14 @@ def _packing(args, scratch: str) -> list[tuple[str, float, float]]:
     ]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--store")
-    parser.add_argument("--make_store")
-    parser.add_argument("--processes", default="1,2,4")
-    parser.add_argument("--batches", type=int, default=50)
-    parser.add_argument("--batch_size", type=int, default=16)
-    parser.add_argument("--seq_len", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--process_index", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--process_count", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--save", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker(args)
-        return 0
+def _store_part(args) -> bool:
+    """Bytes read and tokens/s per process, batches checked; packing quality. Whether the
+    checks and the goal hold."""
     if args.make_store:
         # One epoch of the training split is about the batches read: the one-process run reads
         # the store once, and the fixed reads (index, lengths, chunk indices) count in full.
         tokens = int(args.batches * args.batch_size * args.seq_len * 1.05)
         args.store = make_store(args.make_store, tokens)
-    if not args.store:
-        parser.error("give --store=DIR or --make_store=DIR")
     from nnx_zoo.data.token_store import TokenStore
 
     counts = [int(n) for n in args.processes.split(",")]
@@ -226,6 +223,75 @@ def main(argv=None) -> int:
     )
     for name, split, padding in packing:
         print(f"| {name} | {split:.1%} | {padding:.1%} |")
+    return ok
+
+
+def _zoo_data_part(args) -> bool:
+    """zoo-data over a JSONL of --gb GB with a BPE tokenizer (bench/zoo_data_memory.py)."""
+    from bench import zoo_data_memory
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        result = zoo_data_memory.measure(
+            tmp, args.gb, args.zoo_data_workers, log=lambda line: print(line, flush=True)
+        )
+    text, ok = zoo_data_memory.report(result)
+    print(text, flush=True)
+    return ok
+
+
+def _text_memory_part(args) -> bool:
+    """A tiny run from a JSONL of --gb GB against the default source (bench/text_memory.py)."""
+    from bench import text_memory
+
+    workers = [int(w) for w in args.train_workers.split(",")]
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        rows = text_memory.measure(
+            tmp, args.gb, workers, args.steps, log=lambda line: print(line, flush=True)
+        )
+    text, ok = text_memory.report(rows)
+    print(f"tiny run ({args.steps} steps) from a {args.gb:g} GB JSONL vs the default source")
+    print(text, flush=True)
+    return ok
+
+
+PARTS = {"store": _store_part, "zoo_data": _zoo_data_part, "text_memory": _text_memory_part}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", default="store", choices=[*PARTS, "all"])
+    parser.add_argument("--store")
+    parser.add_argument("--make_store")
+    parser.add_argument("--processes", default="1,2,4")
+    parser.add_argument("--batches", type=int, default=50)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--seq_len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gb", type=float, default=2.0, help="the JSONL corpora's size, GB")
+    parser.add_argument("--zoo_data_workers", type=int, default=2)
+    parser.add_argument("--train_workers", default="0,2", help="data.num_workers of the runs")
+    parser.add_argument("--steps", type=int, default=3, help="steps of each tiny run")
+    parser.add_argument("--dir", default=None, help="where the corpora go (default: a temp dir)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--process_index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--process_count", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--save", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    parts = list(PARTS) if args.part == "all" else [args.part]
+    if args.part == "store" and not (args.store or args.make_store):
+        parser.error("give --store=DIR or --make_store=DIR")
+    ok = True
+    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+        if "store" in parts and not (args.store or args.make_store):
+            args.make_store = os.path.join(scratch, "store")
+        for i, part in enumerate(parts):
+            if i:
+                print()
+            print(f"== {part} ==", flush=True)
+            ok &= PARTS[part](args)
     return 0 if ok else 1
 
 

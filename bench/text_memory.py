@@ -10,7 +10,10 @@ the default source, for each `--num_workers`. While a run lasts its process tree
 and its descendants: Grain's worker processes) is polled in /proc and the RSS of its
 processes summed; the peak of that sum is the run's peak RSS. The first step's time is when
 the run's metrics.jsonl first holds a record, from the child's start. The index cache is off
-(`ZOO_DATA_CACHE=off`): every run scans the file, as a first run does.
+(`ZOO_DATA_CACHE=off`): every run scans the file, as a first run does. The table says, for
+each worker count, whether the JSONL run meets issue 46's goals against the default source's
+run (peak RSS within 1 GB, first step within 30 s); `python -m bench.data_scale
+--part=text_memory` runs the same measurement.
 """
 
 from __future__ import annotations
@@ -92,7 +95,12 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def run(source: str, num_workers: int, workdir: str) -> dict:
+def tree_rss(root: int) -> int:
+    """RSS in bytes summed over `root` and its descendants (a process tree's memory now)."""
+    return sum(_rss(p) for p in _tree(root))
+
+
+def run(source: str, num_workers: int, workdir: str, steps: int = 3) -> dict:
     args = [
         sys.executable,
         os.path.join(ROOT, "train_main.py"),
@@ -100,7 +108,7 @@ def run(source: str, num_workers: int, workdir: str) -> dict:
         f"--workdir={workdir}",
         f"--config.data.source={source}",
         f"--config.data.num_workers={num_workers}",
-        f"--config.training.steps={_STEPS.value}",
+        f"--config.training.steps={steps}",
         "--config.training.eval_every=0",
         "--config.training.eval_batches=1",
         "--config.optimizer.warmup_steps=0",
@@ -122,7 +130,7 @@ def run(source: str, num_workers: int, workdir: str) -> dict:
         child = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         peak, first_step = 0, None
         while child.poll() is None:
-            peak = max(peak, sum(_rss(p) for p in _tree(child.pid)))
+            peak = max(peak, tree_rss(child.pid))
             if first_step is None and os.path.exists(metrics) and os.path.getsize(metrics):
                 first_step = time.perf_counter() - start
             time.sleep(0.1)
@@ -136,29 +144,61 @@ def run(source: str, num_workers: int, workdir: str) -> dict:
     }
 
 
+def measure(directory: str, gb: float, num_workers=(0, 2), steps: int = 3, log=print) -> list:
+    """Write the corpus into `directory` and run from it and from the default source for
+    each worker count; a row per run: (source, workers, `run`'s figures)."""
+    corpus = os.path.join(directory, "corpus.jsonl")
+    t0 = time.perf_counter()
+    lines = write_corpus(corpus, int(gb * 2**30))
+    size = os.path.getsize(corpus)
+    seconds = time.perf_counter() - t0
+    log(f"corpus: {size / 2**30:.2f} GB, {lines:,} lines, written in {seconds:.0f} s")
+    rows = []
+    for workers in num_workers:
+        for name, source in (("default", "default"), (f"{size / 2**30:.2f} GB JSONL", corpus)):
+            r = run(source, workers, os.path.join(directory, f"run_{len(rows)}"), steps)
+            rows.append((name, workers, r))
+            log(f"  {name}, num_workers {workers}: {r}")
+    return rows
+
+
+def report(rows) -> tuple[str, bool]:
+    """The markdown table of `measure`'s rows with the goals (issue 46: peak RSS within 1 GB
+    of the default source's run, first step within 30 s of it, for each worker count), and
+    whether they are met."""
+    default = {workers: r for name, workers, r in rows if name == "default"}
+    lines = [
+        "| source | `num_workers` | peak RSS (process tree) | first step | run | "
+        "goal: RSS within 1 GB, first step within 30 s of the default's |",
+        "|---|---|---|---|---|---|",
+    ]
+    ok = True
+    for name, workers, r in rows:
+        goal = ""
+        if name != "default":
+            base = default[workers]
+            met = (
+                r["peak_gb"] - base["peak_gb"] <= 1.0
+                and r["first_step_s"] - base["first_step_s"] <= 30
+            )
+            ok &= met
+            goal = (
+                f"{r['peak_gb'] - base['peak_gb']:+.2f} GB, "
+                f"{r['first_step_s'] - base['first_step_s']:+.1f} s: "
+                f"{'met' if met else 'MISSED'}"
+            )
+        lines.append(
+            f"| {name} | {workers} | {r['peak_gb']:.2f} GB | {r['first_step_s']:.1f} s | "
+            f"{r['total_s']:.1f} s | {goal} |"
+        )
+    return "\n".join(lines), ok
+
+
 def main(argv):
     del argv
     with tempfile.TemporaryDirectory(dir=_DIR.value) as tmp:
-        corpus = os.path.join(tmp, "corpus.jsonl")
-        t0 = time.perf_counter()
-        lines = write_corpus(corpus, int(_GB.value * 2**30))
-        size = os.path.getsize(corpus)
-        print(
-            f"corpus: {size / 2**30:.2f} GB, {lines:,} lines, written in "
-            f"{time.perf_counter() - t0:.0f} s",
-            flush=True,
-        )
-        header = ("source", "num_workers", "peak RSS GB", "first step s", "run s")
-        print(" ".join(f"{h:>12}" for h in header), flush=True)
-        for workers in map(int, _NUM_WORKERS.value):
-            for name, source in (("default", "default"), ("jsonl", corpus)):
-                workdir = os.path.join(tmp, f"run_{name}_{workers}")
-                r = run(source, workers, workdir)
-                print(
-                    f"{name:>12} {workers:>12} {r['peak_gb']:>12.2f} {r['first_step_s']:>12.1f} "
-                    f"{r['total_s']:>12.1f}",
-                    flush=True,
-                )
+        rows = measure(tmp, _GB.value, [int(w) for w in _NUM_WORKERS.value], _STEPS.value)
+    print(report(rows)[0], flush=True)
 
 
 if __name__ == "__main__":

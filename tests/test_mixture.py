@@ -2,19 +2,23 @@
 one-line errors; each source's share of rows against its weight; whole rows from one source;
 identical batches after a resume at any step and on another process count; a weight change
 on resume (each source continues, the new shares from the resume on); random-access sources
-read by each process for its own rows only; the worker count (a subprocess); train_main's
+read by each process for its own rows only, token stores among them (a store and a text file,
+two stores); the worker count (a subprocess); train_main's
 `tokens/<name>` against the batches' own counts, its resume rules, and eval_main's val_loss.
 """
 
 import json
 import os
 import textwrap
+import types
 
 import grain
 import numpy as np
 import pytest
 from _train_helpers import SMALL_SHAPES, cli_flags, run_train_main
 
+from nnx_zoo.data import rows as store_rows_module
+from nnx_zoo.data import token_store
 from nnx_zoo.data.mixture import (
     SOURCE_IDS,
     Mixture,
@@ -24,6 +28,7 @@ from nnx_zoo.data.mixture import (
     rows_before,
     source_of_row,
 )
+from nnx_zoo.data.tokenize_corpus import Request, tokenize_corpus
 from nnx_zoo.data.tokenizers import ByteTokenizer
 from nnx_zoo.training import loop
 from nnx_zoo.training.config import DataSection
@@ -46,14 +51,35 @@ def sources(tmp_path_factory):
     return paths
 
 
+@pytest.fixture(scope="module")
+def stores(sources, tmp_path_factory):
+    """Each text source tokenized by zoo-data (bytes) into a store of 3 shards."""
+    folder = tmp_path_factory.mktemp("mixture_stores")
+    out = {}
+    for name, path in sources.items():
+        out[name] = str(folder / name)
+        tokenize_corpus(Request(path, "byte", out[name], shard_bytes=700), log=lambda line: None)
+        assert len(token_store.read_index(out[name])["shards"]) == 3
+    return out
+
+
+def _kinds(sources, stores, kind):
+    """{a, b} sources of a mixture: text files, a store and a text file, or two stores."""
+    return {
+        "text": sources,
+        "store_and_text": {"a": stores["a"], "b": sources["b"]},
+        "two_stores": stores,
+    }[kind]
+
+
 def _components(sources, wa=0.7, wb=0.3):
     return parse_mixture(f"a:{sources['a']}:{wa},b:{sources['b']}:{wb}")
 
 
-def _iterator(sources, wa=0.7, wb=0.3, *, seq_len=16, batch=8, p=0, n=1, **kw):
+def _iterator(sources, wa=0.7, wb=0.3, *, seq_len=16, batch=8, p=0, n=1, split="train", **kw):
     return make_mixture(
         _components(sources, wa, wb),
-        "train",
+        split,
         BYTE,
         seq_len,
         batch,
@@ -134,10 +160,11 @@ def test_the_schedule_is_exact_and_random_access():
             assert np.abs(share).max() < k
 
 
-def test_shares_within_one_percent_over_10000_rows(sources):
+@pytest.mark.parametrize("kind", ["text", "store_and_text", "two_stores"])
+def test_shares_within_one_percent_over_10000_rows(sources, stores, kind):
     """0.7 / 0.3 at seq_len 8: over 10,000 rows each source's share is within 1% of its
     weight (in fact within a row of it in every batch), and every row holds one source."""
-    it = _iterator(sources, seq_len=8, batch=16)
+    it = _iterator(_kinds(sources, stores, kind), seq_len=8, batch=16)
     batches = _take(it, 625)
     ids = np.concatenate([b[SOURCE_IDS] for b in batches])
     assert len(ids) == 10_000
@@ -155,7 +182,9 @@ def test_shares_within_one_percent_over_10000_rows(sources):
 # ----------------------------------------------------------------------------- resume
 
 
-def test_identical_batches_after_a_resume_at_any_step(sources):
+@pytest.mark.parametrize("kind", ["text", "store_and_text", "two_stores"])
+def test_identical_batches_after_a_resume_at_any_step(sources, stores, kind):
+    sources = _kinds(sources, stores, kind)
     want = _take(_iterator(sources), 12)
     for step in (0, 1, 5, 9):
         first = _iterator(sources)
@@ -189,7 +218,9 @@ def _rows_of(batches, source):
     return [row for b in batches for row in b["tokens"][b[SOURCE_IDS] == source]]
 
 
-def test_a_weight_change_continues_each_source_with_the_new_shares(sources):
+@pytest.mark.parametrize("kind", ["text", "store_and_text"])
+def test_a_weight_change_continues_each_source_with_the_new_shares(sources, stores, kind):
+    sources = _kinds(sources, stores, kind)
     before = _iterator(sources, 0.7, 0.3)
     old = _take(before, 5)
     state = _json(before.get_state())
@@ -284,6 +315,144 @@ def test_random_access_sources_are_read_by_each_process_for_its_rows_only():
     _same(_take(resumed, 3), more)
 
 
+# ----------------------------------------------------------------------------- token stores
+
+
+@pytest.fixture
+def store_reads(monkeypatch):
+    """{(process, store path): [row numbers read]}, for the process named by `reader[0]`."""
+    read, reader = {}, [0]
+    original = store_rows_module._ReadRow.__call__
+
+    def counting(self, row):
+        key = (reader[0], self.layout.store.path)
+        read.setdefault(key, []).append(int(row))
+        return original(self, row)
+
+    monkeypatch.setattr(store_rows_module._ReadRow, "__call__", counting)
+    return read, reader
+
+
+@pytest.mark.parametrize("kind", ["store_and_text", "two_stores"])
+def test_store_sources_are_read_by_each_process_for_its_rows_only(
+    sources, stores, store_reads, kind
+):
+    """1, 2 and 4 processes: the batches of 2 and 4 concatenate to one process's, each
+    process reads from a store only the rows of its share (disjoint, together one process's
+    reads, as many as its rows of that store), the position is one fact that resumes from 4
+    processes onto 2, and the stores are never read as a stream."""
+    read, reader = store_reads
+    paths = _kinds(sources, stores, kind)
+    steps = 12  # 67 rows of store a, within its first epoch (about 113 rows of 16)
+    reference, reference_reads, states = None, None, {}
+    for n in (1, 2, 4):
+        read.clear()
+        iterators = []
+        for p in range(n):
+            reader[0] = p  # the process whose iterator reads from here on
+            iterators.append(_iterator(paths, p=p, n=n))
+        batches, own = [], np.zeros((n, 2), int)  # each process's rows of each source
+        for _ in range(steps):
+            local = []
+            for p, it in enumerate(iterators):
+                reader[0] = p
+                local.append(next(it))
+                own[p] += np.bincount(local[-1][SOURCE_IDS], minlength=2)
+                for source, name in enumerate("ab"):  # its store reads: its rows, no more
+                    if paths[name] == stores[name]:
+                        assert len(read.get((p, paths[name]), [])) == own[p, source]
+            batches.append({k: np.concatenate([b[k] for b in local]) for k in local[0]})
+        if reference is None:
+            reference = batches
+            reference_reads = {path: rows for (_, path), rows in read.items()}
+        _same(batches, reference)
+        for path, want in reference_reads.items():
+            per_process = [read.get((p, path), []) for p in range(n)]
+            everything = [r for rows in per_process for r in rows]
+            assert len(set(everything)) == len(everything) == len(want)  # disjoint
+            assert sorted(everything) == sorted(want)  # together one process's
+        states[n] = [_json(it.get_state()) for it in iterators]
+    # One fact, the same on every process of every count.
+    state = states[1][0]
+    assert all(s == state for n in (1, 2, 4) for s in states[n])
+    assert sorted(state["streams"]) == (["b"] if kind == "store_and_text" else [])
+    # Resume: 4 processes' position onto 2 gives the uninterrupted run's next batches.
+    more = _take(_iterator(paths), steps + 3)[steps:]
+    two = [_iterator(paths, p=p, n=2) for p in range(2)]
+    for it in two:
+        it.set_state(state)
+    for want in more:
+        halves = [next(it) for it in two]
+        for key in want:
+            np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), want[key])
+
+
+def test_a_store_validation_split_is_read_whole_in_order(sources, stores):
+    """Unshuffled (validation), a store gives its split's rows in order, the last padded,
+    then again from the first: every token of the split, as a single store evaluates."""
+    mixed = make_mixture(
+        _components(stores),
+        "validation",
+        BYTE,
+        16,
+        8,
+        seed=3,
+        validation_fraction=0.2,
+        num_batches=12,
+        process_index=0,
+        process_count=1,
+    )
+    batches = list(mixed)
+    assert len(batches) == 12
+    for source, name in enumerate("ab"):
+        one_pass = store_rows_module.store_rows(
+            stores[name], "validation", 16, shuffle=False, repeat=False, validation_fraction=0.2
+        )
+        want = [one_pass[i]["tokens"] for i in range(len(one_pass))]
+        assert (want[-1] == 0).any() and len(want) > 3  # a padded last row, then around
+        got = _rows_of(batches, source)
+        assert len(got) > len(want)
+        np.testing.assert_array_equal(got, [want[i % len(want)] for i in range(len(got))])
+
+
+def test_a_store_of_another_tokenizer_or_position_is_refused(sources, stores):
+    other = types.SimpleNamespace(vocab_size=300, eos_id=256, path=None)
+    with pytest.raises(ValueError) as e:
+        make_mixture(_components(stores), "train", other, 16, 8, process_index=0, process_count=1)
+    message = str(e.value)
+    assert message.startswith("data.mixture source 'a': ") and "\n" not in message
+    assert "was tokenized with 'byte' (vocab 257" in message and "(vocab 300" in message
+    # A position that read a source as a stream does not resume it row by row.
+    state = _json(_iterator(sources).get_state())
+    rows = _iterator({"a": stores["a"], "b": sources["b"]})
+    with pytest.raises(ValueError, match=r"reads the sources \['a', 'b'\] as streams, this"):
+        rows.set_state(state)
+
+
+def test_with_a_validation_source_the_mixture_trains_on_all_of_each_shuffled(sources, stores):
+    """data.validation_source: each source's split 'all' trains, shuffled as 'train' is."""
+    from _train_helpers import run_config
+
+    from nnx_zoo.launch.data import build_data
+
+    paths = {"a": stores["a"], "b": sources["b"]}
+    run = run_config(
+        {
+            "data.mixture": f"a:{paths['a']}:0.7,b:{paths['b']}:0.3",
+            "data.validation_source": sources["a"],
+            "data.seq_len": 16,
+            "data.global_batch_size": 8,
+            "data.shuffle_seed": 3,
+        }
+    )
+    built = build_data(run, None, None)
+    got = _take(built.train_iter, 4)
+    built.close()
+    _same(got, _take(_iterator(paths, split="all", shuffle=True), 4))
+    in_order = _take(_iterator(paths, split="all", shuffle=False), 4)
+    assert not np.array_equal(got[0]["tokens"], in_order[0]["tokens"])
+
+
 # ----------------------------------------------------------------------------- workers
 
 
@@ -320,12 +489,16 @@ _WORKERS_SCRIPT = textwrap.dedent(
 )
 
 
-def test_worker_processes_change_neither_the_batches_nor_the_position(sources, tmp_path):
+@pytest.mark.parametrize("kind", ["text", "store_and_text"])
+def test_worker_processes_change_neither_the_batches_nor_the_position(
+    sources, stores, tmp_path, kind
+):
     from test_data import _run_script
 
+    paths = _kinds(sources, stores, kind)
     script = tmp_path / "workers.py"
     script.write_text(_WORKERS_SCRIPT)
-    proc = _run_script(script, f"a:{sources['a']}:0.7,b:{sources['b']}:0.3")
+    proc = _run_script(script, f"a:{paths['a']}:0.7,b:{paths['b']}:0.3")
     assert proc.returncode == 0 and "WORKERS_OK" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -259,3 +260,34 @@ def test_data_scale_bench_at_a_small_size(tmp_path):
     assert max(shares[2]) <= 0.65, out
     assert max(shares[4]) < min(shares[2]), out  # fewer bytes again with more processes
     assert "| concat-then-split (token store rows) |" in out and "| 0.0% |" in out
+
+
+def test_data_scale_zoo_data_part_at_a_small_size(tmp_path):
+    """bench/data_scale.py --part=zoo_data (bench/zoo_data_memory.py) on a 4 MB JSONL: zoo-data
+    with a trained BPE tokenizer.json and two workers; the index's token count is the
+    tokenizer's own (the bench exits 1 otherwise), and each worker's tokens/s is reported."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.data_scale",
+            "--part=zoo_data",
+            "--gb=0.004",
+            f"--dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-2000:]
+    row = next(line for line in out.splitlines() if re.match(r"\| [\d.]+ GB \|", line))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1] == "met" and cells[5].endswith("(equal)"), row
+    assert cells[4] == cells[5].split()[0]  # the index's tokens, the tokenizer's count
+    assert len(cells[3].split(", ")) == 2 and all(
+        float(rate.replace(",", "")) > 0 for rate in cells[3].split(", ")
+    ), row

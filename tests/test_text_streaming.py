@@ -17,7 +17,7 @@ import pytest
 from _train_helpers import ROOT, child_env
 
 from nnx_zoo.data import sources, text_index
-from nnx_zoo.data.text_source import TextDocuments
+from nnx_zoo.data.text_source import DataFileError, TextDocuments
 
 # ----------------------------------------------------------------------------- the reference
 
@@ -195,6 +195,62 @@ def test_errors_name_file_and_line(tmp_path, monkeypatch, name, content, message
         assert when == "read", "the error should have been raised at start"
         [docs[i] for i in range(len(docs))]
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    # Found when read, it is the data's own error (train_main: exit 2 mid-run).
+    assert isinstance(info.value, DataFileError) or when == "start"
+
+
+def test_a_bad_line_found_mid_training_is_exit_2_and_keeps_what_was_saved(tmp_path):
+    """A JSONL line read only at step 13 (the training order puts it there): train_main ends
+    with exit status 2 and one line naming file:line; metrics.jsonl and the checkpoints
+    written before it are whole, and once the line is fixed the same workdir resumes from the
+    last checkpoint and finishes."""
+    import grain
+    from _train_helpers import SMALL_SHAPES, cli_flags, run_train_main
+
+    count = 3000  # documents of about 12 tokens: some 90 a step of 16 x 64
+    # data.validation_source makes the training split all of the file, so the training order
+    # of its documents is the shuffle of their numbers: put the bad line at position 1500,
+    # past the first window of the pipeline's read-ahead (1024 shuffled chunks).
+    bad = list(grain.MapDataset.range(count).shuffle(seed=0))[1500] + 1
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": f"doc {i} ab"}) for i in range(1, count + 1)]
+    good = lines[bad - 1]
+    lines[bad - 1] = '{"text": "doc'
+    path.write_text("\n".join(lines) + "\n")
+    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "held out " * 20}) + "\n")
+    workdir = tmp_path / "run"
+    flags = {
+        **SMALL_SHAPES,
+        "data.source": str(path),
+        "data.validation_source": str(tmp_path / "held.jsonl"),
+        "data.shuffle_seed": 0,
+        "training.steps": 16,
+        "training.eval_every": 0,
+        "training.eval_batches": 1,
+        "checkpoint.every": 4,
+        "logging.log_every": 1,
+        "logging.progress_bar": False,
+        "logging.tensorboard": False,
+        "logging.loss_curve": False,
+    }
+    result = run_train_main([f"--workdir={workdir}", *cli_flags(flags)])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {path}:{bad}: not valid JSON"), line
+    assert "training stopped there; the last complete checkpoint is step 12" in line, line
+    with open(workdir / "metrics.jsonl") as f:
+        records = [json.loads(text) for text in f]  # every line whole
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 13))
+    # The line fixed, the same workdir resumes from step 12 and finishes.
+    lines[bad - 1] = good
+    path.write_text("\n".join(lines) + "\n")
+    resumed = run_train_main([f"--workdir={workdir}", *cli_flags(flags)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 12" in resumed.stdout
+    with open(workdir / "metrics.jsonl") as f:
+        records = [json.loads(text) for text in f]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 17))
 
 
 def test_every_text_empty_is_no_data_and_an_empty_split_is_named(tmp_path):

@@ -2,7 +2,8 @@
 whole from one source (`data.mixture`, docs/data.md#weighted-mixtures).
 
 Each source is its own pipeline up to packed rows (nnx_zoo/data/pipeline.py's `packed_rows`:
-documents, tokenize, chunk, pack, seeded by the run's seed and the source's name), so a row
+documents, tokenize, chunk, pack, seeded by the run's seed and the source's name; for a text
+token store, its concat-then-split rows, nnx_zoo/data/rows.py's `store_rows`), so a row
 never mixes sources and the loss of a source's documents is what it would be alone. The rows
 are then interleaved by weight: global row k of the stream comes from the source `_Schedule`
 names, a closed form of k and the weights (the hierarchical split Grain's `MapDataset.mix`
@@ -14,10 +15,11 @@ Batches carry `source_ids` [B] (int32, the source's index in the mixture) beside
 it before the step.
 
 A source is either a stream (an IterDataset of packed rows, as `packed_rows` makes from text
-and token files: every process reads all of it, as a single source is read today, and keeps
-its rows [p*B/n, (p+1)*B/n) of each global batch) or a random-access MapDataset of rows (a
-pre-tokenized store): then a process reads only its own rows, row k being the source's row
-`index` of the schedule, so the mixture keeps each process's share of the reading.
+files, ArrayRecord files and chat stores: every process reads all of it, as a single source
+is read, and keeps its rows [p*B/n, (p+1)*B/n) of each global batch) or a random-access
+MapDataset of rows (a text token store): then a process reads only its own rows, row k being
+the source's row `index` of the schedule, so the mixture keeps each process's share of the
+reading. A random-access source's position is its row count, which the schedule gives.
 
 The iterator's state is one global fact, the same on every process and for any number of
 processes and workers: the global rows emitted, the weights and where they took effect, and
@@ -40,9 +42,10 @@ import grain
 import jax
 import numpy as np
 
-from nnx_zoo.data import position
-from nnx_zoo.data.pipeline import check_batch_split, packed_rows
-from nnx_zoo.data.sources import NoValidationSplitError
+from nnx_zoo.data import position, token_store
+from nnx_zoo.data.pipeline import check_batch_split, check_store, packed_rows
+from nnx_zoo.data.rows import store_rows
+from nnx_zoo.data.sources import DEFAULT_VALIDATION_FRACTION, NoValidationSplitError
 from nnx_zoo.data.tokenizers import Tokenizer
 
 # The batch key of each row's source index; the training loop strips it before the step
@@ -173,6 +176,13 @@ class _MixtureIterator(grain.DatasetIterator):
                 f"the saved data position mixes the sources {sorted(saved)}, this stream "
                 f"{sorted(ours)}: a position resumes only into the same sources"
             )
+        streamed = {s.name for s in self._sources if s.streamed}
+        if set(state["streams"]) != streamed:  # a source now a stream and then rows, or back
+            raise ValueError(
+                f"the saved data position reads the sources {sorted(state['streams'])} as "
+                f"streams, this stream {sorted(streamed)} (the rest row by row): it was "
+                "written by another version of the mixture"
+            )
         for source, iterator in zip(self._sources, self._iterators, strict=True):
             if iterator is not None:
                 saved_stream = state["streams"][source.name]
@@ -253,26 +263,34 @@ def build_mixture(
     """The mixture of `components` ((name, source, weight) triples: data.mixture parsed) in
     `split`, each source packed on its own (`packed_rows`, with `row_options`: text_field,
     validation_fraction, shuffle_window, data_format, chat_template, chat_overflow) and read
-    over and over (every source repeats). Shuffled by default for 'train'. In 'validation', a
+    over and over (every source repeats); a text token store gives its rows by number
+    (`store_rows`: shuffled, the last partial row dropped; unshuffled, every token, the last
+    row padded), so each process reads only its own. Shuffled by default for 'train'. In
+    'validation', a
     source too small to hold a validation split is left out with a note; with none left,
     NoValidationSplitError. `num_workers` worker processes per source."""
     shuffle = split == "train" if shuffle is None else shuffle
     sources = []
     for name, source, weight in components:
         try:
-            rows, _ = packed_rows(
-                source,
-                split,
-                tokenizer,
-                seq_len,
-                source_seed(seed, name),
-                num_workers=num_workers,
-                shuffle=shuffle,
-                repeat=True,
-                num_packing_bins=num_packing_bins or max(global_batch_size, 16),
-                notes=notes,
-                **row_options,
-            )
+            if _text_store(source, tokenizer, row_options.get("data_format", "text")):
+                rows = _store_rows(
+                    source, split, seq_len, source_seed(seed, name), shuffle, **row_options
+                )
+            else:
+                rows, _ = packed_rows(
+                    source,
+                    split,
+                    tokenizer,
+                    seq_len,
+                    source_seed(seed, name),
+                    num_workers=num_workers,
+                    shuffle=shuffle,
+                    repeat=True,
+                    num_packing_bins=num_packing_bins or max(global_batch_size, 16),
+                    notes=notes,
+                    **row_options,
+                )
         except NoValidationSplitError as e:
             if notes is not None:
                 notes.append(f"data.mixture source {name!r}: {e}; it is left out of val_loss")
@@ -291,6 +309,28 @@ def build_mixture(
         process_count=process_count,
         num_batches=num_batches,
     )
+
+
+def _text_store(source: str, tokenizer: Tokenizer, data_format: str) -> bool:
+    """Whether `source` is a token store of text, read by row; any store must match the
+    run's tokenizer and data.format (ValueError naming both)."""
+    if not token_store.is_store(source):
+        return False
+    check_store(source, tokenizer, data_format)
+    return data_format == "text"
+
+
+def _store_rows(source, split, seq_len, seed, shuffle, **row_options) -> grain.MapDataset:
+    """A text store's rows (nnx_zoo/data/rows.py), repeated: shuffled, each epoch anew, with
+    the last partial row dropped (a training stream); in order, the last row padded, so that
+    evaluation sees every token of the split."""
+    fraction = row_options.get("validation_fraction", DEFAULT_VALIDATION_FRACTION)
+    if shuffle:
+        return store_rows(source, split, seq_len, seed=seed, validation_fraction=fraction)
+    one_pass = store_rows(
+        source, split, seq_len, shuffle=False, repeat=False, validation_fraction=fraction
+    )
+    return one_pass.repeat(None)
 
 
 def make_mixture(*args, **kwargs) -> _MixtureIterator:

@@ -184,6 +184,19 @@ def check_batch_split(global_batch_size: int, process_count: int) -> None:
         )
 
 
+def check_store(source: str, tokenizer: Tokenizer, data_format: str) -> None:
+    """ValueError (one line) unless the token store at `source` was written with `tokenizer`
+    in `data_format`."""
+    index = token_store.read_index(source)
+    token_store.check_tokenizer(source, index, tokenizer)
+    if index["data_format"] != data_format:
+        raise ValueError(
+            f"data.source={source!r} holds {index['data_format']} data (zoo-data "
+            f"--format={index['data_format']}); set --config.data.format="
+            f"{index['data_format']}"
+        )
+
+
 def packed_rows(
     source: str,
     split: str,
@@ -323,14 +336,7 @@ def build_dataset(
     repeat = split == "train" if repeat is None else repeat
 
     if token_store.is_store(source):
-        index = token_store.read_index(source)
-        token_store.check_tokenizer(source, index, tokenizer)
-        if index["data_format"] != data_format:
-            raise ValueError(
-                f"data.source={source!r} holds {index['data_format']} data (zoo-data "
-                f"--format={index['data_format']}); set --config.data.format="
-                f"{index['data_format']}"
-            )
+        check_store(source, tokenizer, data_format)
         if data_format == "text":  # rows read directly, each process its own (data/rows.py)
             return store_batches(
                 source,

@@ -7,8 +7,10 @@ kept documents' offsets (nnx_zoo/data/text_index.py), about 20 bytes a document 
 text, so pickling it to Grain's worker processes copies no data, and host memory grows with
 neither the corpus nor `data.num_workers`.
 
-A JSONL line that is not JSON, or not an object with a string text field, is a ValueError
-naming file:line when it is read; one whose text is empty (or a Parquet null / empty string)
+A JSONL line that is not JSON, or not an object with a string text field, is a
+`DataFileError` (a ValueError) naming file:line when it is read, as is a Parquet row group
+that cannot be read: found mid-training, it is still the user's data, and train_main ends
+with exit status 2 and that line; one whose text is empty (or a Parquet null / empty string)
 reads as '' -- no document: the pipeline's tokenizer turns '' into no tokens, and the chunker
 hands nothing on for it.
 """
@@ -24,6 +26,12 @@ import threading
 import numpy as np
 
 from nnx_zoo.data.text_index import PARAGRAPH_STRIP, FileIndex, line_of
+
+
+class DataFileError(ValueError):
+    """A document of a data file that cannot be read (one line naming file:line), found when
+    it is read, which may be after the first step."""
+
 
 PARQUET_CACHED_GROUPS = 2
 # Grain reads hundreds of documents ahead, and a source that repeats asks for the same one
@@ -127,7 +135,7 @@ class TextDocuments:
         try:
             record = json.loads(raw.decode("utf-8"))
         except json.JSONDecodeError as e:
-            raise ValueError(
+            raise DataFileError(
                 f"{path}:{line_of(path, start)}: not valid JSON ({e.msg} at column {e.colno})"
             ) from None
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
@@ -136,7 +144,7 @@ class TextDocuments:
                 if isinstance(record, dict)
                 else json.dumps(record)[:40]
             )
-            raise ValueError(
+            raise DataFileError(
                 f"{path}:{line_of(path, start)}: expected a JSON object with a string field "
                 f"{field!r} (data.text_field), got {got}"
             )
@@ -170,4 +178,4 @@ class TextDocuments:
             table = handle.read_row_group(group, columns=[self._text_field])
             return table.column(self._text_field).combine_chunks()
         except pyarrow.ArrowException as e:
-            raise ValueError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
+            raise DataFileError(f"{path}: not a readable Parquet file ({one_line(e)})") from None

@@ -52,10 +52,10 @@ def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
         train_split, val_split = "all", "all"
     components = d.mixture_components()
     train_common = dict(common, split=train_split, num_workers=d.num_workers, notes=notes)
+    # Shuffled (and repeated): also for split 'all', which alone would be read in order.
     if components:
-        train_iter = data.make_mixture(components=components, **train_common)
+        train_iter = data.make_mixture(components=components, shuffle=True, **train_common)
     else:
-        # shuffle and repeat: also for split 'all', which alone would make one pass in order
         train_iter = data.make_dataset(source=d.source, shuffle=True, repeat=True, **train_common)
     val_common = dict(common, split=val_split, num_batches=run.training.eval_batches, notes=notes)
     try:
