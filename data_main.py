@@ -68,8 +68,6 @@ def main(argv):
     )
     try:
         index = tokenize_corpus(request)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        cli.usage_error(e)
     except OSError as e:  # --out cannot be written (permissions, a full disk)
         cli.usage_error(f"--out={DATA.out.value}: cannot write the store ({e.strerror or e})")
     print(

@@ -106,11 +106,8 @@ def main(argv):
     if EVAL.tasks.value is not None:  # lm-evaluation-harness tasks (nnx_zoo/evaluation/harness.py)
         _run_tasks()
         return
-    try:
-        request = _request()
-        result = evaluation.evaluate(request)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        cli.usage_error(cli.device_hint(e))
+    request = _request()
+    result = evaluation.evaluate(request)
     try:
         evaluation.report(result)
     except OSError as e:
@@ -120,13 +117,10 @@ def main(argv):
 def _run_tasks():
     from nnx_zoo.evaluation import harness
 
-    try:
-        include = harness.include_dir(EVAL.include_path.value) if EVAL.include_path.value else None
-        request = _request()
-        tasks = harness.prepare(EVAL.tasks.value, include, EVAL.num_fewshot.value, EVAL.limit.value)
-        results, result = harness.evaluate(request, tasks, seed=EVAL.seed.value)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        cli.usage_error(cli.device_hint(e))
+    include = harness.include_dir(EVAL.include_path.value) if EVAL.include_path.value else None
+    request = _request()
+    tasks = harness.prepare(EVAL.tasks.value, include, EVAL.num_fewshot.value, EVAL.limit.value)
+    results, result = harness.evaluate(request, tasks, seed=EVAL.seed.value)
     try:
         harness.report(results, result)
     except OSError as e:

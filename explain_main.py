@@ -76,7 +76,7 @@ def main(argv):
             run = RunConfig.from_config_dict({})
             cfg = get_config(EXPLAIN.model.value)
         strategies = [get_strategy(s) for s in EXPLAIN.strategies.value or STRATEGIES]
-    except (ValueError, OSError) as e:
+    except OSError as e:  # a file the request names cannot be read
         cli.usage_error(e)
     if EXPLAIN.write_golden.value:
         out = pathlib.Path(EXPLAIN.write_golden.value)

@@ -64,8 +64,6 @@ def main(argv):
             EXPORT.step.value,
             overwrite=EXPORT.overwrite.value,
         )
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        cli.usage_error(cli.device_hint(e))
     except OSError as e:  # --out's directory cannot be written (permissions, a full disk)
         cli.usage_error(f"--out={EXPORT.out.value}: cannot write the export ({e.strerror or e})")
     print(f"wrote step {step} as {EXPORT.format.value} to {out}", flush=True)

@@ -98,8 +98,8 @@ def main(argv):
             ),
         )
         output = planner.plan(request, as_json=PLAN.json.value)
-    except (ValueError, OSError) as e:  # bad input (--init_from's too), or nothing fits
-        cli.usage_error(cli.device_hint(e))
+    except OSError as e:  # a file the request names (--init_from's config) cannot be read
+        cli.usage_error(e)
     print(output, flush=True)
 
 

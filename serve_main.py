@@ -106,10 +106,7 @@ def main(argv):
     request = _request()
     sock = _listen(SERVE.host.value, SERVE.port.value)  # a port in use: said before the model loads
     with sock:
-        try:
-            served = load.build(request)
-        except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-            cli.usage_error(cli.device_hint(e))
+        served = load.build(request)
         app = create_app(
             served.engine,
             served_model=served.name,

@@ -52,6 +52,7 @@ def _train() -> int:
     from nnx_zoo.checkpoint import write_errors
     from nnx_zoo.checkpoint.workdir import expand, hold
     from nnx_zoo.data import DataFileError
+    from nnx_zoo.errors import UsageError
     from nnx_zoo.launch import session
     from nnx_zoo.runtime import console, distributed, peers
     from nnx_zoo.runtime.preemption import EXIT_PREEMPTED
@@ -92,7 +93,7 @@ def _train() -> int:
             lock = hold(workdir, checkpoints=run.checkpoint.enabled)
             prepared = session.prepare(run, workdir, init_from=init_from)
             session.resume(prepared)
-        except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        except UsageError as e:
             peers.leave()
             cli.usage_error(cli.device_hint(e))
         try:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 from jax.experimental import mesh_utils
 
+from nnx_zoo.errors import UsageError
+
 REPLICA = "replica"
 
 
@@ -41,12 +43,12 @@ def hybrid_device_array(shape: Sequence[int], axes: Sequence[str], devices: Sequ
     Raises ValueError (one line, with a valid alternative) when the shape cannot do that.
     """
     if axes[0] != REPLICA:
-        raise ValueError(f"the {REPLICA!r} axis must come first in {tuple(axes)}")
+        raise UsageError(f"the {REPLICA!r} axis must come first in {tuple(axes)}")
     groups = granules(devices)
     g, replicas = len(groups), shape[0]
     if replicas % g:
         inner = ",".join(f"{a}:{s}" for a, s in zip(axes[1:], shape[1:], strict=True))
-        raise ValueError(
+        raise UsageError(
             f"mesh axis {REPLICA}={replicas} must be a multiple of the {g} slices/processes, "
             f"so that {inner} stay inside one; e.g. {REPLICA}:{g} and the other axes "
             f"multiplying to {math.prod(shape) // g}"

@@ -11,6 +11,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings.hybrid import REPLICA, hybrid_device_array, num_granules
 from shardings.specs import axes_of, entry_size
 
@@ -20,28 +21,28 @@ def parse_mesh_shape(text: str, axes: Sequence[str]) -> tuple[int, ...]:
     parts = [p.strip() for p in text.split(",") if p.strip()]
     valid = ",".join(f"{a}:N" for a in axes)
     if not parts:
-        raise ValueError(f"empty mesh shape; expected {valid}")
+        raise UsageError(f"empty mesh shape; expected {valid}")
     if all(":" in p for p in parts):
         sizes = {}
         for p in parts:
             name, _, size = p.partition(":")
             if name not in axes:
-                raise ValueError(
+                raise UsageError(
                     f"mesh axis {name!r} is not used by this strategy; its axes are {list(axes)}"
                     f" (expected {valid})"
                 )
             if name in sizes:
-                raise ValueError(f"mesh shape {text!r} names axis {name!r} twice; expected {valid}")
+                raise UsageError(f"mesh shape {text!r} names axis {name!r} twice; expected {valid}")
             sizes[name] = _positive_int(size, text)
         missing = [a for a in axes if a not in sizes]
         if missing:
-            raise ValueError(f"mesh shape {text!r} does not name axes {missing}; expected {valid}")
+            raise UsageError(f"mesh shape {text!r} does not name axes {missing}; expected {valid}")
         return tuple(sizes[a] for a in axes)
     if any(":" in p for p in parts):
-        raise ValueError(f"mesh shape {text!r} mixes named and bare sizes; expected {valid}")
+        raise UsageError(f"mesh shape {text!r} mixes named and bare sizes; expected {valid}")
     sizes = tuple(_positive_int(p, text) for p in parts)
     if len(sizes) != len(axes):
-        raise ValueError(
+        raise UsageError(
             f"mesh shape {text!r} has {len(sizes)} axes; this strategy has {len(axes)} "
             f"({', '.join(axes)}); expected {valid}"
         )
@@ -52,9 +53,9 @@ def _positive_int(text: str, whole: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"mesh shape {whole!r}: {text!r} is not an integer") from None
+        raise UsageError(f"mesh shape {whole!r}: {text!r} is not an integer") from None
     if value < 1:
-        raise ValueError(f"mesh shape {whole!r}: axis sizes must be >= 1, got {value}")
+        raise UsageError(f"mesh shape {whole!r}: axis sizes must be >= 1, got {value}")
     return value
 
 
@@ -72,13 +73,13 @@ def make_mesh(strategy, shape=None, devices=None, config=None) -> Mesh:
         shape = parse_mesh_shape(shape, strategy.axes)
     shape = tuple(int(s) for s in shape)
     if len(shape) != len(strategy.axes):
-        raise ValueError(
+        raise UsageError(
             f"mesh shape {shape} has {len(shape)} axes; strategy {strategy.name!r} has "
             f"{len(strategy.axes)} ({', '.join(strategy.axes)})"
         )
     if math.prod(shape) != n:
         named = ",".join(f"{a}:{s}" for a, s in zip(strategy.axes, shape, strict=True))
-        raise ValueError(
+        raise UsageError(
             f"mesh shape {named} needs {math.prod(shape)} devices but {n} are available; "
             f"the axis sizes must multiply to {n}"
         )
@@ -112,7 +113,7 @@ def check_divisible(
             axes, size = axes_of(axes), entry_size(axes, mesh.shape)
             if shape[dim] % size:
                 axis_text = _axis_text(axes, mesh)
-                raise ValueError(
+                raise UsageError(
                     f"{strategy_name}: {path} has shape {tuple(shape)}; its dim {dim} (size "
                     f"{shape[dim]}) is split over mesh axis {axis_text}, which does not divide "
                     f"it; choose a mesh whose {'/'.join(axes)} size divides {shape[dim]}"
@@ -151,7 +152,7 @@ def check_batch(
     axes, size = axes_of(axes), entry_size(axes, mesh.shape)
     if batch_size % size:
         axis_text = _axis_text(axes, mesh)
-        raise ValueError(
+        raise UsageError(
             f"{strategy_name}: batch size {batch_size} is split over mesh axis {axis_text}, "
             f"which does not divide it; use a batch size that is a multiple of {size}"
         )
@@ -163,7 +164,7 @@ def _check_seq_split(strategy_name, seq_len, seq_entry, mesh, how: str, chunks_p
     size = chunks_per_device * entry_size(seq_axes, mesh.shape)
     if seq_len % size:
         axis_text = _axis_text(seq_axes, mesh)
-        raise ValueError(
+        raise UsageError(
             f"{strategy_name}: sequence length {seq_len} is split over mesh axis {axis_text} "
             f"{how}; use a sequence length that is a multiple of {size}"
         )

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings.hybrid import REPLICA
 from shardings.mesh import make_mesh
 from shardings.specs import (
@@ -552,4 +553,4 @@ def get_strategy(name: str) -> Strategy:
         return STRATEGIES[name]
     except KeyError:
         valid = ", ".join(sorted(STRATEGIES))
-        raise ValueError(f"unknown sharding strategy {name!r}; valid strategies: {valid}") from None
+        raise UsageError(f"unknown sharding strategy {name!r}; valid strategies: {valid}") from None

@@ -20,6 +20,7 @@ PACKAGES = (
     "export",
     "serving",
     "configs",
+    "errors",
 )
 FAMILIES = {
     d
@@ -40,6 +41,10 @@ def _folder(package: str) -> str:
 def _modules() -> dict[str, str]:
     out = {}
     for package in PACKAGES:
+        single = os.path.join(ROOT, _folder(package) + ".py")
+        if os.path.isfile(single):  # a package of one module (nnx_zoo/errors.py)
+            out[f"{NAMESPACE}.{package}"] = single
+            continue
         for folder, _, files in os.walk(os.path.join(ROOT, _folder(package))):
             for name in files:
                 if name.endswith(".py"):
@@ -177,14 +182,16 @@ def test_only_the_assembly_and_its_callers_import_launch():
 
 
 # docs/ARCHITECTURE.md's "may import" column, package by package (jax and the libraries aside).
-_BASE = {"shardings", "zoo", "data", "checkpoint", "runtime", "training", "configs"}
+# `errors` (the one UsageError) sits below everything: every package may import it.
+_BASE = {"shardings", "zoo", "data", "checkpoint", "runtime", "training", "configs", "errors"}
 ALLOWED = {
-    "shardings": set(),
-    "zoo": {"shardings"},
-    "data": {"runtime"},
-    "checkpoint": {"zoo", "runtime"},
-    "runtime": set(),
-    "training": {"zoo", "shardings", "data", "runtime"},
+    "errors": set(),
+    "shardings": {"errors"},
+    "zoo": {"shardings", "errors"},
+    "data": {"runtime", "errors"},
+    "checkpoint": {"zoo", "runtime", "errors"},
+    "runtime": {"errors"},
+    "training": {"zoo", "shardings", "data", "runtime", "errors"},
     "configs": {"training"},
     "launch": _BASE,
     "evaluation": {"launch"} | _BASE,

@@ -45,6 +45,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings import get_strategy
 from shardings.specs import split_size
 from zoo.layers.lora import has_lora
@@ -56,21 +57,21 @@ def check_can_generate(strategy_name: str, what: str = "--prompt") -> None:
     before any model is built."""
     sharding = get_strategy(strategy_name).lm_sharding()
     if sharding.stage_axis is not None:
-        raise ValueError(
+        raise UsageError(
             f"{what}: generation (KV-cache decoding) does not run under the pipeline "
             f"strategy {strategy_name}; add --sharding_strategy=fsdp (or another without a "
             "`stage` axis): checkpoints load under any strategy"
         )
     split_T = _sequence_axis(sharding.tokens)
     if split_T is not None:
-        raise ValueError(
+        raise UsageError(
             f"{what}: {_no_context_split(split_T)} (the context-parallel strategy "
             f"{strategy_name}); add --sharding_strategy=fsdp (or another without a `context` "
             "axis): checkpoints load under any strategy"
         )
     split_residual = _sequence_axis(sharding.block.residual)
     if split_residual is not None:
-        raise ValueError(
+        raise UsageError(
             f"{what}: generation (KV-cache decoding) does not split the residual stream's "
             f"sequence over `{split_residual}` (the sequence-parallel strategy "
             f"{strategy_name}); add --sharding_strategy=fsdp_tp (the same weight layouts): "
@@ -260,30 +261,30 @@ def generate(
     many columns (callers with many batches bucket their lengths, so fewer shapes compile).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate needs at least one prompt, each of at least one token")
+        raise UsageError("generate needs at least one prompt, each of at least one token")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        raise UsageError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature={temperature} must be a number >= 0 (0: greedy)")
+        raise UsageError(f"temperature={temperature} must be a number >= 0 (0: greedy)")
     if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k} must be >= 1 (or None: the whole vocabulary)")
+        raise UsageError(f"top_k={top_k} must be >= 1 (or None: the whole vocabulary)")
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None: the whole vocabulary)")
+        raise UsageError(f"top_p={top_p} must be in (0, 1] (or None: the whole vocabulary)")
     cfg = model.cfg
     vocab = cfg.vocab_size
     bad = [t for p in prompts for t in p if not 0 <= int(t) < vocab]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
     prompt_len = max(max(len(p) for p in prompts), prompt_len or 0)
     if prompt_len + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(
+        raise UsageError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"model's max_seq_len={cfg.max_seq_len}"
         )
     mesh = model_mesh(model)
     split_T = _sequence_axis(model.sharding.tokens)
     if split_T is not None:
-        raise ValueError(
+        raise UsageError(
             f"{_no_context_split(split_T)} (a context-parallel strategy): generate with a "
             "strategy without context, e.g. --sharding_strategy=fsdp"
         )

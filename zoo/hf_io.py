@@ -36,6 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from zoo.hf_mapping import (
     CONFIG_FILE,
     Rule,
@@ -171,7 +172,7 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
     missing = [n for n in expected if n not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"missing tensor {missing[0]}{more} in {fam.name} checkpoint {reader}")
+        raise UsageError(f"missing tensor {missing[0]}{more} in {fam.name} checkpoint {reader}")
     ignored = [re.compile(p) for p in fam.hf.ignored]
     unexpected = [
         actual
@@ -180,17 +181,17 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
     ]
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ValueError(
+        raise UsageError(
             f"unexpected tensor {unexpected[0]}{more} in {fam.name} checkpoint {reader}"
         )
     for canonical, shape in expected.items():
         actual = present[canonical]
         found = reader.shape(actual)
         if found != shape:
-            raise ValueError(f"{actual}: expected shape {shape}, found {found}")
+            raise UsageError(f"{actual}: expected shape {shape}, found {found}")
         dtype = reader.dtype(actual)
         if dtype not in ("F64", "F32", "F16", "BF16"):
-            raise ValueError(f"{actual}: expected a floating-point tensor, found {dtype}")
+            raise UsageError(f"{actual}: expected a floating-point tensor, found {dtype}")
     return _Plan(rules=by_key, shapes=shapes, names=present, num_layers=cfg.num_layers)
 
 
@@ -199,7 +200,7 @@ def _check_expert_count(r: Rule, reader: CheckpointReader, num_experts: int, fam
     pattern = re.compile(re.escape(r.hf.format(i=0, e="@")).replace("@", r"(\d+)"))
     found = {int(m.group(1)) for n in reader.names() if (m := pattern.fullmatch(n))}
     if found and len(found) != num_experts:
-        raise ValueError(
+        raise UsageError(
             f"{family} checkpoint {reader}: layer 0 has {len(found)} experts "
             f"({r.hf.format(i=0, e='*')}) but its config says num_experts={num_experts}"
         )

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from nnx_zoo.errors import UsageError
 from zoo.layers.config import RUNTIME_FIELDS, DecoderConfig
 from zoo.registry import FAMILIES, Family, family_for_config
 
@@ -134,13 +135,13 @@ def family_for_hf(hf: dict, where: str) -> Family:
                 return fam
     supported = ", ".join(a for fam in _with_format() for a in fam.hf.architectures)
     found = ", ".join(archs) or f"model_type {model_type!r}"
-    raise ValueError(f"{where}: unsupported architecture {found}; supported: {supported}")
+    raise UsageError(f"{where}: unsupported architecture {found}; supported: {supported}")
 
 
 def hf_format(cfg: DecoderConfig) -> HfFormat:
     fam = family_for_config(cfg)
     if fam.hf is None:
-        raise ValueError(f"no Hugging Face format registered for {type(cfg).__name__}")
+        raise UsageError(f"no Hugging Face format registered for {type(cfg).__name__}")
     return fam.hf
 
 
@@ -175,7 +176,7 @@ def rope_scaling(params: dict) -> tuple | None:
             float(params["high_freq_factor"]),
             int(params["original_max_position_embeddings"]),
         )
-    raise ValueError(
+    raise UsageError(
         f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
     )
 
@@ -207,14 +208,14 @@ def rope_to_legacy_hf(theta: float, scaling: tuple | None) -> dict:
 def read_hf_config(path: str) -> dict:
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.exists(config_path):
-        raise ValueError(f"{path}: no {CONFIG_FILE}; not a Hugging Face checkpoint directory")
+        raise UsageError(f"{path}: no {CONFIG_FILE}; not a Hugging Face checkpoint directory")
     try:
         with open(config_path) as f:
             hf = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path}: not JSON ({e})") from None
+        raise UsageError(f"{config_path}: not JSON ({e})") from None
     if not isinstance(hf, dict):
-        raise ValueError(f"{config_path}: not a JSON object")
+        raise UsageError(f"{config_path}: not a JSON object")
     return hf
 
 
@@ -230,9 +231,9 @@ def family_and_config(path: str, overrides: dict) -> tuple[Family, DecoderConfig
     try:
         fields = fam.hf.config_from_hf(hf)
     except KeyError as e:
-        raise ValueError(f"{where}: no field {e}") from None
+        raise UsageError(f"{where}: no field {e}") from None
     except (ValueError, TypeError) as e:  # TypeError: int(None), float([1]) on a bad value
-        raise ValueError(f"{where}: {e}") from None
+        raise UsageError(f"{where}: {e}") from None
     check_field_types(fam.config_cls, fields, where)
     fields.update(overrides)
     return fam, fam.config_cls(**fields)
@@ -263,7 +264,7 @@ def check_field_types(config_cls, fields: dict, where: str) -> None:
         else:
             continue
         if bad:
-            raise ValueError(f"{where}: the value {json.dumps(value)} that sets {name} {bad}")
+            raise UsageError(f"{where}: the value {json.dumps(value)} that sets {name} {bad}")
 
 
 def config_to_hf(cfg: DecoderConfig) -> dict:
@@ -276,12 +277,12 @@ def config_to_hf(cfg: DecoderConfig) -> dict:
         if field.name in _NOT_IN_CONFIG_JSON:
             continue
         if getattr(back, field.name) != getattr(cfg, field.name):
-            raise ValueError(
+            raise UsageError(
                 f"{type(cfg).__name__}.{field.name}={getattr(cfg, field.name)!r} cannot be "
                 f"written as a {hf['architectures'][0]} config.json"
             )
     if back.layer_windows() != cfg.layer_windows():
-        raise ValueError(
+        raise UsageError(
             f"{type(cfg).__name__}: per-layer windows {cfg.layer_windows()} cannot be written "
             f"as a {hf['architectures'][0]} config.json"
         )

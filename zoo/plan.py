@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings.mesh import check_divisible
 from shardings.specs import split_size
 from shardings.strategies import Strategy, get_strategy
@@ -189,7 +190,7 @@ def plan_model(cfg: DecoderConfig, strategy, mesh=None) -> ModelPlan:
         raise ValueError("a model needs a mesh: call it under `with jax.set_mesh(mesh):`")
     missing = [a for a in strategy.axes if a not in mesh.axis_names]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"mesh axes {mesh.axis_names} lack {missing}, which strategy {strategy.name!r} uses"
         )
     cfg = fit_vocab(cfg, strategy, mesh)

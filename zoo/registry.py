@@ -7,6 +7,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 
+from nnx_zoo.errors import UsageError
 from zoo.layers.config import DecoderConfig
 
 
@@ -53,7 +54,7 @@ def preset_table(
     for name, row in rows.items():
         dims, extra = (row[:-1], row[-1]) if isinstance(row[-1], Mapping) else (row, {})
         if len(dims) != len(PRESET_DIMS):
-            raise ValueError(
+            raise UsageError(
                 f"preset {name!r} has {len(dims)} dims; a row holds {', '.join(PRESET_DIMS)}"
             )
         fields = {**dict(zip(PRESET_DIMS, dims, strict=True)), **extra}
@@ -80,7 +81,7 @@ def presets() -> dict[str, Callable[..., DecoderConfig]]:
 def get_config(name: str, **overrides) -> DecoderConfig:
     factories = presets()
     if name not in factories:
-        raise ValueError(
+        raise UsageError(
             f"unknown model preset {name!r}; valid presets: {', '.join(sorted(factories))}"
         )
     return factories[name](**overrides)

@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from nnx_zoo.errors import UsageError
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
@@ -44,7 +46,7 @@ class SafetensorsFile:
         self.path = path
         size = os.path.getsize(path)
         if size < _LENGTH_BYTES:
-            raise ValueError(
+            raise UsageError(
                 f"{path}: {size} bytes is too short for a safetensors file (an 8-byte header "
                 "length, a JSON header, then the tensor data)"
             )
@@ -52,7 +54,7 @@ class SafetensorsFile:
             (header_len,) = struct.unpack("<Q", f.read(_LENGTH_BYTES))
             # Checked before reading: a corrupt length would otherwise ask for exabytes.
             if header_len > size - _LENGTH_BYTES:
-                raise ValueError(
+                raise UsageError(
                     f"{path}: header length {header_len} is larger than the file ({size} "
                     "bytes); the file is truncated or not a safetensors file"
                 )
@@ -60,9 +62,9 @@ class SafetensorsFile:
         try:
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: the safetensors header is not JSON ({e})") from None
+            raise UsageError(f"{path}: the safetensors header is not JSON ({e})") from None
         if not isinstance(header, dict):
-            raise ValueError(f"{path}: the safetensors header is not a JSON object")
+            raise UsageError(f"{path}: the safetensors header is not a JSON object")
         header.pop("__metadata__", None)
         self._data_start = _LENGTH_BYTES + header_len
         self._entries = header
@@ -74,19 +76,19 @@ class SafetensorsFile:
         try:
             dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise ValueError(
+            raise UsageError(
                 f"{self.path}: tensor {name}'s header entry is malformed (expected dtype, "
                 "shape and data_offsets)"
             ) from None
         # A dtype we cannot read is an error only when the tensor is read (it may be unused).
         want = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize if dtype in _DTYPES else None
         if want is not None and end - start != want:
-            raise ValueError(
+            raise UsageError(
                 f"{self.path}: tensor {name} of shape {tuple(shape)} and dtype {dtype} needs "
                 f"{want} bytes, its header gives {end - start}"
             )
         if end > data_bytes:
-            raise ValueError(
+            raise UsageError(
                 f"{self.path}: tensor {name} ends at data byte {end}, past the file's "
                 f"{data_bytes} bytes of data; the file is truncated"
             )
@@ -103,7 +105,7 @@ class SafetensorsFile:
     def read(self, name: str) -> np.ndarray:
         entry = self._entries[name]
         if entry["dtype"] not in _DTYPES:
-            raise ValueError(
+            raise UsageError(
                 f"{self.path}: tensor {name} has dtype {entry['dtype']}; supported: "
                 f"{', '.join(_DTYPES)}"
             )
@@ -112,7 +114,7 @@ class SafetensorsFile:
             f.seek(self._data_start + start)
             data = f.read(end - start)
         if len(data) != end - start:  # shrunk since the header was checked
-            raise ValueError(
+            raise UsageError(
                 f"{self.path}: tensor {name} is truncated ({len(data)} of {end - start} bytes)"
             )
         return np.frombuffer(data, _DTYPES[entry["dtype"]]).reshape(entry["shape"])
@@ -131,18 +133,18 @@ class CheckpointReader:
             for shard in sorted(set(weight_map.values())):
                 shard_path = os.path.join(directory, shard)
                 if not os.path.exists(shard_path):
-                    raise ValueError(f"{index_path}: lists {shard}, which does not exist")
+                    raise UsageError(f"{index_path}: lists {shard}, which does not exist")
                 files[shard] = SafetensorsFile(shard_path)
             self._file_of = {}
             for name, shard in weight_map.items():
                 if name not in files[shard].names():
-                    raise ValueError(f"{index_path}: places {name} in {shard}, which lacks it")
+                    raise UsageError(f"{index_path}: places {name} in {shard}, which lacks it")
                 self._file_of[name] = files[shard]
         elif os.path.exists(single_path):
             single = SafetensorsFile(single_path)
             self._file_of = dict.fromkeys(single.names(), single)
         else:
-            raise ValueError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
+            raise UsageError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
 
     def __str__(self) -> str:
         return self.directory
@@ -165,9 +167,9 @@ def _weight_map(index_path: str) -> dict[str, str]:
         with open(index_path) as f:
             weight_map = json.load(f)["weight_map"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{index_path}: not a safetensors index ({type(e).__name__})") from None
+        raise UsageError(f"{index_path}: not a safetensors index ({type(e).__name__})") from None
     if not isinstance(weight_map, dict):
-        raise ValueError(f"{index_path}: weight_map is not a JSON object")
+        raise UsageError(f"{index_path}: weight_map is not a JSON object")
     return weight_map
 
 

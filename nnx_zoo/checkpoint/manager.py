@@ -68,6 +68,7 @@ from nnx_zoo.checkpoint.steps import (
     step_dir_problem,
 )
 from nnx_zoo.checkpoint.write_errors import CheckpointWriteError, reason
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime.console import warn
 
 
@@ -106,7 +107,7 @@ class Checkpointer:
         async_save: bool = True,
     ):
         if save_every < 1 or keep < 1:
-            raise ValueError(f"checkpoint save_every={save_every} and keep={keep} must be >= 1")
+            raise UsageError(f"checkpoint save_every={save_every} and keep={keep} must be >= 1")
         self.directory = checkpoint_dir(workdir)
         self.save_every = save_every
         self.run_info = _to_json(run_info)

@@ -28,6 +28,7 @@ from nnx_zoo.checkpoint.workdir import (
     METRICS_FILE,
     raise_everywhere,
 )
+from nnx_zoo.errors import UsageError
 
 MANIFEST = ".zoo-output.json"
 # A directory holding any of these is a training run's (train_main writes them).
@@ -76,13 +77,13 @@ def check_out(out: str, command: str, *, overwrite: bool, flag: str = "--out") -
     may be written at the absolute path `out` (module docstring)."""
     given = f"{flag}={out}"
     if os.path.lexists(out) and not os.path.isdir(out):
-        raise ValueError(
+        raise UsageError(
             f"{given} is a file, not a directory; name a new directory to write into "
             "(nothing is written over a file)"
         )
     run = _enclosing_run(out)
     if run == out:
-        raise ValueError(
+        raise UsageError(
             f"{given} is a training run's directory (it holds "
             f"{_shown([m for m in RUN_FILES if os.path.exists(os.path.join(out, m))])}), whose "
             f"files the output would replace; choose a new directory, e.g. {flag}="
@@ -91,7 +92,7 @@ def check_out(out: str, command: str, *, overwrite: bool, flag: str = "--out") -
     if run is not None:
         first = os.path.relpath(out, run).split(os.sep)[0]
         if first in RUN_FILES:
-            raise ValueError(
+            raise UsageError(
                 f"{given} lies inside the training run {run}, in its {first}, which the output "
                 f"would replace or corrupt; choose a new directory, e.g. {flag}="
                 f"{os.path.join(run, 'hf')}"
@@ -102,18 +103,18 @@ def check_out(out: str, command: str, *, overwrite: bool, flag: str = "--out") -
     manifest = read_manifest(out)
     if not overwrite:
         earlier = f"an earlier {command} output" if manifest else "files"
-        raise ValueError(
+        raise UsageError(
             f"{given} exists and holds {earlier} ({_shown(entries)}); choose a new directory"
             + (", or pass --overwrite to replace that output" if manifest else "")
         )
     if manifest is None or manifest.get("written_by") != command:
-        raise ValueError(
+        raise UsageError(
             f"{given} holds files that no earlier {command} wrote ({_shown(entries)}); "
             "--overwrite replaces only an earlier output of this command; choose a new directory"
         )
     foreign = sorted(set(entries) - set(manifest["files"]) - {MANIFEST})
     if foreign:
-        raise ValueError(
+        raise UsageError(
             f"{given} holds files the earlier {command} did not write ({_shown(foreign)}); "
             "--overwrite replaces only what it wrote; move them, or choose a new directory"
         )

@@ -28,6 +28,7 @@ from nnx_zoo.checkpoint.steps import (
     complete_steps,
     resolve_step,
 )
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime.console import one_line
 from zoo import VOCAB_DIMS
 
@@ -70,7 +71,7 @@ def restore_targets(tree):
         if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh):
             mesh = jax.sharding.get_mesh()
             if mesh is None or mesh.empty:
-                raise ValueError("restoring onto an abstract model needs `with jax.set_mesh(mesh)`")
+                raise UsageError("restoring onto an abstract model needs `with jax.set_mesh(mesh)`")
             sharding = NamedSharding(mesh, sharding.spec)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
@@ -116,7 +117,7 @@ def check_fits(
             elif np.dtype(s.dtype) != np.dtype(m.dtype):
                 diffs.append(f"{path} saved {np.dtype(s.dtype)} vs model {np.dtype(m.dtype)}")
     if diffs:
-        raise ValueError(f"checkpoint does not fit the {what}: " + "; ".join(diffs))
+        raise UsageError(f"checkpoint does not fit the {what}: " + "; ".join(diffs))
     return resized
 
 
@@ -212,7 +213,7 @@ def _legacy_data_state(step_dir: str) -> dict:
     if not saved:
         raise CorruptCheckpointError(f"checkpoint {step_dir} holds no data position")
     if saved != ["process_0-of-1.json"]:
-        raise ValueError(
+        raise UsageError(
             f"checkpoint {step_dir} keeps one data position per process ({', '.join(saved)}), "
             "in streams split by process, which this version no longer has: resume it with the "
             "version that wrote it, or change a data field (e.g. --config.data.shuffle_seed) "

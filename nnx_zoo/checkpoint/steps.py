@@ -11,6 +11,7 @@ from absl import logging
 
 from nnx_zoo.checkpoint import integrity
 from nnx_zoo.checkpoint.workdir import CHECKPOINT_SUBDIR
+from nnx_zoo.errors import UsageError
 
 INVALID_SUBDIR = "invalid"  # where a Checkpointer sets aside the steps it cannot use
 ITEMS = ("params", "opt_state", "data_position", "meta")
@@ -19,7 +20,7 @@ CHECKED = (*ITEMS, LEGACY_DATA)  # what the checksums cover, in old checkpoints 
 EVAL_ITEMS = ("params", "meta")
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(UsageError):
     """A checkpoint whose files no longer match what was written, or that cannot be read."""
 
 
@@ -81,12 +82,12 @@ def resolve_step(directory: str, step: int | None) -> int:
                 if found
                 else ""
             )
-            raise FileNotFoundError(f"no complete checkpoint in {directory}{detail}")
+            raise UsageError(f"no complete checkpoint in {directory}{detail}")
         return steps[-1]
     step_dir = os.path.join(directory, str(step))
     if not os.path.isdir(step_dir):
         have = committed(directory)
-        raise FileNotFoundError(f"no checkpoint for step {step} in {directory} (steps: {have})")
+        raise UsageError(f"no checkpoint for step {step} in {directory} (steps: {have})")
     problem = step_dir_problem(step_dir)
     if problem:
         raise CorruptCheckpointError(f"checkpoint {step_dir} is incomplete: {problem}")

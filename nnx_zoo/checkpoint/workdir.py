@@ -18,6 +18,7 @@ import socket
 import tempfile
 import time
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime.console import warn
 
 LOCK_FILE = ".lock"
@@ -35,7 +36,7 @@ def expand(path: str) -> str:
     only, directory renames are not atomic).
     """
     if "://" in path:
-        raise ValueError(
+        raise UsageError(
             f"{path}: object-store URLs are not supported as a run directory (its lock, "
             "metrics and checksums need a POSIX filesystem); mount the bucket (e.g. gcsfuse) "
             "and pass the mounted path"
@@ -49,7 +50,7 @@ def check_writable(workdir: str, flag: str = "--workdir") -> None:
     # A flag reads `--workdir=DIR`; a description reads `the checkpoint directory DIR`.
     name = f"{flag}={workdir}" if flag.startswith("--") else f"{flag} {workdir}"
     if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise ValueError(f"{name} is a file, not a directory")
+        raise UsageError(f"{name} is a file, not a directory")
     try:
         os.makedirs(workdir, exist_ok=True)
         # A real write: permission bits do not tell root about read-only mounts.
@@ -57,7 +58,7 @@ def check_writable(workdir: str, flag: str = "--workdir") -> None:
             pass
     except OSError as e:
         reason = e.strerror or errno.errorcode.get(e.errno, str(e))
-        raise ValueError(f"{name} cannot be written ({reason})") from None
+        raise UsageError(f"{name} cannot be written ({reason})") from None
 
 
 class WorkdirLock:
@@ -77,7 +78,7 @@ class WorkdirLock:
             holder = _read(fd) or "another process"
             os.close(fd)
             if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise ValueError(
+                raise UsageError(
                     f"workdir {os.path.dirname(self.path)} is in use by {holder}; wait for "
                     "that run to end, or choose another --workdir"
                 ) from None
@@ -122,7 +123,7 @@ def check_history(workdir: str, checkpoints: bool) -> None:
     metrics = os.path.join(workdir, METRICS_FILE)
     if saved or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
         what = f"checkpoint steps {', '.join(saved)}" if saved else METRICS_FILE
-        raise ValueError(
+        raise UsageError(
             f"--workdir={workdir} holds an earlier run ({what}) and "
             "--config.checkpoint.enabled=False would start over and overwrite its records; "
             "choose a new --workdir, or leave checkpoints enabled to resume it"
@@ -190,4 +191,4 @@ def raise_everywhere(error: str, elsewhere: str) -> None:
         if int(failed) and not error:
             error = elsewhere
     if error:
-        raise ValueError(error)
+        raise UsageError(error)

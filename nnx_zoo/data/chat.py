@@ -33,6 +33,7 @@ import numpy as np
 
 from nnx_zoo.data import sources, token_store
 from nnx_zoo.data.tokenizers import Tokenizer
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime.console import one_line
 
 FORMATS = ("text", "chat", "prompt_completion")
@@ -77,7 +78,7 @@ class ChatTemplate:
         try:
             self._template = env.from_string(template)
         except jinja2.exceptions.TemplateError as e:
-            raise ValueError(f"{self.source}: not a valid Jinja template ({one_line(e)})") from None
+            raise UsageError(f"{self.source}: not a valid Jinja template ({one_line(e)})") from None
 
     @classmethod
     def from_dir(cls, path: str) -> ChatTemplate:
@@ -103,7 +104,7 @@ class ChatTemplate:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         if not isinstance(template, str):
-            raise ValueError(
+            raise UsageError(
                 f"{directory!r} has no chat template (chat_template.jinja, or chat_template in "
                 "tokenizer_config.json); data.format=chat needs the checkpoint's tokenizer "
                 "directory (--config.data.tokenizer=DIR)"
@@ -123,12 +124,12 @@ class ChatTemplate:
                 **{**self.special_tokens, **kwargs},
             )
         except jinja2.exceptions.SecurityError as e:
-            raise ValueError(
+            raise UsageError(
                 f"{self.source}: the chat template tried to reach outside its sandbox "
                 f"({one_line(e)})"
             ) from None
         except Exception as e:  # noqa: BLE001 -- a template is foreign code; any error is its
-            raise ValueError(f"{self.source}: the chat template raised: {one_line(e)}") from None
+            raise UsageError(f"{self.source}: the chat template raised: {one_line(e)}") from None
 
     def assistant_spans(
         self, messages: Sequence[dict], trained: Sequence[bool]
@@ -146,7 +147,7 @@ class ChatTemplate:
             content = message["content"]
             start, found = _find(text, content, cursor)
             if start < 0:
-                raise ValueError(
+                raise UsageError(
                     f"{self.source}: the content of message {i} (role {message['role']!r}) is "
                     "not in the rendered chat (the template drops or rewrites it), so its tokens "
                     "cannot be told apart"
@@ -179,7 +180,7 @@ class ChatTemplate:
                 continue
             role = message["role"]
             known = [r for r in _COMMON_ROLES if r != role and self._renders(marked, i, r)]
-            raise ValueError(
+            raise UsageError(
                 f"{self.source}: message {i} has role {role!r}, which the chat template does "
                 f"not know (it renders nothing of that message); roles it renders there: "
                 f"{', '.join(known) or 'none of ' + ', '.join(_COMMON_ROLES)}"
@@ -243,7 +244,7 @@ def _generation_tag():
 
 def _check_messages(messages, where: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+        raise UsageError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
     out = []
     for j, m in enumerate(messages):
         # Which roles a chat may hold is the template's to say (Llama 3.1 knows `ipython`,
@@ -251,7 +252,7 @@ def _check_messages(messages, where: str) -> list[dict]:
         # the template raises on or renders nothing of.
         role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (0, 0)
         if not (isinstance(role, str) and role and isinstance(content, str)):
-            raise ValueError(
+            raise UsageError(
                 f"{where}: message {j} must be an object with a string 'role' and a string "
                 "'content'"
             )
@@ -262,10 +263,10 @@ def _check_messages(messages, where: str) -> list[dict]:
 def check_record(record, data_format: str, where: str) -> dict:
     """The record's fields for `data_format`, checked; ValueError naming `where` if wrong."""
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {json.dumps(record)[:40]}")
+        raise UsageError(f"{where}: expected a JSON object, got {json.dumps(record)[:40]}")
     if data_format == "chat":
         if "messages" not in record:
-            raise ValueError(
+            raise UsageError(
                 f"{where}: no 'messages' field (data.format=chat wants "
                 '{"messages": [{"role": ..., "content": ...}, ...]}; fields here: '
                 f"{sorted(record)})"
@@ -273,7 +274,7 @@ def check_record(record, data_format: str, where: str) -> dict:
         return {"messages": _check_messages(record["messages"], where)}
     missing = [k for k in ("prompt", "completion") if k not in record]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"{where}: no {' or '.join(map(repr, missing))} field (data.format="
             f"prompt_completion wants prompt and completion; fields here: {sorted(record)})"
         )
@@ -285,7 +286,7 @@ def check_record(record, data_format: str, where: str) -> dict:
             "prompt": _check_messages(prompt, where) if prompt else [],
             "completion": _check_messages(completion, where),
         }
-    raise ValueError(f"{where}: prompt and completion must both be strings or both message lists")
+    raise UsageError(f"{where}: prompt and completion must both be strings or both message lists")
 
 
 def _read_records(path: str, data_format: str) -> list[dict]:
@@ -303,15 +304,15 @@ def _read_records(path: str, data_format: str) -> list[dict]:
             names = pq.read_schema(path).names
             missing = [f for f in fields if f not in names]
             if missing:
-                raise ValueError(
+                raise UsageError(
                     f"{path}: no column {missing[0]!r} (data.format={data_format} wants "
                     f"{', '.join(fields)}; columns: {names})"
                 )
             rows = pq.read_table(path, columns=list(fields)).to_pylist()
         except pyarrow.ArrowException as e:
-            raise ValueError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
+            raise UsageError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
         return [check_record(r, data_format, f"{path}: row {i}") for i, r in enumerate(rows)]
-    raise ValueError(
+    raise UsageError(
         f"data file {path!r}: data.format={data_format} reads .jsonl or .parquet records"
     )
 
@@ -330,9 +331,9 @@ def _keyed_records(
 ) -> list[tuple[str, dict]]:
     """(where, record): `where` names the file and line (JSONL) or row (Parquet)."""
     if split not in sources.SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {sources.SPLITS}")
+        raise UsageError(f"unknown split {split!r}; expected one of {sources.SPLITS}")
     if source == sources.DEFAULT_SOURCE:
-        raise ValueError(
+        raise UsageError(
             f"data.format={data_format} needs a data.source of .jsonl or .parquet records, "
             "not 'default'"
         )
@@ -354,7 +355,7 @@ def _keyed_records(
         if keep
     ]
     if not kept:
-        raise ValueError(sources._no_documents(source, split, len(keyed), validation_fraction))
+        raise UsageError(sources._no_documents(source, split, len(keyed), validation_fraction))
     return kept
 
 
@@ -384,7 +385,7 @@ def encode_records(
     the gradient nothing) are each a ValueError (one line) before the first step. What was
     dropped or cut is counted in one line appended to `notes`."""
     if overflow not in OVERFLOW:
-        raise ValueError(f"data.chat_overflow={overflow!r}; valid: {', '.join(OVERFLOW)}")
+        raise UsageError(f"data.chat_overflow={overflow!r}; valid: {', '.join(OVERFLOW)}")
     if token_store.is_store(source):  # encoded by zoo-data: read, not rendered again
         encoded_records = _store_records(source, split, data_format, validation_fraction)
     else:
@@ -399,7 +400,7 @@ def encode_records(
         if length > seq_len:
             longest = max(longest, length)
             if overflow == "error":
-                raise ValueError(
+                raise UsageError(
                     f"{where}: {length} tokens, more than data.seq_len={seq_len}; raise "
                     "data.seq_len, or set data.chat_overflow=drop (leave such records out) or "
                     "truncate_left (keep their last seq_len tokens)"
@@ -425,7 +426,7 @@ def encode_records(
                 f"{too_long} are longer than data.seq_len={seq_len} (the longest {longest} "
                 "tokens; data.chat_overflow=drop)"
             )
-        raise ValueError(
+        raise UsageError(
             f"{where}: nothing to train on: of its {len(keyed)} {what}, {'; '.join(reasons)}"
         )
     counts = []
@@ -450,7 +451,7 @@ def _store_records(source, split, data_format, validation_fraction) -> list[tupl
     """(where, {'tokens', 'loss_mask'}) of a chat / prompt_completion token store's split."""
     store = token_store.TokenStore(source)
     if store.index["data_format"] != data_format:
-        raise ValueError(
+        raise UsageError(
             f"data.source={source!r} holds {store.index['data_format']} data; set "
             f"--config.data.format={store.index['data_format']}"
         )
@@ -458,7 +459,7 @@ def _store_records(source, split, data_format, validation_fraction) -> list[tupl
     in_val = sources._both_sides(sources._index_in_validation(number, validation_fraction))
     kept = number[sources._keep(in_val, split)]
     if not len(kept):
-        raise ValueError(sources._no_documents(source, split, len(store), validation_fraction))
+        raise UsageError(sources._no_documents(source, split, len(store), validation_fraction))
     return [
         (f"{source} record {int(n) + 1}", {"tokens": ids, "loss_mask": mask})
         for n, (ids, mask) in zip(kept, store.read(kept), strict=True)
@@ -480,7 +481,7 @@ def encode_record(record: dict, tokenizer: Tokenizer, template: ChatTemplate | N
     """{'tokens': int32 ids, 'loss_mask': int32 0/1 per token} of one checked record."""
     if "messages" in record or isinstance(record.get("prompt"), list):
         if template is None:
-            raise ValueError("chat records need the checkpoint's chat template")
+            raise UsageError("chat records need the checkpoint's chat template")
         if "messages" in record:
             messages = record["messages"]
             trained = [m["role"] == "assistant" for m in messages]

@@ -47,6 +47,7 @@ from nnx_zoo.data.pipeline import check_batch_split, check_store, packed_rows
 from nnx_zoo.data.rows import store_rows
 from nnx_zoo.data.sources import DEFAULT_VALIDATION_FRACTION, NoValidationSplitError
 from nnx_zoo.data.tokenizers import Tokenizer
+from nnx_zoo.errors import UsageError
 
 # The batch key of each row's source index; the training loop strips it before the step
 # (nnx_zoo/training/loop.py's SOURCE_IDS).
@@ -172,13 +173,13 @@ class _MixtureIterator(grain.DatasetIterator):
     def set_state(self, state: dict[str, Any]) -> None:
         saved, ours = list(state["weights"]), self._names
         if sorted(saved) != sorted(ours):
-            raise ValueError(
+            raise UsageError(
                 f"the saved data position mixes the sources {sorted(saved)}, this stream "
                 f"{sorted(ours)}: a position resumes only into the same sources"
             )
         streamed = {s.name for s in self._sources if s.streamed}
         if set(state["streams"]) != streamed:  # a source now a stream and then rows, or back
-            raise ValueError(
+            raise UsageError(
                 f"the saved data position reads the sources {sorted(state['streams'])} as "
                 f"streams, this stream {sorted(streamed)} (the rest row by row): it was "
                 "written by another version of the mixture"
@@ -217,9 +218,9 @@ class Mixture(grain.IterDataset):
         parents = [s.rows for s in sources if s.streamed]
         super().__init__(parents)
         if not sources:
-            raise ValueError("a mixture needs at least one source")
+            raise UsageError("a mixture needs at least one source")
         if not all(math.isfinite(s.weight) and s.weight > 0 for s in sources):
-            raise ValueError(f"mixture weights must be finite and > 0: {sources}")
+            raise UsageError(f"mixture weights must be finite and > 0: {sources}")
         self._sources = list(sources)
         self._process_index = jax.process_index() if process_index is None else process_index
         self._process_count = jax.process_count() if process_count is None else process_count

@@ -64,6 +64,7 @@ from nnx_zoo.data.position import GlobalPosition
 from nnx_zoo.data.rows import store_batches
 from nnx_zoo.data.sources import DEFAULT_VALIDATION_FRACTION, load_documents
 from nnx_zoo.data.tokenizers import Tokenizer
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime import absl_flags
 
 # ----------------------------------------------------------------------------- pipeline
@@ -87,7 +88,7 @@ class _Tokenize:
         else:
             ids = doc
             if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
-                raise ValueError(
+                raise UsageError(
                     f"token id {int(ids.max())} outside the tokenizer's vocabulary "
                     f"[0, {tok.vocab_size}); was the ArrayRecord written with another tokenizer?"
                 )
@@ -178,7 +179,7 @@ class _FixedBatches(grain.IterDataset):
 
 def check_batch_split(global_batch_size: int, process_count: int) -> None:
     if global_batch_size % process_count:
-        raise ValueError(
+        raise UsageError(
             f"global_batch_size={global_batch_size} is not divisible by the "
             f"{process_count} processes"
         )
@@ -190,7 +191,7 @@ def check_store(source: str, tokenizer: Tokenizer, data_format: str) -> None:
     index = token_store.read_index(source)
     token_store.check_tokenizer(source, index, tokenizer)
     if index["data_format"] != data_format:
-        raise ValueError(
+        raise UsageError(
             f"data.source={source!r} holds {index['data_format']} data (zoo-data "
             f"--format={index['data_format']}); set --config.data.format="
             f"{index['data_format']}"

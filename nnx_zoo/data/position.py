@@ -22,6 +22,8 @@ from typing import Any
 
 import grain
 
+from nnx_zoo.errors import UsageError
+
 DOCUMENTS_READ = "documents_read"
 # Keys under which a Grain stage keeps its parent's state: most stages, the window shuffle
 # (the state at its window's start), and the flat map (the chunker), whose parent is the
@@ -36,7 +38,7 @@ def _reader_holder(state: dict[str, Any]) -> dict[str, Any]:
     while isinstance(node, dict) and _FLAT_MAP_KEY not in node:
         node = next((node[k] for k in _PARENT_KEYS if k in node), None)
     if not isinstance(node, dict) or not isinstance(node.get("parent"), dict):
-        raise ValueError(
+        raise UsageError(
             f"data-iterator state has no chunker stage (a dict with {_FLAT_MAP_KEY!r}); "
             "it was not written by this pipeline"
         )
@@ -56,11 +58,11 @@ def _reader_documents(reader: dict[str, Any]) -> int:
         return int(reader["next_index"])
     states = reader.get("iterators_in_use_states")
     if not isinstance(states, list) or reader.get("future_states") or any(reader["exhausted"]):
-        raise ValueError(f"data-iterator reading state of an unknown layout: {sorted(reader)}")
+        raise UsageError(f"data-iterator reading state of an unknown layout: {sorted(reader)}")
     counts = [int(s["next_index"]) for s in states]
     total = sum(counts)
     if reader["next_index_in_cycle"] != total % len(counts) or counts != _split(total, len(counts)):
-        raise ValueError(f"data-iterator worker counts {counts} are not a round-robin position")
+        raise UsageError(f"data-iterator worker counts {counts} are not a round-robin position")
     return total
 
 

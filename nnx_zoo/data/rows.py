@@ -39,6 +39,7 @@ import numpy as np
 
 from nnx_zoo.data import position, sources
 from nnx_zoo.data.token_store import TokenStore
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime import absl_flags
 
 KEYS = ("tokens", "segment_ids", "positions")
@@ -51,14 +52,14 @@ class RowLayout:
 
     def __init__(self, store: TokenStore, split: str, seq_len: int, validation_fraction: float):
         if split not in sources.SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {sources.SPLITS}")
+            raise UsageError(f"unknown split {split!r}; expected one of {sources.SPLITS}")
         self.store, self.seq_len = store, seq_len
         self.eos_id = int(store.index["tokenizer"]["eos_id"])
         number = np.arange(len(store), dtype=np.int64)
         in_val = sources._both_sides(sources._index_in_validation(number, validation_fraction))
         self.documents = number[sources._keep(in_val, split)]
         if not len(self.documents):
-            raise ValueError(
+            raise UsageError(
                 sources._no_documents(store.path, split, len(store), validation_fraction)
             )
         self.ends = np.cumsum(store.lengths[self.documents] + 1)
@@ -133,7 +134,7 @@ def store_rows(
     layout = RowLayout(store, split, seq_len, validation_fraction)
     rows = grain.MapDataset.range(layout.num_rows(pad_last=not repeat))
     if not len(rows):
-        raise ValueError(
+        raise UsageError(
             f"data.source={store.path!r} ({split} split) holds {layout.total_tokens} tokens, "
             f"less than one row of data.seq_len={seq_len}"
         )
@@ -178,7 +179,7 @@ class _BatchIndexIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict) -> None:
         if set(state) != {BATCH_INDEX}:
-            raise ValueError(
+            raise UsageError(
                 f"data-iterator state {sorted(state)} is not a token store's position "
                 f"({{{BATCH_INDEX!r}: n}}); it was written by another data pipeline"
             )

@@ -48,6 +48,7 @@ import numpy as np
 
 from nnx_zoo.data import text_index, token_store
 from nnx_zoo.data.text_source import TextDocuments
+from nnx_zoo.errors import UsageError
 
 DEFAULT_SOURCE = "default"
 DEFAULT_MAX_BYTES = 16 * 2**20  # ~12 MB of stdlib code today; reads in well under a second
@@ -96,15 +97,15 @@ def _expand(source: str) -> list[str]:
         files = glob.glob(os.path.join(path, "**", "*"), recursive=True)
         files = [p for p in files if p.endswith(suffixes) and os.path.isfile(p)]
         if not files:
-            raise FileNotFoundError(f"data directory {source!r} holds no {suffixes} files")
+            raise UsageError(f"data directory {source!r} holds no {suffixes} files")
         return sorted(files)
     if glob.has_magic(path):
         files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
         if not files:
-            raise FileNotFoundError(f"data glob {source!r} matches no files")
+            raise UsageError(f"data glob {source!r} matches no files")
         return files
     if not os.path.exists(path):
-        raise FileNotFoundError(f"data path {source!r} does not exist")
+        raise UsageError(f"data path {source!r} does not exist")
     return [path]
 
 
@@ -114,7 +115,7 @@ def _decode(raw: bytes, path: str, line_no: int | None = None) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = line_no if line_no is not None else raw[: e.start].count(b"\n") + 1
-        raise ValueError(
+        raise UsageError(
             f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); data files must be UTF-8"
         ) from None
 
@@ -130,7 +131,7 @@ def jsonl_records(path: str):
             try:
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(
+                raise UsageError(
                     f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})"
                 ) from None
 
@@ -140,10 +141,10 @@ def _check_text_column(path: str, schema, text_field: str) -> None:
     import pyarrow
 
     if text_field not in schema.names:
-        raise ValueError(f"{path}: no column {text_field!r} (columns: {schema.names})")
+        raise UsageError(f"{path}: no column {text_field!r} (columns: {schema.names})")
     kind = schema.field(text_field).type
     if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
-        raise ValueError(
+        raise UsageError(
             f"{path}: column {text_field!r} holds {kind}, not strings; data.text_field "
             f"must name a text column (columns: {schema.names})"
         )
@@ -175,7 +176,7 @@ def load_documents(
     """The documents of `source` in `split`, in a fixed order: a MapDataset of `str` (text
     sources) or of `np.ndarray` int32 token ids (ArrayRecord)."""
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+        raise UsageError(f"unknown split {split!r}; expected one of {SPLITS}")
     if source == DEFAULT_SOURCE:
         return _default_documents(split, validation_fraction)
     if token_store.is_store(source):
@@ -184,12 +185,12 @@ def load_documents(
     token_files = [p for p in files if p.endswith(_TOKEN_SUFFIXES)]
     for path in files:
         if not path.endswith(_TEXT_SUFFIXES + _TOKEN_SUFFIXES):
-            raise ValueError(
+            raise UsageError(
                 f"unsupported data file {path!r}: expected .txt, .jsonl, .parquet or .arrayrecord"
             )
     if token_files:
         if len(token_files) != len(files):
-            raise ValueError(f"data source {source!r} mixes ArrayRecord and text files")
+            raise UsageError(f"data source {source!r} mixes ArrayRecord and text files")
         return _token_documents(source, token_files, split, validation_fraction)
     return _text_documents(source, files, split, text_field, validation_fraction)
 
@@ -200,7 +201,7 @@ def _default_documents(split: str, validation_fraction: float) -> grain.MapDatas
     in_val = _both_sides([_in_validation(k, validation_fraction) for k, _ in keyed])
     texts = [text for (_, text), keep in zip(keyed, _keep(in_val, split), strict=True) if keep]
     if not texts:
-        raise ValueError(_no_documents(DEFAULT_SOURCE, split, len(keyed), validation_fraction))
+        raise UsageError(_no_documents(DEFAULT_SOURCE, split, len(keyed), validation_fraction))
     return grain.MapDataset.source(texts)
 
 
@@ -221,7 +222,7 @@ def _text_documents(source, files, split, text_field, validation_fraction) -> gr
     in_val = _both_sides(buckets < validation_fraction * 10_000)
     ids = np.flatnonzero(_keep(in_val, split))
     if not len(ids):
-        raise ValueError(_no_documents(source, split, len(buckets), validation_fraction))
+        raise UsageError(_no_documents(source, split, len(buckets), validation_fraction))
     docs = TextDocuments(indexes, ids, text_field)
     if not _any_text(docs):  # empty texts read as '' (no document); not one text in the split
         if split == "all" or not _any_text(
@@ -233,7 +234,7 @@ def _text_documents(source, files, split, text_field, validation_fraction) -> gr
                 f"data source {source!r} has no text in split 'validation': its "
                 f"{len(ids)} documents there are empty"
             )
-        raise ValueError(
+        raise UsageError(
             f"data source {source!r} has no text in split {split!r}: every text there is empty"
         )
     return grain.MapDataset.source(docs)
@@ -264,7 +265,7 @@ def _both_sides(in_validation) -> np.ndarray:
     return in_val
 
 
-class NoValidationSplitError(ValueError):
+class NoValidationSplitError(UsageError):
     """A source of one document: it is all training data; a run skips validation."""
 
 
@@ -299,7 +300,7 @@ def _token_documents(source, files, split, validation_fraction) -> grain.MapData
     index = np.arange(len(data_source), dtype=np.int64)
     kept = index[_keep(_both_sides(_index_in_validation(index, validation_fraction)), split)]
     if not len(kept):
-        raise ValueError(_no_documents(source, split, len(index), validation_fraction))
+        raise UsageError(_no_documents(source, split, len(index), validation_fraction))
     return grain.MapDataset.source(kept.tolist()).map(_ReadRecord(data_source))
 
 
@@ -316,14 +317,14 @@ class _ReadStoreDocument:
 def _store_documents(source, split, validation_fraction) -> grain.MapDataset:
     store = token_store.TokenStore(source)
     if store.with_mask:
-        raise ValueError(
+        raise UsageError(
             f"data.source={source!r} holds {store.index['data_format']} records; set "
             f"--config.data.format={store.index['data_format']}"
         )
     index = np.arange(len(store), dtype=np.int64)
     kept = index[_keep(_both_sides(_index_in_validation(index, validation_fraction)), split)]
     if not len(kept):
-        raise ValueError(_no_documents(source, split, len(index), validation_fraction))
+        raise UsageError(_no_documents(source, split, len(index), validation_fraction))
     return grain.MapDataset.source(kept.tolist()).map(_ReadStoreDocument(store))
 
 

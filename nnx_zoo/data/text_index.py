@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nnx_zoo.errors import UsageError
+
 BLOCK_BYTES = 8 << 20
 PROGRESS_AFTER_S = 1.5
 PROGRESS_EVERY_S = 5.0
@@ -220,7 +222,7 @@ def _parquet_rows(path: str, text_field: str, check_type) -> np.ndarray:
             [meta.metadata.row_group(g).num_rows for g in range(meta.num_row_groups)], np.int64
         )
     except pyarrow.ArrowException as e:
-        raise ValueError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
+        raise UsageError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
 
 
 def _cache_dir() -> str | None:

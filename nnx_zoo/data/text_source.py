@@ -26,9 +26,10 @@ import threading
 import numpy as np
 
 from nnx_zoo.data.text_index import PARAGRAPH_STRIP, FileIndex, line_of
+from nnx_zoo.errors import UsageError
 
 
-class DataFileError(ValueError):
+class DataFileError(UsageError):
     """A document of a data file that cannot be read (one line naming file:line), found when
     it is read, which may be after the first step."""
 

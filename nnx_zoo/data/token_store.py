@@ -37,6 +37,8 @@ import threading
 
 import numpy as np
 
+from nnx_zoo.errors import UsageError
+
 FORMAT = "nnx-zoo-token-store"
 VERSION = 1
 INDEX = "index.json"
@@ -94,7 +96,7 @@ def check_tokenizer(store_path: str, index: dict, tokenizer) -> None:
     theirs = index["tokenizer"]
     ours = tokenizer_identity(tokenizer, getattr(tokenizer, "path", None) or "byte")
     if any(ours[k] != theirs[k] for k in ("fingerprint", "vocab_size", "eos_id")):
-        raise ValueError(
+        raise UsageError(
             f"data.source={store_path!r} was tokenized with {_describe(theirs)}, but the run's "
             f"data.tokenizer is {_describe(ours)}; set --config.data.tokenizer={theirs['spec']} "
             "or tokenize the corpus again with zoo-data --tokenizer=..."
@@ -173,11 +175,11 @@ def read_index(path: str) -> dict:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{index_path}: not a readable token-store index ({e})") from None
+        raise UsageError(f"{index_path}: not a readable token-store index ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise ValueError(f"{index_path}: not a {FORMAT} index")
+        raise UsageError(f"{index_path}: not a {FORMAT} index")
     if index.get("version") != VERSION:
-        raise ValueError(
+        raise UsageError(
             f"{index_path}: store version {index.get('version')}; this version reads {VERSION}"
         )
     return index
@@ -199,7 +201,7 @@ class TokenStore:
         ).astype(np.int64)
         counts = np.array([s["documents"] for s in shards], dtype=np.int64)
         if int(counts.sum()) != len(self.lengths) or len(self.lengths) != self.index["documents"]:
-            raise ValueError(f"{self.path}: the shards' lengths do not match index.json")
+            raise UsageError(f"{self.path}: the shards' lengths do not match index.json")
         self.shard_starts = np.concatenate([[0], np.cumsum(counts)])  # first document of each
         self._readers: dict[int, object] = {}
         self._opening = threading.Lock()

@@ -30,6 +30,7 @@ import numpy as np
 
 from nnx_zoo.data import chat, sources, token_store
 from nnx_zoo.data.tokenizers import make_tokenizer
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime.files import write_json_atomic
 
 RUN_FILE = "run.json"
@@ -69,12 +70,12 @@ class Piece:
 
 def _files(request: Request) -> list[str]:
     if token_store.is_store(request.source):
-        raise ValueError(f"--source={request.source!r} is already a token store")
+        raise UsageError(f"--source={request.source!r} is already a token store")
     files = sources._expand(request.source)
     allowed = _TEXT_SUFFIXES if request.data_format == "text" else _RECORD_SUFFIXES
     for path in files:
         if not path.endswith(allowed):
-            raise ValueError(
+            raise UsageError(
                 f"unsupported file {path!r} for --format={request.data_format}: expected "
                 f"{', '.join(allowed)}"
             )
@@ -116,7 +117,7 @@ def plan_pieces(files: list[str], shard_bytes: int) -> list[Piece]:
             try:
                 meta = pq.ParquetFile(path).metadata
             except Exception as e:  # noqa: BLE001 -- pyarrow raises several kinds
-                raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+                raise UsageError(f"{path}: not a readable Parquet file ({e})") from None
             start, acc = 0, 0
             for g in range(meta.num_row_groups):
                 acc += meta.row_group(g).total_byte_size
@@ -163,7 +164,7 @@ def _decode(raw: bytes, path: str, offset: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(
+        raise UsageError(
             f"{path}: byte {offset + e.start}: not UTF-8 text (0x{raw[e.start]:02x}); data "
             "files must be UTF-8"
         ) from None
@@ -195,7 +196,7 @@ def _json_lines(piece: Piece):
         try:
             yield where, json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 def _parquet_rows(piece: Piece, columns: list[str]):
@@ -205,7 +206,7 @@ def _parquet_rows(piece: Piece, columns: list[str]):
     names = f.schema_arrow.names
     missing = [c for c in columns if c not in names]
     if missing:
-        raise ValueError(f"{piece.path}: no column {missing[0]!r} (columns: {names})")
+        raise UsageError(f"{piece.path}: no column {missing[0]!r} (columns: {names})")
     row = sum(f.metadata.row_group(g).num_rows for g in range(piece.start))
     groups = list(range(piece.start, piece.end))
     for batch in f.iter_batches(batch_size=1024, row_groups=groups, columns=columns):
@@ -224,7 +225,7 @@ def _texts(piece: Piece, text_field: str):
         if not isinstance(text, str):
             if piece.kind == "parquet" and text is None:
                 continue
-            raise ValueError(
+            raise UsageError(
                 f"{where}: expected a JSON object with a string field {text_field!r} "
                 f"(--text_field), got {json.dumps(record)[:40]}"
             )
@@ -330,7 +331,7 @@ def _prepare_out(request: Request, record: dict) -> bool:
     """Make OUT ready; True when it holds an unfinished run of these arguments to continue."""
     out = request.out
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out={out!r} is a file; give a new or empty directory")
+        raise UsageError(f"--out={out!r} is a file; give a new or empty directory")
     names = os.listdir(out) if os.path.isdir(out) else []
     if not names:
         os.makedirs(out, exist_ok=True)
@@ -338,7 +339,7 @@ def _prepare_out(request: Request, record: dict) -> bool:
     foreign = [n for n in names if not _OURS.match(n)]
     ours = token_store.INDEX in names or RUN_FILE in names
     if foreign or not ours:
-        raise ValueError(
+        raise UsageError(
             f"--out={out!r} is not empty and holds files zoo-data did not write "
             f"({', '.join(sorted(foreign or names)[:3])}); give a new or empty directory"
         )
@@ -347,14 +348,14 @@ def _prepare_out(request: Request, record: dict) -> bool:
             os.remove(os.path.join(out, name))
         return False
     if token_store.INDEX in names:
-        raise ValueError(
+        raise UsageError(
             f"--out={out!r} already holds a finished token store; pass --overwrite to replace it"
         )
     with open(os.path.join(out, RUN_FILE), encoding="utf-8") as f:
         earlier = json.load(f)
     if earlier != json.loads(json.dumps(record)):
         changed = [k for k in record if earlier.get(k) != json.loads(json.dumps(record[k]))]
-        raise ValueError(
+        raise UsageError(
             f"--out={out!r} holds an unfinished zoo-data run of other arguments (differing: "
             f"{', '.join(changed) or 'format'}); pass --overwrite to start over, or the same "
             "arguments to continue it"
@@ -381,13 +382,13 @@ def tokenize_corpus(request: Request, *, log=None) -> dict:
     FileNotFoundError (one line) for bad input."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     if request.data_format not in chat.FORMATS:
-        raise ValueError(f"--format={request.data_format!r}; valid: {', '.join(chat.FORMATS)}")
+        raise UsageError(f"--format={request.data_format!r}; valid: {', '.join(chat.FORMATS)}")
     if request.num_workers < 1 or request.shard_bytes < 1:
-        raise ValueError("--num_workers and --shard_bytes must be at least 1")
+        raise UsageError("--num_workers and --shard_bytes must be at least 1")
     files = _files(request)
     tokenizer = make_tokenizer(request.tokenizer)
     if request.data_format == "chat" and request.tokenizer == "byte":
-        raise ValueError(
+        raise UsageError(
             "--format=chat needs the checkpoint's tokenizer directory (its chat "
             "template), not 'byte'"
         )

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime.console import one_line
 
 # Names of end-of-document tokens in common Hugging Face vocabularies, most specific first.
@@ -45,7 +46,7 @@ class Tokenizer(abc.ABC):
     def encode_with_starts(self, text: str) -> tuple[list[int], np.ndarray]:
         """(ids of `text` as `encode` gives them, the index in `text` of each id's first
         character): what a per-token loss mask over character spans needs."""
-        raise ValueError(
+        raise UsageError(
             f"{self!r} gives no character offsets; chat data needs a tokenizer.json or 'byte'"
         )
 
@@ -157,7 +158,7 @@ class HfTokenizer(Tokenizer):
         try:
             self._tok = _HfTok.from_file(path)
         except Exception as e:  # noqa: BLE001 -- the library raises bare Exceptions
-            raise ValueError(
+            raise UsageError(
                 f"{path}: not a tokenizer.json the tokenizers library can read ({one_line(e)})"
             ) from None
         spec = json.loads(self._tok.to_str())
@@ -209,7 +210,7 @@ def _eos_from_config(config_path: str) -> str | None:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
     except (ValueError, OSError) as e:
-        raise ValueError(f"{config_path}: not a readable JSON file ({e})") from None
+        raise UsageError(f"{config_path}: not a readable JSON file ({e})") from None
     eos = config.get("eos_token") if isinstance(config, dict) else None
     return eos.get("content") if isinstance(eos, dict) else eos
 
@@ -229,7 +230,7 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
         except (RuntimeError, OSError) as e:
-            raise ValueError(
+            raise UsageError(
                 f"{path}: not a SentencePiece model sentencepiece can read ({one_line(e)})"
             ) from None
         base_size = self._sp.get_piece_size()
@@ -271,7 +272,7 @@ def make_tokenizer(spec: str) -> Tokenizer:
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(
+        raise UsageError(
             f"tokenizer not found: {path!r} (use 'byte', a tokenizer.json "
             "or a SentencePiece .model path)"
         )
@@ -279,6 +280,6 @@ def make_tokenizer(spec: str) -> Tokenizer:
         return HfTokenizer(path)
     if path.endswith(".model"):
         return SentencePieceTokenizer(path)
-    raise ValueError(
+    raise UsageError(
         f"unknown tokenizer file {path!r}: expected 'byte', a tokenizer.json or a .model file"
     )

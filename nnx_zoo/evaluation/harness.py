@@ -17,6 +17,8 @@ import dataclasses
 import json
 import os
 
+from nnx_zoo.errors import UsageError
+
 INSTALL = 'pip install "nnx-zoo[eval]"  (lm-eval 0.4.13)'
 RESULTS_FILE = "lm_eval.json"
 EXAMPLE_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
@@ -45,13 +47,13 @@ def require_lm_eval() -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise ValueError(f"--tasks needs lm-evaluation-harness: {INSTALL}") from None
+        raise UsageError(f"--tasks needs lm-evaluation-harness: {INSTALL}") from None
 
 
 def parse_tasks(spec: str) -> list[str]:
     names = [t.strip() for t in spec.split(",") if t.strip()]
     if not names:
-        raise ValueError(f"--tasks={spec!r} names no task; e.g. --tasks=zoo_facts,zoo_prose")
+        raise UsageError(f"--tasks={spec!r} names no task; e.g. --tasks=zoo_facts,zoo_prose")
     return names
 
 
@@ -60,7 +62,7 @@ def task_manager(names: list[str], include_path: str | None):
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not os.path.isdir(include_path):
-        raise ValueError(
+        raise UsageError(
             f"--include_path={include_path!r} is not a directory of task YAML files (or "
             f"{_EXAMPLES_NAME}: the example tasks shipped with this package)"
         )
@@ -79,11 +81,11 @@ def task_manager(names: list[str], include_path: str | None):
     # the full index takes.
     unknown = _unmentioned([n for n in names if n not in local])
     if unknown:
-        raise ValueError(f"unknown task {', '.join(map(repr, unknown))}: not {where}")
+        raise UsageError(f"unknown task {', '.join(map(repr, unknown))}: not {where}")
     manager = TaskManager(include_path=include_path)
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
-        raise ValueError(f"unknown task {', '.join(map(repr, unknown))}: not {where}")
+        raise UsageError(f"unknown task {', '.join(map(repr, unknown))}: not {where}")
     return manager
 
 
@@ -116,9 +118,9 @@ def prepare(
     _quiet_harness()
     names = parse_tasks(tasks)
     if num_fewshot is not None and num_fewshot < 0:
-        raise ValueError(f"--num_fewshot={num_fewshot} must be >= 0")
+        raise UsageError(f"--num_fewshot={num_fewshot} must be >= 0")
     if limit is not None and not 0 < limit < float("inf"):  # NaN fails both comparisons
-        raise ValueError(
+        raise UsageError(
             f"--limit={limit} must be a finite number > 0 (N examples, or a fraction below 1)"
         )
     return TaskRequest(names, task_manager(names, include_path), num_fewshot, limit)

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from zoo.loss import target_mask
 
 MIN_ROW = 64
@@ -48,7 +49,7 @@ def pack(lengths: Sequence[int], row_len: int) -> list[list[int]]:
     for i in order:
         n = lengths[i]
         if n > row_len:
-            raise ValueError(f"a request of {n} tokens does not fit rows of {row_len}")
+            raise UsageError(f"a request of {n} tokens does not fit rows of {row_len}")
         for r, room in enumerate(free):
             if n <= room:
                 rows[r].append(i)
@@ -104,7 +105,7 @@ def score(
     lengths = [len(ids) for ids, _ in requests]
     for ids, n in requests:
         if not 1 <= n < len(ids):
-            raise ValueError(f"cannot score {n} of {len(ids)} ids (one id at least conditions)")
+            raise UsageError(f"cannot score {n} of {len(ids)} ids (one id at least conditions)")
     row_len = row_length(max(lengths), max_row)
     packed = pack(lengths, row_len) if pack_rows else [[i] for i in np.argsort(lengths)[::-1]]
     multiple = batch_multiple(model, mesh)

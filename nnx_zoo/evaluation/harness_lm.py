@@ -27,6 +27,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.evaluation.harness_batch import score
 from nnx_zoo.evaluation.harness_tokens import HarnessTokens, rolling_windows
 
@@ -58,7 +59,7 @@ class ZooLM(TemplateLM):
     ):
         super().__init__()
         if model.cfg.vocab_size < tokenizer.vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"model vocab_size={model.cfg.vocab_size} is smaller than the tokenizer's "
                 f"{tokenizer.vocab_size} ids"
             )
@@ -124,9 +125,9 @@ class ZooLM(TemplateLM):
         seqs = []
         for ctx, cont in pairs:
             if not cont:
-                raise ValueError("a loglikelihood request with an empty continuation")
+                raise UsageError("a loglikelihood request with an empty continuation")
             if len(cont) > self.max_length:
-                raise ValueError(
+                raise UsageError(
                     f"a continuation of {len(cont)} tokens exceeds max_length={self.max_length}"
                 )
             seqs.append(((list(ctx) + list(cont))[-(self.max_length + 1) :], len(cont)))
@@ -186,7 +187,7 @@ class ZooLM(TemplateLM):
                 _log.warning("generate_until: ignoring generation kwargs %s", sorted(kwargs))
             max_ctx = self.max_length - budget
             if max_ctx < 1:
-                raise ValueError(
+                raise UsageError(
                     f"max_gen_toks={budget} leaves no room for a prompt in max_length="
                     f"{self.max_length}"
                 )

@@ -26,6 +26,7 @@ import os
 from collections.abc import Sequence
 
 from nnx_zoo.data.tokenizers import ByteTokenizer, HfTokenizer, SentencePieceTokenizer, Tokenizer
+from nnx_zoo.errors import UsageError
 
 
 def _config_token(path: str, key: str) -> str | None:
@@ -58,7 +59,7 @@ class HarnessTokens:
             bos = self._sp.bos_id()
             self.bos_id = bos if bos >= 0 else None
         elif not isinstance(tokenizer, ByteTokenizer):
-            raise ValueError(f"no harness conventions for tokenizer {tokenizer!r}")
+            raise UsageError(f"no harness conventions for tokenizer {tokenizer!r}")
         self.prefix_id = self.eos_id if self.bos_id is None else self.bos_id
         self.prefix_text = self._token_text(self.prefix_id)
 

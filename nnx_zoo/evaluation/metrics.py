@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 
 from nnx_zoo import data
 from nnx_zoo.data.mixture import SOURCE_IDS
+from nnx_zoo.errors import UsageError
 from nnx_zoo.evaluation.settings import EvalSettings
 from nnx_zoo.runtime.distributed import to_global
 from nnx_zoo.training.mixture_spec import parse_mixture
@@ -27,7 +28,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     """Loss, perplexity, bits per byte and counts over the settings' batches."""
 
     if model.cfg.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
+        raise UsageError(
             f"model vocab_size={model.cfg.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size} ids"
         )
@@ -101,7 +102,7 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     if jax.process_count() > 1:
         total_bytes = int(np.sum(multihost_utils.process_allgather(np.int64(total_bytes))))
     if total_tokens == 0:
-        raise ValueError(
+        raise UsageError(
             f"no tokens to evaluate in {settings.mixture or settings.source!r} ({settings.split})"
         )
     loss = total_nll / total_tokens

@@ -10,6 +10,7 @@ import jax
 from flax import nnx
 
 from nnx_zoo.checkpoint.restore import restore_params
+from nnx_zoo.errors import UsageError
 from nnx_zoo.evaluation.settings import EvalSettings, run_config
 from nnx_zoo.launch.build import check_attention, check_positions
 from nnx_zoo.training import finetune
@@ -28,7 +29,7 @@ def model_config_from_run_info(run_info: dict):
         fields = dict(recorded)
         name = fields.pop("type", None)
         if name not in types:
-            raise ValueError(f"checkpoint model config type {name!r} is not in this zoo ({types})")
+            raise UsageError(f"checkpoint model config type {name!r} is not in this zoo ({types})")
         config_type = types[name]
         for field in dataclasses.fields(config_type):
             if isinstance(fields.get(field.name), list):  # JSON turned tuples into lists
@@ -44,7 +45,7 @@ def load_from_hf(hf_dir: str, settings: EvalSettings, explicit_length: bool = Fa
 
     strategy = get_strategy(settings.strategy)
     if not os.path.isdir(hf_dir):
-        raise FileNotFoundError(f"--hf_checkpoint={hf_dir!r} is not a directory")
+        raise UsageError(f"--hf_checkpoint={hf_dir!r} is not a directory")
     overrides = {"attention_impl": settings.attention_impl} if settings.attention_impl else {}
     cfg = read_config(hf_dir, **overrides)
     if not explicit_length and getattr(cfg, "position", None) == "learned":
@@ -97,7 +98,7 @@ def load_adapted(workdir: str, run_info: dict, settings: EvalSettings, step: int
     run = run_config(run_info)
     base = run_info.get("init_from")
     if not base or not os.path.isdir(base):
-        raise FileNotFoundError(
+        raise UsageError(
             f"the LoRA run's base model {base!r} (run_info.json init_from) is not a directory"
         )
     strategy = get_strategy(settings.strategy)

@@ -15,6 +15,7 @@ import jax
 from nnx_zoo.checkpoint.restore import read_meta
 from nnx_zoo.checkpoint.workdir import check_writable_everywhere
 from nnx_zoo.data.tokenizers import make_tokenizer
+from nnx_zoo.errors import UsageError
 from nnx_zoo.evaluation import metrics as eval_metrics
 from nnx_zoo.evaluation import model as eval_model
 from nnx_zoo.evaluation.settings import EvalSettings, from_run_info
@@ -36,9 +37,9 @@ class Generation:
     def check(self) -> None:
         # `not >= 0` also refuses nan; inf is refused below.
         if self.top_k < 0 or not self.temperature >= 0 or self.max_new_tokens < 1:
-            raise ValueError("--top_k and --temperature must be >= 0, --max_new_tokens >= 1")
+            raise UsageError("--top_k and --temperature must be >= 0, --max_new_tokens >= 1")
         if self.temperature == float("inf"):
-            raise ValueError("--temperature=inf: must be a finite number >= 0 (0: greedy)")
+            raise UsageError("--temperature=inf: must be a finite number >= 0 (0: greedy)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class EvalResult:
 
 def evaluate(request: EvalRequest) -> EvalResult:
     if not request.evaluate and request.generation is None:
-        raise ValueError("--noevaluate leaves nothing to do without --prompt")
+        raise UsageError("--noevaluate leaves nothing to do without --prompt")
     strategy = request.overrides.get("strategy")
     if request.generation is not None and strategy:
         check_can_generate(strategy)  # before reading the checkpoint
@@ -110,7 +111,7 @@ def _generate(model, mesh, tokenizer, gen: Generation) -> tuple[str, int]:
 
     prompt_ids = tokenizer.encode(gen.prompt)
     if not prompt_ids:
-        raise ValueError("--prompt is empty after tokenization")
+        raise UsageError("--prompt is empty after tokenization")
     with jax.set_mesh(mesh):
         new_ids = generate(
             model,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.training.config import RunConfig, TrainingSection
 
 # Defaults for a Hugging Face checkpoint, which has no run record.
@@ -45,7 +46,7 @@ def run_config(run_info: dict):
     """The typed RunConfig recorded in a checkpoint's run_info."""
 
     if "config" not in run_info:
-        raise ValueError("the checkpoint's run_info records no 'config'; cannot rebuild the run")
+        raise UsageError("the checkpoint's run_info records no 'config'; cannot rebuild the run")
     return RunConfig.from_config_dict(run_info["config"])
 
 
@@ -98,9 +99,9 @@ def from_run_info(
             base[key] = value
     for key in ("seq_len", "batch_size", "eval_batches"):
         if base[key] < 1:
-            raise ValueError(f"--{key}={base[key]} must be >= 1")
+            raise UsageError(f"--{key}={base[key]} must be >= 1")
     if base["loss_chunk_size"] < 0:
-        raise ValueError(
+        raise UsageError(
             f"--loss_chunk_size={base['loss_chunk_size']} must be >= 0 (0: full logits)"
         )
     source = base.pop("source")

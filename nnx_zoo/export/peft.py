@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 
+from nnx_zoo.errors import UsageError
 from zoo.hf_io import _to_host
 from zoo.hf_mapping import hf_format
 from zoo.layers.lora import adapters
@@ -46,7 +47,7 @@ def adapter_tensors(model) -> tuple[dict[str, np.ndarray], list[str]]:
         layer = next((p for p in path if isinstance(p, int)), None)
         key = "/".join([*parts, "weight"])
         if key not in names:
-            raise ValueError(f"{key}: no Hugging Face module of {type(cfg).__name__} holds it")
+            raise UsageError(f"{key}: no Hugging Face module of {type(cfg).__name__} holds it")
         a, b = _to_host(module.lora.a[...]), _to_host(module.lora.b[...])
         a_dims = module.lora.eq_a.split(",")[1].split("->")[0]  # in dims + r
         stacked = a.ndim > len(a_dims)  # scanned blocks: a leading L
@@ -71,7 +72,7 @@ def save_peft(model, path: str, *, lora_section, base_model: str | None) -> None
     from safetensors.numpy import save_file
 
     if not adapters(model):
-        raise ValueError("--format=peft: this run has no LoRA adapters (lora.rank unset)")
+        raise UsageError("--format=peft: this run has no LoRA adapters (lora.rank unset)")
     tensors, modules = adapter_tensors(model)
     if jax.process_index() != 0:
         return

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from nnx_zoo.errors import UsageError
+
 FORMATS = ("hf", "peft")
 
 
@@ -31,9 +33,9 @@ def export_run(
     from nnx_zoo.evaluation.settings import from_run_info, run_config
 
     if fmt not in FORMATS:
-        raise ValueError(f"unknown --format={fmt!r}; valid: {', '.join(FORMATS)}")
+        raise UsageError(f"unknown --format={fmt!r}; valid: {', '.join(FORMATS)}")
     if not os.path.isdir(workdir):
-        raise FileNotFoundError(
+        raise UsageError(
             f"--workdir={workdir} is not a directory; it names a train_main run (its checkpoints/)"
         )
     outputs.check_out_everywhere(out, COMMAND, overwrite=overwrite)
@@ -41,7 +43,7 @@ def export_run(
     run_info = meta.get("run_info") or {}
     run = run_config(run_info)
     if fmt == "peft" and not run.lora.enabled:
-        raise ValueError(
+        raise UsageError(
             "--format=peft exports LoRA adapters, and this run has none (lora.rank unset); "
             "use --format=hf"
         )

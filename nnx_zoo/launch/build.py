@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.training import finetune, optim
 from nnx_zoo.training.config import ModelSection, RunConfig
 from nnx_zoo.training.loop import Trainer
@@ -112,12 +113,12 @@ def run_devices(run: RunConfig) -> list:
     if not wanted:
         return devices
     if jax.process_count() > 1:
-        raise ValueError(
+        raise UsageError(
             f"training.num_devices={wanted} is for one process; with "
             f"{jax.process_count()} processes the run uses every device (set it to 0)"
         )
     if wanted > len(devices):
-        raise ValueError(
+        raise UsageError(
             f"training.num_devices={wanted} but {len(devices)} devices are available; use "
             f"1..{len(devices)}, or 0 for every device"
         )
@@ -161,7 +162,7 @@ def starting_from(run: RunConfig, init_from: str | None) -> RunConfig:
     if init_from is None:
         return run
     if not os.path.isdir(init_from):
-        raise FileNotFoundError(f"--init_from={init_from!r} is not a directory")
+        raise UsageError(f"--init_from={init_from!r} is not a directory")
     section = {f.name: getattr(run.model, f.name) for f in dataclasses.fields(ModelSection)}
     model = CheckpointModelSection(**section, init_from=init_from)
     model.decoder_config()  # an unreadable config.json fails here, in one line
@@ -172,7 +173,7 @@ def check_positions(model_cfg, length: int, what: str) -> None:
     """ValueError (one line) when rows of `length` tokens run past a learned position table
     (GPT-2): a gather past its last row reads that row again, silently."""
     if getattr(model_cfg, "position", None) == "learned" and length > model_cfg.max_seq_len:
-        raise ValueError(
+        raise UsageError(
             f"{what}={length} is longer than the model's learned position table "
             f"(max_seq_len={model_cfg.max_seq_len}); use {what} <= {model_cfg.max_seq_len}"
         )

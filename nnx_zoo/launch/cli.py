@@ -134,7 +134,25 @@ def run_main(main, flag_values, *, doc: str, argv: list[str] | None = None) -> N
         absl_flags.mark_parsed()
         return rest
 
-    app.run(main, argv=argv, flags_parser=parse)
+    app.run(_guarded(main), argv=argv, flags_parser=parse)
+
+
+def _guarded(main):
+    """`main` with the two kinds of failure told apart: a mistake in the input
+    (`UsageError`) is one line and exit 2; anything else keeps its traceback, says it is not
+    the input's fault, and exits 1."""
+    from nnx_zoo.errors import UsageError, report_internal
+
+    def guarded(rest):
+        try:
+            return main(rest)
+        except UsageError as e:
+            usage_error(device_hint(e))
+        except Exception as e:  # noqa: BLE001 -- reported whole, then exit 1
+            report_internal(e)
+            sys.exit(1)
+
+    return guarded
 
 
 def _flags_help(flag_values) -> str:

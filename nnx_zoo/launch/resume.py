@@ -25,6 +25,7 @@ import dataclasses
 
 from nnx_zoo.checkpoint.restore import read_meta
 from nnx_zoo.checkpoint.steps import CorruptCheckpointError, checkpoint_dir, complete_steps
+from nnx_zoo.errors import UsageError
 from nnx_zoo.training.config import RunConfig
 from nnx_zoo.training.mixture_spec import describe_change
 
@@ -86,7 +87,7 @@ def check_mixture(run, saved, step: int) -> str | None:
     ValueError naming the difference when its sources are not the checkpoint's."""
     sources, weights = describe_change(saved.data.mixture, run.data.mixture)
     if sources:
-        raise ValueError(
+        raise UsageError(
             f"data.mixture differs from checkpoint step {step}'s in its sources ({sources}); a "
             "workdir resumes the sources it saved: give them back (only weights may change), "
             "or train the new mixture in a new --workdir"

@@ -17,6 +17,7 @@ import jax
 
 from nnx_zoo.checkpoint.manager import Checkpointer
 from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
+from nnx_zoo.errors import UsageError
 from nnx_zoo.launch import resume as resume_rules
 from nnx_zoo.launch.build import Run, build, plan_run
 from nnx_zoo.launch.data import RunData, build_data
@@ -79,7 +80,7 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
             if init_from
             else f"set --config.model.vocab_size >= {tokenizer.vocab_size}"
         )
-        raise ValueError(
+        raise UsageError(
             f"model vocab_size={built.model_cfg.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size} ids ({run.data.tokenizer}); {fix}"
         )

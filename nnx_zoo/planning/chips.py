@@ -11,6 +11,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.training.flops import PEAKS, peak_name
 
 GiB = 1024**3
@@ -121,7 +122,7 @@ def gpu_memory_fraction(environ: Mapping[str, str] = os.environ) -> float:
             except ValueError:
                 value = -1.0
             if not 0 < value <= 1:
-                raise ValueError(f"{name}={text!r}: must be a number in (0, 1]")
+                raise UsageError(f"{name}={text!r}: must be a number in (0, 1]")
             return value
     return DEFAULT_GPU_MEMORY_FRACTION
 
@@ -132,7 +133,7 @@ def chip_for(topology: str, memory_gib: float | None = None) -> Chip:
     JAX's allocator may take of it (`gpu_memory_fraction`), not the whole HBM."""
     kind = topology.split(":", 1)[0].lower()
     if kind not in CHIPS:
-        raise ValueError(
+        raise UsageError(
             f"unknown chip {kind!r} in topology {topology!r}; known: {', '.join(sorted(CHIPS))}"
         )
     chip = CHIPS[kind]
@@ -145,7 +146,7 @@ def chip_for(topology: str, memory_gib: float | None = None) -> Chip:
         )
     if memory_gib is not None:
         if not 0 < memory_gib < float("inf"):  # NaN fails both comparisons
-            raise ValueError(
+            raise UsageError(
                 f"--memory_gib={memory_gib}: must be a finite number of GiB > 0 (the chip's "
                 "memory the plan should assume)"
             )
@@ -162,7 +163,7 @@ def chip_name_for(device) -> str:
     name = peak_name(device.device_kind)
     if name in CHIPS:
         return name
-    raise ValueError(
+    raise UsageError(
         f"--sharding_strategy=auto has no figures for device kind {device.device_kind!r} "
         f"(known: {', '.join(sorted(CHIPS))}); name a strategy instead"
     )

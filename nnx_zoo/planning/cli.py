@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.launch.build import plan_run, run_devices, starting_from
 from nnx_zoo.planning.chips import chip_for, chip_name_for
 from nnx_zoo.planning.compile import Candidate, Target, make_mesh, make_target, run_for
@@ -89,20 +90,20 @@ def load_run(request: Request, num_devices: int):
 
     if request.model:
         if request.config is not None:
-            raise ValueError("give --config or --model, not both")
+            raise UsageError("give --config or --model, not both")
         raw = _preset_config(request.model, num_devices)
         for path, value in request.explicit.items():
             _set(raw, path, value)
     elif request.config is not None:
         raw = {k: dict(v) if isinstance(v, dict) else v for k, v in request.config.items()}
     else:
-        raise ValueError("give --config=configs/<name>.py or --model=<preset>")
+        raise UsageError("give --config=configs/<name>.py or --model=<preset>")
     for alias, path in ALIASES.items():
         value = getattr(request, alias)
         if value is None:
             continue
         if path in request.explicit and request.explicit[path] != value:
-            raise ValueError(
+            raise UsageError(
                 f"--{alias}={value} disagrees with --config.{path}={request.explicit[path]}; "
                 "give one of them"
             )
@@ -110,7 +111,7 @@ def load_run(request: Request, num_devices: int):
     config_k = int((raw.get("optimizer") or {}).get("micro_batches", 1))
     _set(raw, "optimizer.micro_batches", 1)
     if request.model and request.init_from:
-        raise ValueError(
+        raise UsageError(
             "--init_from sets the model, and so does --model: give one of them (with "
             "--init_from, give train_main's --config)"
         )
@@ -131,7 +132,7 @@ def _strategies(text: str, auto_ok: bool = True) -> tuple[list[str], bool]:
     for name in names:
         get_strategy(name)  # one line naming the valid ones
     if not names:
-        raise ValueError(f"--sharding_strategy is empty; valid: {', '.join(STRATEGIES)}, all, auto")
+        raise UsageError(f"--sharding_strategy is empty; valid: {', '.join(STRATEGIES)}, all, auto")
     return names, False
 
 
@@ -139,9 +140,9 @@ def _ints(values, what: str) -> tuple[int, ...]:
     try:
         out = tuple(int(v) for v in values)
     except ValueError:
-        raise ValueError(f"--{what}={','.join(values)}: expected integers like 1,2,4") from None
+        raise UsageError(f"--{what}={','.join(values)}: expected integers like 1,2,4") from None
     if any(v < 1 for v in out):
-        raise ValueError(f"--{what}={','.join(values)}: every value must be >= 1")
+        raise UsageError(f"--{what}={','.join(values)}: every value must be >= 1")
     return out
 
 
@@ -158,7 +159,7 @@ def build(request: Request):
     config_remat = run.model.remat
     named = request.explicit.get("model.remat")
     if request.remat and named is not None and list(request.remat) != [named]:
-        raise ValueError(
+        raise UsageError(
             f"--remat={','.join(request.remat)} disagrees with --config.model.remat={named}; "
             "give one of them"
         )
@@ -167,7 +168,7 @@ def build(request: Request):
     # runs, offload included (TPU/GPU targets only).
     for r in remats:
         if r not in remat_policies.POLICIES:
-            raise ValueError(f"--remat={r}: valid: {', '.join(remat_policies.POLICIES)}")
+            raise UsageError(f"--remat={r}: valid: {', '.join(remat_policies.POLICIES)}")
         remat_policies.check_platform(r, target.chip.platform)
     micro = (
         _ints(request.micro_batches, "micro_batches")
@@ -178,7 +179,7 @@ def build(request: Request):
     mesh_shape = request.mesh_shape or (run.training.mesh_shape if len(names) == 1 else None)
     if mesh_shape:
         if len(names) != 1:
-            raise ValueError("--mesh_shape needs exactly one --sharding_strategy")
+            raise UsageError("--mesh_shape needs exactly one --sharding_strategy")
         strategy = get_strategy(names[0])
         mesh = strategy.make_mesh(shape=mesh_shape, devices=list(target.devices))
         mesh_shapes = {names[0]: tuple(mesh.shape.values())}
@@ -203,7 +204,7 @@ def build(request: Request):
         choose_context_parallel=auto,
     )
     if not candidates:
-        raise ValueError(
+        raise UsageError(
             f"no candidate: batch {run.data.global_batch_size} does not split into "
             f"micro-batches {list(micro)} over the batch axes of any mesh of {n} devices; use "
             f"a batch that is a multiple of {n}"
@@ -218,7 +219,7 @@ def _check_as_train_main(run, target: Target, name: str, shape, remats, micro) -
         for k in micro:
             candidate = Candidate(name, tuple(shape), remat, k, 0)
             if run.data.global_batch_size % k:
-                raise ValueError(
+                raise UsageError(
                     f"batch {run.data.global_batch_size} does not split into {k} micro-batches"
                 )
             plan_run(run_for(run, candidate), make_mesh(target, candidate))
@@ -229,7 +230,7 @@ def _measured_load(request: Request, run):
         return None
     cfg = run.model.decoder_config()
     if not cfg.is_moe:
-        raise ValueError(
+        raise UsageError(
             f"--moe_load_from: {run.model.preset or 'this model'} has no experts; "
             "it applies to MoE models (qwen3-moe-*, mixtral-*)"
         )
@@ -274,7 +275,7 @@ def resolve_auto(run, log=print, init_from: str | None = None):
     why; raises NoFitError (a ValueError) when nothing fits."""
 
     if run.training.mesh_shape:  # it would be silently replaced by the pick's mesh
-        raise ValueError(
+        raise UsageError(
             f"mesh shape {run.training.mesh_shape!r} cannot be combined with "
             "--sharding_strategy=auto, which chooses the mesh; name a strategy to set one"
         )
@@ -296,7 +297,7 @@ def resolve_auto(run, log=print, init_from: str | None = None):
         choose_context_parallel=True,
     )
     if not candidates:
-        raise ValueError(
+        raise UsageError(
             f"--sharding_strategy=auto: batch {run.data.global_batch_size} splits over none of "
             f"the meshes of {len(devices)} devices; use a multiple of {len(devices)}"
         )

@@ -83,6 +83,7 @@ import math
 
 import numpy as np
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.planning.chips import Chip, peak_flops
 from shardings.hlo import Collective
 from zoo.layers.config import causal_keys_per_query
@@ -203,7 +204,7 @@ def recompute_flops_per_token(cfg, seq_len: int, remat: str) -> float:
         "save_out_proj": 2.0 * cfg.num_layers * N * D * M,
     }
     if remat not in kept:
-        raise ValueError(f"remat={remat!r}; valid: none, dots, {', '.join(kept)}")
+        raise UsageError(f"remat={remat!r}; valid: none, dots, {', '.join(kept)}")
     return block_matmuls_forward - kept[remat] + attention_forward
 
 

@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 
+from nnx_zoo.errors import UsageError
+
 METRICS_FILE = "metrics.jsonl"
 
 # Dispatch and combine, forward and backward; a remat policy that recomputes the block's
@@ -74,7 +76,7 @@ def load_from_run(workdir: str, num_experts: int, last: int = 10) -> MeasuredLoa
         with open(path) as f:
             lines = f.read().splitlines()
     except OSError as e:
-        raise ValueError(
+        raise UsageError(
             f"--moe_load_from={workdir}: cannot read {METRICS_FILE} there "
             f"({e.strerror}); give the workdir of a train_main run of this MoE model"
         ) from None
@@ -87,14 +89,14 @@ def load_from_run(workdir: str, num_experts: int, last: int = 10) -> MeasuredLoa
         if "expert_load" in record and "moe_load_spread" in record:
             records.append(record)
     if not records:
-        raise ValueError(
+        raise UsageError(
             f"--moe_load_from={workdir}: {METRICS_FILE} has no router load (expert_load); "
             "give the workdir of a train_main run of an MoE model"
         )
     records = records[-last:]
     share = np.mean([r["expert_load"] for r in records], axis=0)
     if share.shape != (num_experts,):
-        raise ValueError(
+        raise UsageError(
             f"--moe_load_from={workdir}: that run routed over {share.size} experts, this "
             f"model has {num_experts}; give a run of the same model"
         )

@@ -25,6 +25,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.planning.compile import (
     Candidate,
     Plan,
@@ -51,7 +52,7 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f}" if n >= GiB else f"{n / GiB:.3g}"
 
 
-class NoFitError(ValueError):
+class NoFitError(UsageError):
     """No candidate fits; str() is one line naming the smallest change that would."""
 
 

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import re
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime.console import one_line
 
 # The TPU generations whose topologies give one device per chip (what jax.make_mesh wants).
@@ -45,7 +46,7 @@ _EXAMPLES = ", ".join(EXAMPLES)
 _TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 
 
-class TargetError(ValueError):
+class TargetError(UsageError):
     """A target that cannot be built here; str() is one line: the problem and what is valid."""
 
     def __init__(self, message: str):

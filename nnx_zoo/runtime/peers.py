@@ -47,8 +47,9 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
+
+from nnx_zoo.errors import UsageError, report_internal
 
 # How long the others wait after a `quit` before naming the process that sent it.
 QUIT_GRACE_S = 5.0
@@ -359,8 +360,9 @@ def done() -> None:
 def exit_after(error: BaseException) -> None:
     """With a watch running, end this process after `error` without JAX's exit handlers
     (their shutdown barrier would wait for peers that exit the same way, then abort): the
-    exit status of a SystemExit, else the traceback and 1. An unexpected error first waits
-    a little for the watch: a peer lost a moment ago explains it in one line. Returns
+    exit status of a SystemExit, a UsageError's one line and 2, else the traceback and 1.
+    An unexpected error first waits a little for the watch: a peer lost a moment ago
+    explains it in one line. Returns
     (the caller re-raises) when no watch runs."""
     watch = _current
     if watch is None or watch._finished:
@@ -373,8 +375,11 @@ def exit_after(error: BaseException) -> None:
         if isinstance(code, str):
             print(code, file=sys.stderr)
             code = 1
+    elif isinstance(error, UsageError):  # as launch.cli's guard: one line, exit 2
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        code = 2
     else:
-        traceback.print_exception(error)
+        report_internal(error)
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

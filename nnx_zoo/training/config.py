@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.training.mixture_spec import MixtureComponent, parse_mixture
 from zoo.layers.config import ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL, RUNTIME_FIELDS
 from zoo.layers.lora import LoraConfig
@@ -28,7 +29,7 @@ DEFAULT_SOURCE = "default"  # nnx_zoo/data/sources.py's DEFAULT_SOURCE
 
 
 def _fail(section: str, field: str, value: Any, why: str) -> None:
-    raise ValueError(f"config {section}.{field}={value!r}: {why}")
+    raise UsageError(f"config {section}.{field}={value!r}: {why}")
 
 
 def _positive(section: str, obj, *names: str) -> None:
@@ -117,7 +118,7 @@ class ModelSection:
         try:
             resolve_schedule(self.pipeline_schedule, self.pipeline_repeats)
         except ValueError as e:  # its line names the field, its value and what is valid
-            raise ValueError(f"config model.{e}") from None
+            raise UsageError(f"config model.{e}") from None
         for name, valid in (
             ("dtype", ("float32", "bfloat16")),
             ("remat", REMAT_POLICIES),
@@ -405,14 +406,14 @@ class RunConfig:
         `--config.training.steps=1`, a smoke run) is clamped to the schedule length - 1, and
         a line saying so is appended to `notes` (the entry point prints it as a warning)."""
         if not isinstance(config, Mapping) and not hasattr(config, "to_dict"):
-            raise ValueError(
+            raise UsageError(
                 f"the config is a {type(config).__name__}, not a ConfigDict: get_config() "
                 "must return an ml_collections ConfigDict (see configs/tiny.py)"
             )
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         unknown = sorted(set(raw) - set(SECTIONS) - {"name"})
         if unknown:
-            raise ValueError(
+            raise UsageError(
                 f"config has unknown top-level fields {unknown}; valid: name, {', '.join(SECTIONS)}"
             )
         sections = {}
@@ -421,7 +422,7 @@ class RunConfig:
             names = {f.name for f in dataclasses.fields(section_type)}
             extra = sorted(set(values) - names)
             if extra:
-                raise ValueError(
+                raise UsageError(
                     f"config section {section!r} has unknown fields {extra}; "
                     f"valid: {', '.join(sorted(names))}"
                 )

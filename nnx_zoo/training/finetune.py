@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.data.chat import ChatTemplate
+from nnx_zoo.errors import UsageError
 from zoo.layers.lora import add_lora, has_lora
 from zoo.layers.lora import trainable as trainable_kind
 
@@ -36,7 +37,7 @@ def chat_template(run, tokenizer_spec: str):
         return None
     if tokenizer_spec == "byte":
         if run.data.format == "chat":
-            raise ValueError(
+            raise UsageError(
                 "config data.format=chat needs the checkpoint's tokenizer and chat template: "
                 "--init_from=HF_DIR or --config.data.tokenizer=DIR"
             )
@@ -61,7 +62,7 @@ def adapt(model, lora_section, seed: int = 0) -> list[str]:
 def check_lora_run(run, init_from: str | None) -> None:
     """LoRA trains adapters on a base that a checkpoint directory holds."""
     if run.lora.enabled and not init_from:
-        raise ValueError(
+        raise UsageError(
             "config lora.rank is set but there is no base model: LoRA fine-tunes a "
             "checkpoint, start with --init_from=HF_DIR"
         )

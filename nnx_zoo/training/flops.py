@@ -52,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nnx_zoo.errors import UsageError
+
 # Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets: the one table of
 # chip peaks (nnx_zoo/planning/chips.py takes its chips' figures from here). Looked up by
 # substring of `jax.Device.device_kind`, first match wins, so more specific names come first
@@ -155,14 +157,14 @@ def peak_flops_per_device(
     """
     if override_tflops is not None:
         if override_tflops <= 0:
-            raise ValueError(f"peak TFLOP/s must be positive, got {override_tflops}")
+            raise UsageError(f"peak TFLOP/s must be positive, got {override_tflops}")
         return override_tflops * 1e12
     if device.platform == "cpu":
         return measure_cpu_peak_flops(dtype=dtype)
     peak = lookup_peak_flops(device.device_kind, dtype)
     if peak is None:
         known = ", ".join(k for peak in PEAKS.values() for k in peak.kinds)
-        raise ValueError(
+        raise UsageError(
             f"no peak FLOP/s known for device kind {device.device_kind!r} (known: {known}); "
             "give it with --peak_tflops"
         )

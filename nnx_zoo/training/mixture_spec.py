@@ -18,6 +18,8 @@ import math
 import re
 from typing import NamedTuple
 
+from nnx_zoo.errors import UsageError
+
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 FORM = "name:source:weight,name:source:weight,... (e.g. code:/data/code:0.7,web:/data/web:0.3)"
 
@@ -29,7 +31,7 @@ class MixtureComponent(NamedTuple):
 
 
 def _fail(why: str) -> None:
-    raise ValueError(f"config data.mixture: {why}")
+    raise UsageError(f"config data.mixture: {why}")
 
 
 def parse_mixture(text: str) -> tuple[MixtureComponent, ...]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings.specs import normalize
 
 # Weight decay is off for any parameter whose path has a component containing one of these
@@ -106,7 +107,7 @@ def make_optimizer(
     """
     # optax's cosine decay needs at least one step after the warmup.
     if total_steps < 1 or not 0 <= warmup_steps < total_steps:
-        raise ValueError(
+        raise UsageError(
             f"need 0 <= warmup_steps < total_steps, got "
             f"warmup_steps={warmup_steps}, total_steps={total_steps}"
         )
@@ -146,7 +147,7 @@ def _split_micro_batches(x: jax.Array, num_micro_batches: int, batch_spec: P | N
     k = num_micro_batches
     b = x.shape[0]
     if b % k:
-        raise ValueError(f"batch size {b} is not divisible by num_micro_batches={k}")
+        raise UsageError(f"batch size {b} is not divisible by num_micro_batches={k}")
     new_shape = (b // k, k, *x.shape[1:])
     if batch_spec is None:
         x = jnp.reshape(x, new_shape)
@@ -210,7 +211,7 @@ def accumulate_gradients(
         return (loss, (tokens, sums)), grads
 
     if num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+        raise UsageError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
     if num_micro_batches == 1:
         (loss_sum, (num_tokens, sums)), grads_sum = loss_and_grad_fn(params, batch)
     else:

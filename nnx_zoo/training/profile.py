@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import jax
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime.files import atomic_write
 
 PROGRAM_FILE = "train_step.hlo.txt"  # the traced step's compiled program, beside its trace
@@ -27,7 +28,7 @@ def parse_steps(text: str) -> tuple[int, int] | None:
     except ValueError:
         steps = None
     if steps is None or not 1 <= steps[0] < steps[1]:
-        raise ValueError(
+        raise UsageError(
             f"config logging.profile_steps={text!r}: expected START:END with 1 <= START < END "
             "(e.g. 5:8 traces steps 5, 6 and 7)"
         )

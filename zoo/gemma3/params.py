@@ -3,6 +3,7 @@ block, and a config.json with per-layer-type RoPE and attention kinds."""
 
 from __future__ import annotations
 
+from nnx_zoo.errors import UsageError
 from zoo.gemma3.modeling import Gemma3Config
 from zoo.hf_mapping import HfFormat, rope_parameters, rope_scaling, rope_to_hf
 from zoo.layers.config import FULL, SLIDING
@@ -24,7 +25,7 @@ def config_from_hf(hf: dict) -> dict:
     else:  # 4.x: the local base was its own field, never scaled
         local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
     if rope_scaling(local) is not None:
-        raise ValueError("config.json: scaled RoPE on sliding layers is not supported")
+        raise UsageError("config.json: scaled RoPE on sliding layers is not supported")
     L = hf["num_hidden_layers"]
     # 4.x had only the pattern: layer i is sliding unless (i + 1) % pattern == 0.
     pattern = hf.get("sliding_window_pattern", 6)

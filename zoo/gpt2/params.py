@@ -6,6 +6,7 @@ Conv1D weights are already [in, out]. `c_attn` fuses q | k | v along its output 
 
 from __future__ import annotations
 
+from nnx_zoo.errors import UsageError
 from zoo.gpt2.modeling import GPT2Config
 from zoo.hf_mapping import CONV1D_OUT, LINEAR_IN, HfFormat, fused_last_dim, rule
 
@@ -41,10 +42,10 @@ def rules(cfg: GPT2Config):
 def config_from_hf(hf: dict) -> dict:
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if hf.get(flag):
-            raise ValueError(f"config.json {flag}=true is not supported")
+            raise UsageError(f"config.json {flag}=true is not supported")
     act = hf.get("activation_function", "gelu_new")
     if act not in ACTIVATIONS:
-        raise ValueError(f"config.json activation_function {act!r}; supported: {list(ACTIVATIONS)}")
+        raise UsageError(f"config.json activation_function {act!r}; supported: {list(ACTIVATIONS)}")
     M, N = hf["n_embd"], hf["n_head"]
     return dict(
         vocab_size=hf["vocab_size"],

@@ -11,6 +11,7 @@ import math
 
 import jax.numpy as jnp
 
+from nnx_zoo.errors import UsageError
 from zoo.layers import quant, remat
 from zoo.layers.pipeline_schedules import resolve_schedule
 
@@ -154,68 +155,68 @@ class DecoderConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise UsageError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads="
                 f"{self.num_kv_heads}; grouped-query attention needs K | N"
             )
         remat.check_name(self.remat)
         if self.pipeline_microbatches < 0 or self.pipeline_repeats < 1:
-            raise ValueError(
+            raise UsageError(
                 f"pipeline_microbatches={self.pipeline_microbatches}, pipeline_repeats="
                 f"{self.pipeline_repeats}; valid: microbatches >= 0 (0: one per stage), "
                 "repeats >= 1 (1: GPipe)"
             )
         resolve_schedule(self.pipeline_schedule, self.pipeline_repeats)
         if self.pipeline_schedule == "1f1b" and remat.POLICIES[self.remat].offloads:
-            raise ValueError(
+            raise UsageError(
                 f"remat={self.remat!r} under pipeline_schedule='1f1b': the in-flight "
                 "micro-batches' saved activations sit in the loop's device buffers, so "
                 "nothing would move to host memory; use full, dots or another policy"
             )
         quant.check(self.quantization)
         if self.scan_unroll < 0:
-            raise ValueError(
+            raise UsageError(
                 f"scan_unroll={self.scan_unroll}; valid: 0 (auto: unrolled on CPU without "
                 "remat, rolled otherwise), 1 (rolled) or more layers per scan iteration"
             )
         if self.padded_vocab_size and self.padded_vocab_size < self.vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"padded_vocab_size={self.padded_vocab_size} is below vocab_size="
                 f"{self.vocab_size}; it is 0 (no padding) or at least vocab_size"
             )
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype={self.dtype!r}; valid: float32, bfloat16")
+            raise UsageError(f"dtype={self.dtype!r}; valid: float32, bfloat16")
         if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(
+            raise UsageError(
                 f"attention_impl={self.attention_impl!r}; valid: "
                 f"{', '.join(ATTENTION_IMPLEMENTATIONS)}"
             )
         if self.context_parallel not in CONTEXT_PARALLEL:
-            raise ValueError(
+            raise UsageError(
                 f"context_parallel={self.context_parallel!r}; valid: {', '.join(CONTEXT_PARALLEL)}"
             )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
+            raise UsageError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                 f"{self.num_experts}"
             )
         if self.moe_exchange not in ("auto", "ragged", "padded"):
-            raise ValueError(f"moe_exchange={self.moe_exchange!r}; valid: auto, ragged, padded")
+            raise UsageError(f"moe_exchange={self.moe_exchange!r}; valid: auto, ragged, padded")
         if not self.moe_capacity_factor >= 0:
-            raise ValueError(
+            raise UsageError(
                 f"moe_capacity_factor={self.moe_capacity_factor}; valid: 0 (dropless) or > 0"
             )
         if self.num_experts and self.moe_ffn_dim < 1:
-            raise ValueError(f"moe_ffn_dim={self.moe_ffn_dim}; an MoE config needs it >= 1")
+            raise UsageError(f"moe_ffn_dim={self.moe_ffn_dim}; an MoE config needs it >= 1")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
-                raise ValueError(
+                raise UsageError(
                     f"layer_types has {len(self.layer_types)} entries for num_layers="
                     f"{self.num_layers}"
                 )
             bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if bad:
-                raise ValueError(f"layer_types {bad} unknown; valid: {', '.join(LAYER_TYPES)}")
+                raise UsageError(f"layer_types {bad} unknown; valid: {', '.join(LAYER_TYPES)}")
 
     @property
     def vocab_rows(self) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings.mesh import check_batch, compile_platform
 from shardings.specs import BlockSharding, LmSharding
 from zoo import loss
@@ -290,14 +291,14 @@ class DecoderLM(nnx.Module):
         sp_axis = context_parallel.seq_axis(self.sharding.block.residual)
         if cache is not None and cp_axis is None and sp_axis is not None:
             # A decode step has T = 1 token per row: nothing to split over the axis.
-            raise ValueError(
+            raise UsageError(
                 f"KV-cache decoding (generation) does not split the residual's T over "
                 f"`{sp_axis}` (sequence parallelism); generate with a strategy without it, "
                 "e.g. --sharding_strategy=fsdp_tp"
             )
         if balanced:
             if cache is not None:
-                raise ValueError(
+                raise UsageError(
                     "KV-cache decoding (generation) does not split T over `context`; "
                     "generate with a strategy without it, e.g. --sharding_strategy=fsdp"
                 )
@@ -408,7 +409,7 @@ class DecoderLM(nnx.Module):
     def _run_pipelined(self, x_BTM, segments, windows, freqs_LR, cache):
         """The layer stack split into stages over the strategy's stage axis."""
         if cache is not None:
-            raise ValueError(
+            raise UsageError(
                 "KV-cache decoding (generation) does not run under a pipeline strategy; "
                 "generate with one without a `stage` axis, e.g. --sharding_strategy=fsdp"
             )

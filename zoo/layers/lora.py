@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings.specs import LinearSharding, normalize
 from zoo.layers.basic import Einsum
 
@@ -60,14 +61,14 @@ class LoraConfig:
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank <= 0:
-            raise ValueError(f"config lora.rank={self.rank!r}: must be an integer > 0")
+            raise UsageError(f"config lora.rank={self.rank!r}: must be an integer > 0")
         if not self.alpha > 0:
-            raise ValueError(f"config lora.alpha={self.alpha!r}: must be > 0")
+            raise UsageError(f"config lora.alpha={self.alpha!r}: must be > 0")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"config lora.dropout={self.dropout!r}: must be in [0, 1)")
+            raise UsageError(f"config lora.dropout={self.dropout!r}: must be in [0, 1)")
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets:
-            raise ValueError(
+            raise UsageError(
                 f"config lora.targets={','.join(self.targets)!r}: "
                 f"{'unknown ' + ', '.join(unknown) if unknown else 'empty'}; "
                 f"valid: {', '.join(TARGETS)} (comma-separated)"
@@ -190,7 +191,7 @@ def add_lora(model, config: LoraConfig, rngs: nnx.Rngs) -> list[str]:
     if config.dropout and model.sharding.stage_axis is not None:
         # The pipeline runs each layer from a copy of its weights (zoo/layers/pipeline.py)
         # and does not carry the dropout's RNG state back: every step would drop the same.
-        raise ValueError(
+        raise UsageError(
             f"config lora.dropout={config.dropout} does not run under a pipeline strategy "
             "(its masks would repeat every step); use lora.dropout=0 there, or a strategy "
             "without a `stage` axis"
@@ -199,7 +200,7 @@ def add_lora(model, config: LoraConfig, rngs: nnx.Rngs) -> list[str]:
         # The 1F1B loop computes every stage weight's gradient as it goes
         # (zoo/layers/pipeline_1f1b.py): the frozen base weights' too, a third of the
         # backward's matmuls spent on gradients nobody reads; not built for adapters.
-        raise ValueError(
+        raise UsageError(
             "LoRA adapters do not train under pipeline_schedule=1f1b; use "
             "pipeline_schedule=gpipe (or auto) with a pipeline strategy"
         )
@@ -207,7 +208,7 @@ def add_lora(model, config: LoraConfig, rngs: nnx.Rngs) -> list[str]:
     for target in config.targets:
         modules = _target_modules(model, target)
         if not modules:
-            raise ValueError(
+            raise UsageError(
                 f"config lora.targets: {target!r} names no module of this model "
                 f"({type(model.cfg).__name__}); valid here: "
                 f"{', '.join(t for t in TARGETS if _target_modules(model, t))}"

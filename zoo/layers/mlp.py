@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from nnx_zoo.errors import UsageError
 from shardings.specs import MlpSharding
 from zoo.layers import remat
 from zoo.layers.basic import Einsum, projection_options
@@ -20,7 +21,7 @@ class Mlp(nnx.Module):
     def __init__(self, cfg, sharding: MlpSharding, *, rngs: nnx.Rngs):
         M, F = cfg.hidden_dim, cfg.ffn_dim
         if cfg.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={cfg.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+            raise UsageError(f"activation={cfg.activation!r}; valid: {', '.join(ACTIVATIONS)}")
         self.sharding = sharding
         self.activation = cfg.activation
         common = projection_options(cfg, rngs)

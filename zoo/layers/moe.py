@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnx_zoo.errors import UsageError
 from shardings.mesh import compile_platform
 from shardings.specs import MoeSharding, normalize
 from zoo.layers.basic import Einsum, _normal
@@ -146,7 +147,7 @@ class Moe(nnx.Module):
     def __init__(self, cfg, sharding: MoeSharding, *, rngs: nnx.Rngs):
         M, E, F = cfg.hidden_dim, cfg.num_experts, cfg.moe_ffn_dim
         if cfg.activation != "silu" or not cfg.glu:
-            raise ValueError("MoE experts are SwiGLU: needs activation='silu' and glu=True")
+            raise UsageError("MoE experts are SwiGLU: needs activation='silu' and glu=True")
         self.sharding = sharding
         self.num_experts = E
         self.k = cfg.num_experts_per_tok

@@ -29,6 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from nnx_zoo.errors import UsageError
+
 EXCHANGES = ("auto", "ragged", "padded")
 
 # The ragged_all_to_all the exchange calls (None: jax.lax's), and rows per packet (0: as
@@ -52,12 +54,12 @@ def resolve_exchange(name: str, platform: str) -> str:
     """'auto' -> 'ragged' where XLA lowers ragged_all_to_all (TPU, GPU), else 'padded'.
     An explicit 'ragged' where it cannot lower raises ValueError (one line)."""
     if name not in EXCHANGES:
-        raise ValueError(f"moe_exchange={name!r}; valid: {', '.join(EXCHANGES)}")
+        raise UsageError(f"moe_exchange={name!r}; valid: {', '.join(EXCHANGES)}")
     lowers = platform != "cpu" or _RAGGED["override"] is not None
     if name == "auto":
         return "ragged" if lowers else "padded"
     if name == "ragged" and not lowers:
-        raise ValueError(
+        raise UsageError(
             f"moe_exchange='ragged' needs a TPU or GPU (XLA:{platform.upper()} cannot lower "
             "ragged_all_to_all); valid here: auto, padded"
         )

@@ -75,6 +75,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings.specs import axes_of, normalize
 from zoo.layers import quant, remat
 from zoo.layers.attention import Segments
@@ -142,22 +143,22 @@ def plan(
     one line saying what would be valid."""
     mb = microbatches or stages
     if repeats < 1:
-        raise ValueError(f"pipeline_repeats={repeats}; valid: 1 (GPipe) or more (circular)")
+        raise UsageError(f"pipeline_repeats={repeats}; valid: 1 (GPipe) or more (circular)")
     schedule = resolve_schedule(schedule, repeats)
     if num_layers % (stages * repeats):
-        raise ValueError(
+        raise UsageError(
             f"num_layers={num_layers} does not divide by stages x repeats = {stages} x "
             f"{repeats}; choose a stage count and pipeline_repeats whose product divides "
             f"{num_layers}"
         )
     if mb < stages:
-        raise ValueError(
+        raise UsageError(
             f"pipeline_microbatches={mb} is fewer than the {stages} pipeline stages; use at "
             f"least {stages} (or 0: one per stage)"
         )
     if mb % stages:
         # The outputs leave the pipeline split over `stage` by whole micro-batches.
-        raise ValueError(
+        raise UsageError(
             f"pipeline_microbatches={mb} is not a multiple of the {stages} pipeline stages; "
             f"use {stages * (mb // stages)} or {stages * (mb // stages + 1)} (or 0: one per "
             "stage)"
@@ -168,7 +169,7 @@ def plan(
 def check_batch(batch_size: int, pp: PipelinePlan, data_shards: int) -> None:
     """Each micro-batch's rows divide over the batch split, else one line."""
     if batch_size % (pp.microbatches * data_shards):
-        raise ValueError(
+        raise UsageError(
             f"batch size {batch_size} does not cut into {pp.microbatches} pipeline "
             f"micro-batches of rows that divide over the {data_shards}-way batch split; use a "
             f"batch size that is a multiple of {pp.microbatches * data_shards}"
@@ -182,9 +183,9 @@ def plan_for(cfg, sharding, mesh) -> PipelinePlan | None:
     if axis is None:
         return None
     if not cfg.scan_layers:
-        raise ValueError("a pipeline strategy splits the stacked layers: set scan_layers=True")
+        raise UsageError("a pipeline strategy splits the stacked layers: set scan_layers=True")
     if cfg.is_moe:
-        raise ValueError("MoE layers do not run under a pipeline strategy yet; use fsdp_ep")
+        raise UsageError("MoE layers do not run under a pipeline strategy yet; use fsdp_ep")
     return plan(
         cfg.num_layers,
         mesh.shape[axis],

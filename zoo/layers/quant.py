@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings.specs import normalize
 
 QUANTIZATIONS = ("none", "fp8", "int8")
@@ -73,7 +74,7 @@ def unquantized_residuals():
 
 def check(quantization: str) -> None:
     if quantization not in QUANTIZATIONS:
-        raise ValueError(
+        raise UsageError(
             f"quantization={quantization!r}; valid: {', '.join(QUANTIZATIONS)} (fp8: e4m3 "
             "forward, e5m2 gradients, per-tensor scales; int8: per-row/column scales)"
         )

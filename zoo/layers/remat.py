@@ -15,6 +15,8 @@ from typing import Any
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from nnx_zoo.errors import UsageError
+
 # The activation names the blocks tag (zoo/layers/attention.py, mlp.py, decoder.py).
 Q_PROJ, K_PROJ, V_PROJ = "q_proj", "k_proj", "v_proj"
 OUT_PROJ = "out_proj"  # the attention output, after its o projection
@@ -100,7 +102,7 @@ def tag(x, name: str):
 
 def check_name(name: str) -> None:
     if name not in POLICIES:
-        raise ValueError(f"remat={name!r}; valid: {', '.join(POLICIES)}")
+        raise UsageError(f"remat={name!r}; valid: {', '.join(POLICIES)}")
 
 
 def runs_on(name: str, platform: str) -> bool:
@@ -112,7 +114,7 @@ def check_platform(name: str, platform: str) -> None:
     """Raise a one-line ValueError when `platform` cannot run policy `name`."""
     if not runs_on(name, platform):
         here = ", ".join(n for n in POLICIES if runs_on(n, platform))
-        raise ValueError(
+        raise UsageError(
             f"remat={name!r} moves activations to host memory, which the {platform} backend "
             f"does not have; on {platform} use {here}"
         )
@@ -123,5 +125,5 @@ def policy(name: str):
     check_name(name)
     make = POLICIES[name].make
     if make is None:
-        raise ValueError(f"remat={name!r} has no policy (it means no rematerialisation)")
+        raise UsageError(f"remat={name!r} has no policy (it means no rematerialisation)")
     return make()

@@ -3,6 +3,7 @@ Mistral and Gemma 3 share (their params.py add only what differs)."""
 
 from __future__ import annotations
 
+from nnx_zoo.errors import UsageError
 from zoo.hf_mapping import (
     LINEAR_IN,
     LINEAR_OUT,
@@ -56,10 +57,10 @@ def decoder_config_from_hf(
     """The fields every Llama-lineage config.json spells the same way."""
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise ValueError(f"config.json {flag}=true is not supported")
+            raise UsageError(f"config.json {flag}=true is not supported")
     found = hf.get("hidden_activation") or hf.get("hidden_act") or act
     if found != act:
-        raise ValueError(f"config.json activation {found!r} is not supported; expected {act!r}")
+        raise UsageError(f"config.json activation {found!r} is not supported; expected {act!r}")
     heads = hf["num_attention_heads"]
     rope = rope_parameters(hf, rope_layer_type)
     return dict(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from nnx_zoo.errors import UsageError
 from zoo.hf_mapping import HfFormat
 from zoo.llama.params import decoder_config_from_hf, decoder_config_to_hf
 from zoo.mixtral.modeling import MixtralConfig
@@ -25,7 +26,7 @@ def config_from_hf(hf: dict) -> dict:
 
 def config_to_hf(cfg: MixtralConfig) -> dict:
     if cfg.ffn_dim != cfg.moe_ffn_dim:
-        raise ValueError(
+        raise UsageError(
             f"MixtralConfig.ffn_dim={cfg.ffn_dim} cannot be written as a MixtralForCausalLM "
             f"config.json: its intermediate_size is the expert width, moe_ffn_dim={cfg.moe_ffn_dim}"
         )

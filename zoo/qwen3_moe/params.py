@@ -4,6 +4,7 @@ layout, which transformers 5 still writes and reads."""
 
 from __future__ import annotations
 
+from nnx_zoo.errors import UsageError
 from zoo.hf_mapping import LINEAR_IN, LINEAR_OUT, HfFormat, rule
 from zoo.layers.config import DecoderConfig
 from zoo.llama.params import LAYER, decoder_rules
@@ -33,12 +34,12 @@ def moe_rules(cfg: DecoderConfig, block: str, router: str, experts: dict[str, st
 
 def check_all_layers_sparse(hf: dict) -> None:
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise ValueError(
+        raise UsageError(
             "dense layers between MoE layers (mlp_only_layers, decoder_sparse_step != 1) are "
             "not supported; every layer must be MoE"
         )
     if hf.get("router_jitter_noise"):
-        raise ValueError("router_jitter_noise is not supported; expected 0")
+        raise UsageError("router_jitter_noise is not supported; expected 0")
 
 
 def config_from_hf(hf: dict) -> dict:
