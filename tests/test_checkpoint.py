@@ -23,6 +23,7 @@ from nnx_zoo.checkpoint.steps import (
     checkpoint_dir,
     complete_steps,
 )
+from nnx_zoo.errors import UsageError
 from nnx_zoo.runtime.preemption import PreemptionWatcher
 from shardings import get_strategy
 from zoo import create_model, get_config
@@ -258,9 +259,9 @@ def test_mismatching_config_names_the_arrays(saved):
     assert "attention" not in message  # only the arrays that differ
 
 
-def test_no_checkpoint_is_file_not_found(tmp_path):
+def test_no_checkpoint_is_a_usage_error(tmp_path):
     mesh, model, _ = build("dp", (8,))
-    with jax.set_mesh(mesh), pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+    with jax.set_mesh(mesh), pytest.raises(UsageError, match="no complete checkpoint"):
         restore_params(str(tmp_path), model)
     with pytest.raises(FileNotFoundError):
         read_meta(str(tmp_path))

@@ -13,6 +13,7 @@ import pytest
 from nnx_zoo import data
 from nnx_zoo.data import sources
 from nnx_zoo.data.tokenizers import ByteTokenizer, make_tokenizer
+from nnx_zoo.errors import UsageError
 
 BYTE = ByteTokenizer()
 TEXT = "Grüße, 世界! def f(x):\n    return x  # ✓"
@@ -209,7 +210,7 @@ def test_array_record_batches_carry_the_ids(tmp_path):
 @pytest.mark.parametrize("name", ["missing.txt", "nothing_*.jsonl", "no_dir/"])
 def test_missing_path_raises_naming_it(tmp_path, name):
     source = str(tmp_path / name)
-    with pytest.raises(FileNotFoundError, match=name.rstrip("/").replace("*", r"\*")):
+    with pytest.raises(UsageError, match=name.rstrip("/").replace("*", r"\*")):
         data.make_dataset(source, "train", BYTE, 16, 4, process_index=0, process_count=1)
 
 
@@ -218,6 +219,11 @@ BAD_TEXT_FILES = {
     "null line": ("b.jsonl", b'{"text": "a"}\nnull\n', "b.jsonl:2: expected a JSON object"),
     "list line": ("b.jsonl", b'{"text": "a"}\n\n[1, 2]\n', "b.jsonl:3: expected a JSON object"),
     "malformed line": ("b.jsonl", b'{"text": "a"}\n{"text": \n', "b.jsonl:2: not valid JSON"),
+    "unterminated": (
+        "b.jsonl",
+        b'{"text": "a"}\n{"text": "abc\n',
+        "b.jsonl:2: not valid JSON at column 10 (Unterminated string starting at)",
+    ),
     "non-utf8 jsonl": ("b.jsonl", b'{"text": "a"}\n{"text": "\xd9"}\n', "b.jsonl:2: not UTF-8"),
     "non-utf8 txt": ("b.txt", b"fine\n\nfine\nbad \xd9 here\n", "b.txt:4: not UTF-8"),
 }

@@ -53,3 +53,25 @@ def test_a_usage_error_exits_2_in_one_line(module, monkeypatch, tmp_path):
     result = _run(module, monkeypatch, tmp_path, UsageError("injected bad input; valid: x"))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == ["error: injected bad input; valid: x"]
+
+
+def test_a_run_refused_at_start_leaves_no_checkpoint_folder(tmp_path):
+    # The data source is read after the workdir is checked and locked.
+    workdir = tmp_path / "run"
+    result = _entry.train(
+        ["--config=tiny", f"--workdir={workdir}", f"--config.data.source={tmp_path}/missing.txt"]
+    )
+    assert result.returncode == 2, result.stderr
+    assert "missing.txt" in result.stderr
+    assert not (workdir / "checkpoints").exists()
+
+
+def test_a_parquet_file_without_the_text_column_names_the_field(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nnx_zoo.data import sources
+
+    pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "a.parquet")
+    with pytest.raises(UsageError, match=r"no column 'text' \(columns: \['body'\]\); set data"):
+        sources.load_documents(str(tmp_path / "a.parquet"), "all")

@@ -44,18 +44,22 @@ def expand(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-def check_writable(workdir: str, flag: str = "--workdir") -> None:
-    """Create `workdir` if needed and write a file in it; ValueError (one line) if either
-    fails, or if the path is a file."""
+def check_writable(workdir: str, flag: str = "--workdir", *, keep: bool = True) -> None:
+    """Create `workdir` if needed and write a file in it; UsageError (one line) if either
+    fails, or if the path is a file. `keep=False`: a directory this call created is removed
+    again (a run refused later leaves no empty folder behind)."""
     # A flag reads `--workdir=DIR`; a description reads `the checkpoint directory DIR`.
     name = f"{flag}={workdir}" if flag.startswith("--") else f"{flag} {workdir}"
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UsageError(f"{name} is a file, not a directory")
+    created = not os.path.exists(workdir)
     try:
         os.makedirs(workdir, exist_ok=True)
         # A real write: permission bits do not tell root about read-only mounts.
         with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-test-"):
             pass
+        if created and not keep:
+            os.rmdir(workdir)
     except OSError as e:
         reason = e.strerror or errno.errorcode.get(e.errno, str(e))
         raise UsageError(f"{name} cannot be written ({reason})") from None
@@ -150,7 +154,9 @@ def hold(workdir: str, *, checkpoints: bool = True) -> WorkdirLock | None:
             check_writable(workdir)
             if checkpoints:
                 # Orbax would find out at the first save, after training, by a timeout.
-                check_writable(os.path.join(workdir, CHECKPOINT_SUBDIR), "the checkpoint directory")
+                check_writable(
+                    os.path.join(workdir, CHECKPOINT_SUBDIR), "the checkpoint directory", keep=False
+                )
             check_history(workdir, checkpoints)
             lock = WorkdirLock(workdir)
             warning = lock.acquire()

@@ -132,7 +132,7 @@ def jsonl_records(path: str):
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as e:
                 raise UsageError(
-                    f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})"
+                    f"{path}:{line_no}: not valid JSON at column {e.colno} ({e.msg})"
                 ) from None
 
 
@@ -141,7 +141,10 @@ def _check_text_column(path: str, schema, text_field: str) -> None:
     import pyarrow
 
     if text_field not in schema.names:
-        raise UsageError(f"{path}: no column {text_field!r} (columns: {schema.names})")
+        raise UsageError(
+            f"{path}: no column {text_field!r} (columns: {schema.names}); set data.text_field "
+            "to the column that holds the text"
+        )
     kind = schema.field(text_field).type
     if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
         raise UsageError(

@@ -137,7 +137,7 @@ class TextDocuments:
             record = json.loads(raw.decode("utf-8"))
         except json.JSONDecodeError as e:
             raise DataFileError(
-                f"{path}:{line_of(path, start)}: not valid JSON ({e.msg} at column {e.colno})"
+                f"{path}:{line_of(path, start)}: not valid JSON at column {e.colno} ({e.msg})"
             ) from None
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             got = (

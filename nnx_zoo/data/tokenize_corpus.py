@@ -196,17 +196,17 @@ def _json_lines(piece: Piece):
         try:
             yield where, json.loads(line)
         except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise UsageError(f"{where}: not valid JSON at column {e.colno} ({e.msg})") from None
 
 
-def _parquet_rows(piece: Piece, columns: list[str]):
+def _parquet_rows(piece: Piece, columns: list[str], fix: str):
     import pyarrow.parquet as pq
 
     f = pq.ParquetFile(piece.path)
     names = f.schema_arrow.names
     missing = [c for c in columns if c not in names]
     if missing:
-        raise UsageError(f"{piece.path}: no column {missing[0]!r} (columns: {names})")
+        raise UsageError(f"{piece.path}: no column {missing[0]!r} (columns: {names}); {fix}")
     row = sum(f.metadata.row_group(g).num_rows for g in range(piece.start))
     groups = list(range(piece.start, piece.end))
     for batch in f.iter_batches(batch_size=1024, row_groups=groups, columns=columns):
@@ -219,7 +219,13 @@ def _texts(piece: Piece, text_field: str):
     if piece.kind == "txt":
         yield from _paragraphs(piece)
         return
-    rows = _json_lines(piece) if piece.kind == "jsonl" else _parquet_rows(piece, [text_field])
+    rows = (
+        _json_lines(piece)
+        if piece.kind == "jsonl"
+        else _parquet_rows(
+            piece, [text_field], "set --text_field to the column that holds the text"
+        )
+    )
     for where, record in rows:
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
@@ -235,7 +241,13 @@ def _texts(piece: Piece, text_field: str):
 
 def _records(piece: Piece, data_format: str):
     fields = ["messages"] if data_format == "chat" else ["prompt", "completion"]
-    rows = _json_lines(piece) if piece.kind == "jsonl" else _parquet_rows(piece, fields)
+    rows = (
+        _json_lines(piece)
+        if piece.kind == "jsonl"
+        else _parquet_rows(
+            piece, fields, f"--format={data_format} reads the columns {', '.join(fields)}"
+        )
+    )
     for where, record in rows:
         yield chat.check_record(record, data_format, where)
 
