@@ -52,7 +52,7 @@ from zoo.layers.lora import has_lora
 
 
 def check_can_generate(strategy_name: str, what: str = "--prompt") -> None:
-    """ValueError (one line, starting with `what`) for a strategy generation cannot run under:
+    """UsageError (one line, starting with `what`) for a strategy generation cannot run under:
     a pipeline's, or one that splits the sequence (context parallelism), checked by name
     before any model is built."""
     sharding = get_strategy(strategy_name).lm_sharding()

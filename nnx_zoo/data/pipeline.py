@@ -186,7 +186,7 @@ def check_batch_split(global_batch_size: int, process_count: int) -> None:
 
 
 def check_store(source: str, tokenizer: Tokenizer, data_format: str) -> None:
-    """ValueError (one line) unless the token store at `source` was written with `tokenizer`
+    """UsageError (one line) unless the token store at `source` was written with `tokenizer`
     in `data_format`."""
     index = token_store.read_index(source)
     token_store.check_tokenizer(source, index, tokenizer)

@@ -263,7 +263,7 @@ class SentencePieceTokenizer(Tokenizer):
 def make_tokenizer(spec: str) -> Tokenizer:
     """'byte', a `tokenizer.json` path (or a directory holding one), or a `.model` path.
 
-    Raises FileNotFoundError naming the path when it does not exist, ValueError when the file
+    Raises UsageError naming the path when it does not exist, UsageError when the file
     kind is not recognised.
     """
     if spec == "byte":

@@ -43,7 +43,7 @@ def include_dir(value: str) -> str:
 
 
 def require_lm_eval() -> None:
-    """ValueError naming the install command when the [eval] extra is missing."""
+    """UsageError naming the install command when the [eval] extra is missing."""
     try:
         import lm_eval  # noqa: F401
     except ImportError:
@@ -58,7 +58,7 @@ def parse_tasks(spec: str) -> list[str]:
 
 
 def task_manager(names: list[str], include_path: str | None):
-    """A TaskManager that knows every name in `names`, or ValueError naming the unknown."""
+    """A TaskManager that knows every name in `names`, or UsageError naming the unknown."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not os.path.isdir(include_path):
@@ -112,7 +112,7 @@ def _unmentioned(names: list[str]) -> list[str]:
 def prepare(
     tasks: str, include_path: str | None, num_fewshot: int | None, limit: float | None
 ) -> TaskRequest:
-    """The --tasks request, checked before any model is loaded: ValueError (one line) for a
+    """The --tasks request, checked before any model is loaded: UsageError (one line) for a
     missing extra, a bad path, an unknown task or a bad count."""
     require_lm_eval()
     _quiet_harness()
@@ -196,7 +196,7 @@ class TaskRequest:
 
 
 def check_strategy(tasks: TaskRequest, strategy: str) -> None:
-    """ValueError (one line) when `strategy` cannot generate (a pipeline's, a context-parallel
+    """UsageError (one line) when `strategy` cannot generate (a pipeline's, a context-parallel
     one: zoo.generate.check_can_generate) and a requested task does (output_type
     generate_until). The tasks are built to read their type only in that case."""
     from shardings import get_strategy

@@ -1,7 +1,7 @@
 """What eval_main runs: a request in (`EvalRequest`), the model loaded and scored, the result
 printed and written to eval.json (`report`).
 
-Every mistake in a request surfaces in `evaluate` as ValueError / FileNotFoundError (one
+Every mistake in a request surfaces in `evaluate` as UsageError (one
 line); eval_main turns it into exit status 2.
 """
 

@@ -419,7 +419,7 @@ def load_config(config_flag, *, notes: list | None = None):
     Its warnings are printed (process 0), or appended to `notes` for the caller to `warn`
     later: a run of several processes reads its config before `jax.distributed.initialize`
     (which takes the config's timeouts), and nothing may ask for the process index before.
-    A bad field raises ValueError (one line)."""
+    A bad field raises UsageError (one line)."""
     from nnx_zoo.training.config import RunConfig
 
     try:

@@ -1,9 +1,8 @@
 """What train_main runs: a built run with its data and its workdir (`prepare`), restored
 from the workdir's checkpoint if it has one (`resume`), then trained (`train`).
 
-Every mistake in the inputs surfaces in `prepare` / `resume` as ValueError or
-FileNotFoundError (one line), before run_info.json or anything else in the workdir is
-touched; train_main turns it into exit status 2.
+Every mistake in the inputs surfaces in `prepare` / `resume` as UsageError (one line),
+before run_info.json or anything else in the workdir is touched; train_main turns it into exit status 2.
 """
 
 from __future__ import annotations
@@ -108,7 +107,7 @@ def resume(session: TrainSession) -> int:
     """Restore the newest good checkpoint, if any (after naming each newer one that fails
     its checksums), then record run_info.json. Every mistake in the inputs it finds (a
     checkpoint that does not fit the model, a data position it cannot continue) is a
-    ValueError, raised before run_info.json is touched. Returns the step training starts from."""
+    UsageError, raised before run_info.json is touched. Returns the step training starts from."""
     run, workdir, built = session.run, session.workdir, session.built
     ckpt, session.watcher = _make_checkpointer(session)
     session.checkpointer = ckpt

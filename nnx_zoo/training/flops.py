@@ -153,7 +153,7 @@ def peak_flops_per_device(
 
     `override_tflops` (e.g. from `--peak_tflops`) wins; CPUs are measured
     (`measure_cpu_peak_flops`, in `dtype`); accelerators come from `PEAKS`. An accelerator
-    not in the table raises ValueError, naming the kind and the override to use.
+    not in the table raises UsageError, naming the kind and the override to use.
     """
     if override_tflops is not None:
         if override_tflops <= 0:

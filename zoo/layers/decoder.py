@@ -172,7 +172,7 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens_BT, *, segment_ids, positions, packed=True):
         """Logits [B, T, V] in float32 (`forward` also gives the cache and routing stats).
 
-        B must divide over the mesh axes the layout splits it over (ValueError naming B, the
+        B must divide over the mesh axes the layout splits it over (UsageError naming B, the
         axes and their size). Called outside jit under a pipeline or context-parallel layout,
         whose shard_map regions need a trace, it runs itself under `nnx.jit`."""
         mesh = jax.sharding.get_abstract_mesh()

@@ -139,7 +139,7 @@ class PipelinePlan(NamedTuple):
 def plan(
     num_layers: int, stages: int, microbatches: int, repeats: int, schedule: str = "auto"
 ) -> PipelinePlan:
-    """The schedule for these sizes (`microbatches` 0: one per stage), or ValueError with
+    """The schedule for these sizes (`microbatches` 0: one per stage), or UsageError with
     one line saying what would be valid."""
     mb = microbatches or stages
     if repeats < 1:
@@ -178,7 +178,7 @@ def check_batch(batch_size: int, pp: PipelinePlan, data_shards: int) -> None:
 
 def plan_for(cfg, sharding, mesh) -> PipelinePlan | None:
     """The schedule `cfg` runs on `mesh` under a strategy's `sharding` (an LmSharding), or
-    None when the strategy has no stage axis. ValueError (one line) for sizes it cannot run."""
+    None when the strategy has no stage axis. UsageError (one line) for sizes it cannot run."""
     axis = sharding.stage_axis
     if axis is None:
         return None
