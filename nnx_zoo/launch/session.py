@@ -2,7 +2,8 @@
 from the workdir's checkpoint if it has one (`resume`), then trained (`train`).
 
 Every mistake in the inputs surfaces in `prepare` / `resume` as UsageError (one line),
-before run_info.json or anything else in the workdir is touched; train_main turns it into exit status 2.
+before run_info.json or anything else in the workdir is touched; train_main turns it into
+exit status 2.
 """
 
 from __future__ import annotations
