@@ -15,9 +15,9 @@ import _entry
 import jax
 import numpy as np
 import pytest
-from _harness_helpers import ROOT, STYLES, TASKS, write_tiny_llama, write_tokenizer
 from _train_helpers import SMALL_RUN, child_env, cli_flags, run_train_main
 
+from bench.fixtures import ROOT, STYLES, TASKS, write_tiny_llama, write_tokenizer
 from nnx_zoo.data.tokenizers import ByteTokenizer, make_tokenizer
 from nnx_zoo.evaluation.harness_batch import pack, row_length
 from nnx_zoo.evaluation.harness_tokens import HarnessTokens

@@ -30,7 +30,7 @@ def include_dir(value: str) -> str:
     shipped in this package when `value` is not a directory and names them: `lm_eval_tasks`,
     or the checkout paths `examples/lm_eval_tasks` (where they lived) and
     `nnx_zoo/evaluation/lm_eval_tasks`. An existing directory always wins, so a user's own
-    `lm_eval_tasks/` is theirs (as configs/locate.py treats config names)."""
+    `lm_eval_tasks/` is theirs (as nnx_zoo/launch/config_files.py treats config names)."""
     from nnx_zoo.checkpoint.workdir import expand
 
     path = expand(value)

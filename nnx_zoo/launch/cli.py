@@ -461,8 +461,9 @@ def load_run_config(run_flags: RunFlags, *, notes: list | None = None):
 def _resolve_config_path(value: str) -> str:
     """`~` expanded (the shell does not, after `=`); a shipped config found by name (`tiny`,
     `llama3_8b`) or by the checkout path the docs use (`configs/tiny.py`) from any directory,
-    so installed entry points find their configs; an existing file wins (configs/locate.py)."""
-    from configs.locate import config_path
+    so installed entry points find their configs; an existing file wins
+    (nnx_zoo/launch/config_files.py)."""
+    from nnx_zoo.launch.config_files import config_path
 
     return config_path(value)
 
@@ -530,7 +531,7 @@ def _unknown_field_message(error: Exception) -> str | None:
 
 def config_file_message(error: Exception) -> str:
     """One line for a --config file that did not load (nnx_zoo/training/config_file.py)."""
-    from configs.locate import names
+    from nnx_zoo.launch.config_files import names
     from nnx_zoo.training.config_file import load_error_message
 
     given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
