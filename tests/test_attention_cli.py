@@ -96,3 +96,37 @@ def test_auto_records_its_choice_for_each_call_site_in_run_info(strategy, call, 
             }
         ],
     }
+
+
+def test_eval_main_records_auto_choices_in_eval_json(tmp_path):
+    """eval.json records each call site of the evaluation and of the generation (its prefill
+    and decode steps over the KV cache) with the backend `auto` ran it on."""
+    import _entry
+
+    trained = run_train_main(
+        [f"--workdir={tmp_path}", *cli_flags({**ONE_STEP, "checkpoint.enabled": True})]
+    )
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    result = _entry.evaluate(
+        [
+            f"--workdir={tmp_path}",
+            "--attention_impl=auto",
+            "--eval_batches=1",
+            "--prompt=def",
+            "--max_new_tokens=2",
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(tmp_path / "eval.json") as f:
+        recorded = json.load(f)["attention"]
+    rest = "8/4 heads x 8, float32, packed rows, no window"
+    calls = [
+        f"causal self-attention: T=S=128, {rest}",
+        f"causal attention over a KV cache: T=3, S=5, {rest}",  # the prompt's 3 bytes
+        f"causal attention over a KV cache: T=1, S=5, {rest}",
+    ]
+    why = "auto: no flash backend for cpu"
+    assert recorded == {
+        "implementation": "auto",
+        "calls": [{"call": c, "backend": "xla", "why": why} for c in calls],
+    }
