@@ -33,6 +33,7 @@ from zoo.layers.attention import (
     choices,
     registry,
     resolve_implementation,
+    ring,
 )
 from zoo.layers.attention import cudnn as attention_cudnn
 from zoo.layers.attention import dispatch as attention_ops
@@ -388,6 +389,27 @@ def test_auto_chooses_per_call_and_records_why(monkeypatch):
             },
         ],
     }
+
+
+def test_the_ring_refuses_blocks_a_named_backend_cannot_run_and_auto_runs_them_on_xla():
+    """Context parallelism's ring picks its blocks' kernel: a named splash with a window (its
+    index masks cannot say one) or a named cudnn (no ring form) is a UsageError naming the
+    call; `auto` runs those blocks on xla and says why."""
+    tpu = dict(dtype=jnp.bfloat16, head_dim=64, block_len=512, balanced=True, platform="tpu")
+    tpu.update(interpret=False, call="the ring")
+    gpu = {**tpu, "platform": "gpu"}
+    assert ring.block_kernel("splash", sliding_window=None, **tpu) == (
+        "splash",
+        "asked for by name",
+    )
+    masks = "runs the ring's blocks by index masks, which cannot say a sliding window"
+    with pytest.raises(UsageError, match=rf"'splash' cannot run .* \(the ring\): it {masks}; use"):
+        ring.block_kernel("splash", sliding_window=128, **tpu)
+    assert ring.block_kernel("auto", sliding_window=128, **tpu) == ("xla", f"auto: splash {masks}")
+    with pytest.raises(UsageError, match=r"'cudnn' cannot run .* it has no ring form"):
+        ring.block_kernel("cudnn", sliding_window=None, **gpu)
+    kernel, why = ring.block_kernel("auto", sliding_window=None, **gpu)
+    assert kernel == "xla" and why.startswith("auto: cudnn has no ring form")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["lengths", "mask"])
