@@ -29,6 +29,9 @@ class Choice:
     why: str  # 'asked for by name', or why `auto` chose it
 
 
+# `why` of a backend the config names (only `auto` chooses).
+NAMED = "asked for by name"
+
 _RECORDING: contextvars.ContextVar[list[Choice] | None] = contextvars.ContextVar(
     "attention_choices", default=None
 )

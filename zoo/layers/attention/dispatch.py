@@ -37,7 +37,7 @@ from shardings.mesh import compile_platform
 
 # The backends register themselves on import.
 from zoo.layers.attention import cudnn, splash, xla  # noqa: F401
-from zoo.layers.attention.choices import Choice, describe_call, record, refusal
+from zoo.layers.attention.choices import NAMED, Choice, describe_call, record, refusal
 from zoo.layers.attention.layout import explicit_axes, per_shard, reshard_to
 from zoo.layers.attention.mask import Segments, is_static
 from zoo.layers.attention.registry import (
@@ -48,8 +48,6 @@ from zoo.layers.attention.registry import (
     auto_choice,
     named_backend,
 )
-
-NAMED = "asked for by name"
 
 
 def attention(

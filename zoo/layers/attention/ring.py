@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.layers.attention.choices import refusal
+from zoo.layers.attention.choices import NAMED, refusal
 from zoo.layers.attention.mask import Segments, attention_mask, is_static
 from zoo.layers.attention.registry import CallInfo, _why_unavailable, auto_choice, named_backend
 
@@ -105,7 +105,7 @@ def block_kernel(
         reason = _why_unavailable(named_backend(implementation), info)
         if reason is not None:
             raise refusal(implementation, call, reason)
-        name, why = implementation, "asked for by name"
+        name, why = implementation, NAMED
     reason = _no_ring_form(name, sliding_window, balanced)
     if reason is None:
         return name, why
