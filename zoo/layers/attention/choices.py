@@ -5,7 +5,8 @@ call it traces here. Inside `recording()` the reports are kept: train_main trace
 under it and writes them to run_info.json's `attention`, eval_main to eval.json's. A call site
 is described by what decides its backend -- its kind (self-attention, a KV-cache step, a
 context-parallel block), T and S, heads, head dim, dtype, mask -- so the layers of a stack
-that make the same call share one entry.
+that make the same call share one entry. Only calls traced inside the block are seen: a
+function jax has already traced for the same types is not traced again.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def to_json(choices: list[Choice]) -> dict:
     site, the backend it runs on and why."""
     asked = sorted({c.asked for c in choices})
     return {
-        "implementation": asked[0] if len(asked) == 1 else asked,
+        "implementation": asked[0] if len(asked) == 1 else (asked or None),
         "calls": [{"call": c.call, "backend": c.backend, "why": c.why} for c in choices],
     }
 
