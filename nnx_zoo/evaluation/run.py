@@ -22,6 +22,7 @@ from nnx_zoo.evaluation.settings import EvalSettings, from_run_info
 from nnx_zoo.runtime.console import warn
 from nnx_zoo.runtime.files import write_json_atomic
 from zoo.generate import check_can_generate
+from zoo.layers.attention import choices as attention_choices
 
 EVAL_FILE = "eval.json"
 
@@ -61,6 +62,8 @@ class EvalResult:
     step: int | None
     metrics: dict | None
     generated: tuple[str, int] | None  # (text, tokens)
+    # What each attention call site ran on, and why (attention.choices.to_json).
+    attention: dict | None = None
 
 
 def evaluate(request: EvalRequest) -> EvalResult:
@@ -77,12 +80,15 @@ def evaluate(request: EvalRequest) -> EvalResult:
     if request.generation is not None:
         check_can_generate(settings.strategy)  # the run's own, when no --sharding_strategy
     metrics = None
-    if request.evaluate:
-        metrics = eval_metrics.json_safe(eval_metrics.evaluate(model, mesh, settings, tokenizer))
-    generated = None
-    if request.generation is not None:
-        generated = _generate(model, mesh, tokenizer, request.generation)
-    return EvalResult(request, settings, mesh, step, metrics, generated)
+    with attention_choices.recording() as chosen:
+        if request.evaluate:
+            metrics = eval_metrics.evaluate(model, mesh, settings, tokenizer)
+            metrics = eval_metrics.json_safe(metrics)
+        generated = None
+        if request.generation is not None:
+            generated = _generate(model, mesh, tokenizer, request.generation)
+    attention = attention_choices.to_json(chosen)
+    return EvalResult(request, settings, mesh, step, metrics, generated, attention)
 
 
 def load(request: EvalRequest):
@@ -140,6 +146,7 @@ def record(result: EvalResult) -> dict:
         "mesh_shape": dict(result.mesh.shape),
         "num_devices": jax.device_count(),
         "hf_checkpoint": request.hf_checkpoint,
+        "attention": result.attention,
     }
     if result.generated is not None:
         text, tokens = result.generated

@@ -32,6 +32,7 @@ from nnx_zoo.training.loop import run as run_loop
 from nnx_zoo.training.metrics import MetricsWriter
 from nnx_zoo.training.profile import StepProfiler, parse_steps
 from nnx_zoo.training.step_memory import step_memory
+from zoo.layers.attention import choices as attention_choices
 
 RUN_INFO_FILE = "run_info.json"
 
@@ -84,7 +85,18 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
             f"model vocab_size={built.model_cfg.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size} ids ({run.data.tokenizer}); {fix}"
         )
-    return TrainSession(built, run_data, workdir, built.info(), notes + run_data.notes, saved=saved)
+    info = {**built.info(), "attention": trace_attention(built)}
+    return TrainSession(built, run_data, workdir, info, notes + run_data.notes, saved=saved)
+
+
+def trace_attention(built: Run) -> dict:
+    """run_info.json's `attention`: the train step traced (not compiled) while the run is
+    built, so an attention backend named in the config that cannot run one of the model's
+    calls stops the run here (UsageError), before anything is written; and what `auto`
+    chose for each call site, and why. The compile before the first step reuses the trace."""
+    with attention_choices.recording() as choices, jax.set_mesh(built.mesh):
+        built.trainer.trace(built.abstract_batch())
+    return attention_choices.to_json(choices)
 
 
 def _make_checkpointer(session: TrainSession):

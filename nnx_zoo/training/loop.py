@@ -209,6 +209,12 @@ class Trainer:
         step = self._train_jit if train else self._eval_jit
         return step.lower(self.state, model_batch(batch))
 
+    def trace(self, batch: Batch):
+        """The train step traced (not lowered) for the current state's and `batch`'s types:
+        the model's Python runs, so what it checks at trace time fails here; jax keeps the
+        trace, which `lower` / `compile` for the same types then reuse."""
+        return self._train_jit.trace(self.state, model_batch(batch))
+
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimizer step; returns its metrics as (not yet fetched) device scalars."""
         step_fn = self.compiled or self._train_jit
