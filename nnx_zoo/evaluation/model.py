@@ -68,11 +68,12 @@ def load_from_checkpoint(workdir: str, run_info: dict, settings: EvalSettings, s
     # Evaluation takes no gradients: what the backward pass would keep does not matter, and
     # a policy the evaluating backend lacks (offload, on CPU) must not stop it.
     cfg = model_config_from_run_info(run_info).replace(remat="none")
-    if settings.attention_impl:
-        cfg = cfg.replace(attention_impl=settings.attention_impl)
+    # The backend the run trained with was a promise for training's calls; evaluation and
+    # generation make others (KV-cache steps, T != S) on other hosts (a TPU run's checkpoint
+    # read on a laptop), so only a backend named for this command binds it; else `auto`.
+    cfg = cfg.replace(attention_impl=settings.attention_impl or "auto")
     mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
-    # The run's attention backend must run here (a TPU run's splash on a CPU host does not):
-    # one line now, not an error deep in the compile.
+    # A backend named here must run here: one line now, not an error deep in the compile.
     check_attention(cfg, mesh, settings.seq_len)
     # Training refused rows past a learned position table (GPT-2's), where every later
     # position would read the table's last row; an eval --seq_len could ask for them here.
@@ -102,9 +103,11 @@ def load_adapted(workdir: str, run_info: dict, settings: EvalSettings, step: int
             f"the LoRA run's base model {base!r} (run_info.json init_from) is not a directory"
         )
     strategy = get_strategy(settings.strategy)
-    overrides = dict(dtype=run.model.dtype, scan_layers=run.model.scan_layers)
-    if settings.attention_impl:
-        overrides["attention_impl"] = settings.attention_impl
+    overrides = dict(
+        dtype=run.model.dtype,
+        scan_layers=run.model.scan_layers,
+        attention_impl=settings.attention_impl or "auto",  # as load_from_checkpoint
+    )
     cfg = read_config(base, **overrides)
     mesh = strategy.make_mesh(shape=settings.mesh_shape, config=cfg)
     check_attention(cfg, mesh, settings.seq_len)
