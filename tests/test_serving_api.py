@@ -196,6 +196,30 @@ def test_greedy_equals_eval_main_streamed_and_not(server, workdir):
         assert usage.completion_tokens == response.usage.completion_tokens
 
 
+def test_a_seeded_sample_is_the_same_text_from_eval_main_and_the_server(server, workdir):
+    # One sampler (zoo/sampling.py) keyed by seed and position: the seed, not the program
+    # that draws, decides the text.
+    prompt, seed = PROMPTS[2], 1234
+    result = _entry.evaluate(
+        [
+            f"--workdir={workdir}",
+            "--noevaluate",
+            f"--prompt={prompt}",
+            f"--max_new_tokens={NEW}",
+            "--temperature=0.9",
+            "--top_k=50",
+            f"--seed={seed}",
+            "--sharding_strategy=dp",
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    want = result.stdout[len(prompt) : -1]
+    greedy = _complete(server, prompt).choices[0].text
+    sampled = _complete(server, prompt, temperature=0.9, seed=seed, extra_body={"top_k": 50})
+    assert sampled.choices[0].text == want
+    assert want != greedy  # the draw did something
+
+
 def test_chat_streamed_and_not_equals_the_rendered_template(server):
     messages = [
         {"role": "system", "content": "You are terse."},

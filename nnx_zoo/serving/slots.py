@@ -44,8 +44,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zoo.serving.sampling import SamplingRows, sample
 from zoo.generate import batch_multiple, layer_list, model_mesh
+from zoo.sampling import SamplingRows, sample
 
 MIN_BUCKET = 16
 
