@@ -81,10 +81,10 @@ class Scheduler:
         if len(self.waiting) + len(jobs) > self.max_queue + free:
             requests = len({job.request for job in (*running, *self.waiting)})
             raise QueueFullError(
-                f"the server is at capacity: {len(running)} sequences running in "
-                f"{len(self.slots)} slots and {len(self.waiting)} waiting "
-                f"(--max_queue={self.max_queue}), from {requests} requests; this request "
-                f"needs room for {len(jobs)} (prompts x n); retry later"
+                f"the server is at capacity: {len(running)} of {len(self.slots)} slots busy and "
+                f"{len(self.waiting)} sequences waiting (--max_queue={self.max_queue}), from "
+                f"{requests} requests; this request needs room for {len(jobs)} sequences "
+                "(prompts x n); retry later"
             )
         self._submissions += 1
         for job in jobs:
