@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 import pytest
 from chat_fixtures import CORPUS, write_tokenizer_dir
@@ -156,3 +158,29 @@ def test_held_back_length_is_the_longest_stop_prefix():
             default=0,
         )
         assert _stop_prefix_len(text, stops) == want, (text, stops)
+
+
+def test_an_hf_tokenizer_encodes_a_long_prompt_while_other_threads_run(tmp_path):
+    """The server tokenizes prompts on a worker thread; with an HF tokenizer that is only
+    worth it if the engine thread and the event loop run meanwhile."""
+    tokenizer = HfTokenizer(f"{write_tokenizer_dir(str(tmp_path), 'qwen3')}/tokenizer.json")
+    text = TEXT * 3000  # ~0.5 MB
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    time.sleep(0.05)
+    start = time.perf_counter()
+    ids = tokenizer.encode_concurrently(text)
+    took = time.perf_counter() - start
+    done.set()
+    thread.join()
+    assert ids == tokenizer.encode(text)
+    during = [t for t in ticks if start <= t <= start + took]
+    gaps = [b - a for a, b in zip([start, *during], [*during, start + took], strict=True)]
+    assert took > 0.1 and max(gaps) < took / 2, (took, max(gaps))

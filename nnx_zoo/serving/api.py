@@ -59,6 +59,8 @@ def create_app(
     a 400 saying `chat_template_error`)."""
     app = FastAPI(title="nnx-zoo", docs_url=None, redoc_url=None)
     tokenizer = engine.tokenizer
+    # A tokenizer that can let the other threads run while it works (the engine's among them).
+    encode = getattr(tokenizer, "encode_concurrently", tokenizer.encode)
     started = int(time.time())
     capacity = engine.scheduler.capacity
 
@@ -89,7 +91,7 @@ def create_app(
         ask = protocol.check(body, served_model=served_model, capacity=capacity)
         texts = protocol.prompts(body.prompt)
         _check_fits(len(texts), ask.n, capacity)  # before tokenizing them all
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in texts]
+        prompts = [encode(p) if isinstance(p, str) else p for p in texts]
         if not prompts or any(not p for p in prompts):
             raise ApiError("the prompt is empty", param="prompt")
         envelope = protocol.Envelope(served_model, chat=False)
@@ -107,7 +109,7 @@ def create_app(
             text = chat_template.render(messages, add_generation_prompt=True)
         except ValueError as e:
             raise ApiError(str(e), param="messages") from None
-        prompts = [tokenizer.encode(text)]
+        prompts = [encode(text)]
         envelope = protocol.Envelope(served_model, chat=True)
         return body, envelope, prompts, _jobs(engine, prompts, ask, envelope, on_event)
 
