@@ -153,6 +153,14 @@ def test_sharded_mesh_equals_one_device(one_device):
     try:
         # Three prompts of one bucket: two prefills of 2 rows, the second with a spare row.
         assert _ids(engine.generate(SHORT, max_tokens=6, ignore_eos=True)) == want
+        # The empty cache put in place after a failed call has the old one's layouts: the
+        # compiled programs take it as they are (no new trace), with the same tokens.
+        layouts = [jax.typeof(leaf).sharding for leaf in jax.tree.leaves(slots.cache)]
+        traces = dict(slots.traces)
+        slots.reset()
+        assert [jax.typeof(leaf).sharding for leaf in jax.tree.leaves(slots.cache)] == layouts
+        assert _ids(engine.generate(SHORT, max_tokens=6, ignore_eos=True)) == want
+        assert dict(slots.traces) == traces
     finally:
         engine.stop()
 
