@@ -461,6 +461,7 @@ def _serve_main(*flags) -> _entry.Result:
         (["WORKDIR", "--chat_template=/nonexistent.jinja"], "--chat_template"),
         (["WORKDIR", "--port=70000"], "--port=70000"),
         (["WORKDIR", "--lora=fold"], "--lora"),
+        (["WORKDIR", "--max_request_bytes=0"], "--max_request_bytes=0 must be >= 1"),
     ],
     ids=[
         "no-model",
@@ -472,6 +473,7 @@ def _serve_main(*flags) -> _entry.Result:
         "no-such-template",
         "bad-port",
         "bad-lora",
+        "max-request-bytes-0",
     ],
 )
 def test_bad_command_line_exits_2_with_one_line(workdir, flags, message):
