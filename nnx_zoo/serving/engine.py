@@ -53,8 +53,6 @@ class EngineStoppedError(RuntimeError):
 
 class Engine:
     def __init__(self, slots: Slots, tokenizer, *, max_queue: int):
-        if max_queue < 0:
-            raise UsageError(f"--max_queue={max_queue} must be >= 0")
         self.slots = slots
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(slots.max_batch, max_queue)

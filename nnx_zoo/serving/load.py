@@ -50,9 +50,6 @@ class Served:
 def build(request: ServeRequest) -> Served:
     if request.lora not in LORA_MODES:
         raise UsageError(f"--lora={request.lora!r}: must be one of {', '.join(LORA_MODES)}")
-    for flag, least in (("max_batch", 1), ("max_queue", 0)):
-        if getattr(request, flag) < least:
-            raise UsageError(f"--{flag}={getattr(request, flag)} must be >= {least}")
     if request.max_seq_len is not None and request.max_seq_len < 1:
         raise UsageError(f"--max_seq_len={request.max_seq_len} must be >= 1")
     strategy = request.load.overrides.get("strategy")

@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.serving.text import TextStream
 
 
@@ -63,6 +64,8 @@ class Job:
 
 class Scheduler:
     def __init__(self, max_batch: int, max_queue: int):
+        if max_queue < 0:  # the one check of --max_queue (--max_batch: Slots)
+            raise UsageError(f"--max_queue={max_queue} must be >= 0")
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
         self.slots: list[Job | None] = [None] * max_batch

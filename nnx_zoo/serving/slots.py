@@ -82,7 +82,10 @@ class Slots:
             )
         self.mesh = mesh or model_mesh(model)
         self.rows = batch_multiple(model, self.mesh)
-        if max_batch < 1 or max_batch % self.rows:
+        # The one check of --max_batch (--max_queue: the Scheduler).
+        if max_batch < 1:
+            raise UsageError(f"--max_batch={max_batch} must be >= 1")
+        if max_batch % self.rows:
             raise UsageError(
                 f"--max_batch={max_batch} must be a multiple of {self.rows} (the size of the "
                 f"mesh axis the batch is split over, in {dict(self.mesh.shape)})"
