@@ -304,6 +304,7 @@ def build(
         batch_spec=plan.strategy.batch_spec(),
         loss_chunk_size=run.training.loss_chunk_size,
         wrt=finetune.trainable(model),
+        pipeline=plan.pipeline,
     )
     if abstract:
         trainer.state = on_mesh(trainer.state, plan.mesh)

@@ -111,6 +111,11 @@ def override_backend(name: str, fn: BackendFn, **flags) -> Iterator[AttentionBac
             _BACKENDS[name] = previous
 
 
+def backend(name: str) -> AttentionBackend:
+    """The registered backend `name` (KeyError for one that is not)."""
+    return _BACKENDS[name]
+
+
 def backend_names() -> tuple[str, ...]:
     return tuple(sorted(_BACKENDS))
 
