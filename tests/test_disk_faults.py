@@ -187,23 +187,26 @@ def test_a_vanished_checkpoint_directory_stops_the_run_in_one_line(tmp_path):
 
 
 _LATE_WAKEUP = """
-import asyncio, gc, time
+import asyncio, gc, sys, time
 import tensorstore as ts
-import nnx_zoo.checkpoint.write_errors  # noqa: F401 -- installs the filter under test
-promise, future = ts.Promise.new()
-loop = asyncio.new_event_loop()
-async def wait():
-    return await future
-task = loop.create_task(wait())
-loop.run_until_complete(asyncio.sleep(0.01))
-loop.close()  # as Orbax does once a save has failed, with this write still pending
-promise.set_result(1)  # TensorStore now wakes a closed loop
-time.sleep(0.2)
+from nnx_zoo.checkpoint.write_errors import failed_saves_said_once
 class Other:
     def __del__(self):
         raise ValueError("an unrelated unraisable error")
-Other()
-gc.collect()
+hook = sys.unraisablehook
+with failed_saves_said_once():  # as train_main's run is
+    promise, future = ts.Promise.new()
+    loop = asyncio.new_event_loop()
+    async def wait():
+        return await future
+    task = loop.create_task(wait())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    loop.close()  # as Orbax does once a save has failed, with this write still pending
+    promise.set_result(1)  # TensorStore now wakes a closed loop
+    time.sleep(0.2)
+    Other()
+    gc.collect()
+assert sys.unraisablehook is hook  # the run's scope is undone after it
 """
 
 
