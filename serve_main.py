@@ -89,9 +89,9 @@ def _request():
     )
 
 
+@cli.quiet_logging()
 def main(argv):
     cli.no_arguments(argv)
-    cli.quiet_logging()
     try:
         import uvicorn
 
@@ -101,7 +101,10 @@ def main(argv):
             f"serve_main needs the serve extra ({e.name} is not installed): "
             "pip install 'nnx-zoo[serve]'"
         )
+    from nnx_zoo.runtime import host
     from nnx_zoo.serving import load
+
+    host.announce()  # the first line: the backend and devices JAX chose
 
     request = _request()
     sock = _listen(SERVE.host.value, SERVE.port.value)  # a port in use: said before the model loads
