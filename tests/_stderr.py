@@ -14,7 +14,7 @@ import re
 
 _CUDA_PLUGIN = re.compile(
     r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
-    r"|I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on "
+    r"|I\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on "
     r"your machine, GPU will not be used\."
 )
 

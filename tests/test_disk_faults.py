@@ -26,6 +26,7 @@ import sys
 import time
 
 import pytest
+from _stderr import ours
 from _train_helpers import (
     ROOT,
     SMALL_RUN,
@@ -79,7 +80,7 @@ def _stopped_before_the_last_save(reference, workdir) -> str:
 
 
 def _one_line_exit_1(result) -> str:
-    lines = result.stderr.strip().splitlines()
+    lines = ours(result.stderr).strip().splitlines()
     assert result.returncode == 1, result.stderr[-3000:]
     assert len(lines) == 1, result.stderr[-3000:]
     return lines[0]
