@@ -96,9 +96,9 @@ def _request():
     )
 
 
+@cli.quiet_logging()
 def main(argv):
     cli.no_arguments(argv)
-    cli.quiet_logging()
     try:
         import uvicorn
 
@@ -108,7 +108,10 @@ def main(argv):
             f"serve_main needs the serve extra ({e.name} is not installed): "
             "pip install 'nnx-zoo[serve]'"
         )
+    from nnx_zoo.runtime import host
     from nnx_zoo.serving import load
+
+    host.announce()  # the first line: the backend and devices JAX chose
 
     request = _request()
     if SERVE.max_request_bytes.value < 1:

@@ -24,9 +24,6 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from nnx_zoo.runtime.host import import_jax_quietly
-
-    import_jax_quietly()
     import jax
     from lm_eval.api.instance import Instance
 

@@ -24,9 +24,6 @@ def main():
     parser.add_argument("--style", choices=["llama", "gpt2"], default="llama")
     args = parser.parse_args()
 
-    from nnx_zoo.runtime.host import import_jax_quietly
-
-    import_jax_quietly()
     import jax
     import lm_eval
 

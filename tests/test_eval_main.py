@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _stderr import ours
 from _train_helpers import child_env
 from flax import nnx
 from model_utils import save_as_run
@@ -180,7 +181,7 @@ def test_bad_input_exits_2_with_one_line(saved, flags, message):
 def test_empty_workdir_exits_2(tmp_path):
     proc = eval_main_process(str(tmp_path))
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error: no complete checkpoint in"), proc.stderr
+    assert ours(proc.stderr).strip().startswith("error: no complete checkpoint in"), proc.stderr
 
 
 def test_workdir_that_is_a_file_exits_2_before_any_work(tmp_path):

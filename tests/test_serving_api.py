@@ -121,16 +121,17 @@ def server(workdir, tmp_path_factory):
         stderr=log,
         text=True,
     )
-    line, deadline = "", time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
+    # The platform line (nnx_zoo/runtime/host.py), then the one saying it is ready.
+    lines, deadline = [], time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and len(lines) < 2:
         if select.select([proc.stdout], [], [], 1.0)[0]:
-            line = proc.stdout.readline()
-            break
-    found = re.match(r"serving (\S+) on (http://\S+/v1) ", line)
+            lines.append(proc.stdout.readline())
+    found = re.match(r"serving (\S+) on (http://\S+/v1) ", lines[-1] if lines else "")
     if not found:
         proc.kill()
         log.seek(0)
-        pytest.fail(f"the server did not start: {line!r}\n{log.read()[-3000:]}")
+        pytest.fail(f"the server did not start: {lines!r}\n{log.read()[-3000:]}")
+    assert lines[0].startswith("jax ") and " on cpu: 1 x cpu devices" in lines[0], lines
     assert found.group(1) == NAME  # the workdir's name by default
     server = Server(proc, found.group(2), log)
     # Before any test's request (the tests run in any order).

@@ -21,7 +21,7 @@ from nnx_zoo.errors import UsageError
 from nnx_zoo.launch import resume as resume_rules
 from nnx_zoo.launch.build import Run, build, plan_run
 from nnx_zoo.launch.data import RunData, build_data
-from nnx_zoo.runtime import peers
+from nnx_zoo.runtime import host, peers
 from nnx_zoo.runtime.console import say, warn
 from nnx_zoo.runtime.files import write_json_atomic
 from nnx_zoo.runtime.preemption import PreemptionWatcher
@@ -85,7 +85,13 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
             f"model vocab_size={built.model_cfg.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size} ids ({run.data.tokenizer}); {fix}"
         )
-    info = {**built.info(), "attention": trace_attention(built)}
+    # What JAX runs the run on (the first line train_main printed): backend, device kind,
+    # device and process counts.
+    info = {
+        **built.info(),
+        "platform": host.platform().record(),
+        "attention": trace_attention(built),
+    }
     return TrainSession(built, run_data, workdir, info, notes + run_data.notes, saved=saved)
 
 
