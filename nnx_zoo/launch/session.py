@@ -50,6 +50,8 @@ class TrainSession:
     # (step, RunConfig) of the workdir's newest checkpoint, read once by `prepare`; None
     # when there is none (or checkpoints are off).
     saved: tuple[int, RunConfig] | None = None
+    # The line on the learning-rate schedule for the step resumed from (resume.keep_schedule).
+    schedule_note: Callable[[int], str | None] | None = None
 
     @property
     def preempted(self) -> bool:
@@ -63,11 +65,10 @@ class TrainSession:
 
 def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> TrainSession:
     """Mesh, data, model, optimizer and step for `run` in `workdir`."""
-    notes = []
     saved = resume_rules.saved_run(workdir) if run.checkpoint.enabled else None
+    schedule_note = None
     if saved is not None:
-        run, note = resume_rules.keep_schedule(run, saved[1])
-        notes += [note] if note else []
+        run, schedule_note = resume_rules.keep_schedule(run, saved[1])
     finetune.check_lora_run(run, init_from)
     run = finetune.with_data_tokenizer(run, init_from)
     plan = plan_run(run, init_from=init_from)
@@ -92,7 +93,9 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
         "platform": host.platform().record(),
         "attention": trace_attention(built),
     }
-    return TrainSession(built, run_data, workdir, info, notes + run_data.notes, saved=saved)
+    return TrainSession(
+        built, run_data, workdir, info, run_data.notes, saved=saved, schedule_note=schedule_note
+    )
 
 
 def trace_attention(built: Run) -> dict:
@@ -139,6 +142,8 @@ def resume(session: TrainSession) -> int:
         changes = resume_rules.data_changes(run, found[1]) if found is not None else []
         note = resume_rules.check_mixture(run, found[1], start) if found is not None else None
         session.notes += [note] if note and not changes else []
+        note = session.schedule_note(start) if session.schedule_note else None
+        session.notes += [note] if note else []
         if changes:
             warn(
                 f"the data differs from checkpoint step {start}'s ({'; '.join(changes)}): its "
