@@ -14,8 +14,11 @@ PEAK, END_RATIO = 2e-3, 0.1
 END = PEAK * END_RATIO
 
 
-def reference(kind, t, *, warmup, length, fraction=0.2, shape="linear"):
+def reference(
+    kind, t, *, warmup, length, fraction=0.2, shape="linear", peak=PEAK, end_ratio=END_RATIO
+):
     """The documented rate at optimizer step t (0 for the first update)."""
+    PEAK, END = peak, peak * end_ratio  # noqa: N806 -- the module's names, for other peaks
     if t < warmup:
         return PEAK * t / warmup
     if kind == "constant":
