@@ -105,7 +105,7 @@ def test_config_schedule_fields_and_the_smoke_run_clamp():
     # A 10-step WSD run decays over its last 2 steps: the preset's warmup of 20 is cut to 8.
     assert run.optimizer.warmup_steps == 8
     assert notes == [
-        "optimizer.warmup_steps=20 does not fit a wsd schedule of 10 steps (training.steps, or "
+        "optimizer.warmup_steps=20 does not fit a schedule of 10 steps (training.steps, or "
         "optimizer.decay_steps when set): warming up for 8 steps instead (set "
         "--config.optimizer.warmup_steps to choose)"
     ]

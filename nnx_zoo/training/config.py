@@ -488,8 +488,8 @@ def fit_warmup(optimizer: OptimizerSection, length: int) -> tuple[OptimizerSecti
     if optimizer.warmup_steps <= clamped:
         return optimizer, None
     note = (
-        f"optimizer.warmup_steps={optimizer.warmup_steps} does not fit a {optimizer.schedule} "
-        f"schedule of {length} steps (training.steps, or optimizer.decay_steps when set): "
+        f"optimizer.warmup_steps={optimizer.warmup_steps} does not fit a schedule of {length} "
+        "steps (training.steps, or optimizer.decay_steps when set): "
         f"warming up for {clamped} steps instead (set --config.optimizer.warmup_steps to choose)"
     )
     return dataclasses.replace(optimizer, warmup_steps=clamped), note
