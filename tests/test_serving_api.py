@@ -131,7 +131,7 @@ def server(workdir, tmp_path_factory):
         proc.kill()
         log.seek(0)
         pytest.fail(f"the server did not start: {lines!r}\n{log.read()[-3000:]}")
-    assert lines[0].startswith("jax ") and " on cpu: 1 x cpu devices" in lines[0], lines
+    assert lines[0].startswith("jax ") and lines[0].endswith(" on cpu: 1 x cpu device\n"), lines
     assert found.group(1) == NAME  # the workdir's name by default
     server = Server(proc, found.group(2), log)
     # Before any test's request (the tests run in any order).
