@@ -237,3 +237,62 @@ def test_lm_eval_local_completions_equals_eval_main_tasks(served, hf_dir, tmp_pa
         d: s["resps"] for d, s in our_gen.items()
     }
     assert any(s["resps"][0][0].strip() for s in our_gen.values())  # something was generated
+
+
+def test_chat_logprobs_and_what_is_refused(served, reference):
+    tokenizer = served.engine.tokenizer
+    messages = [{"role": "user", "content": "The opposite of hot is"}]
+    status, body = post(
+        served,
+        "chat/completions",
+        dict(messages=messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2),
+    )
+    assert status == 200, body
+    choice = body["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == choice["message"]["content"]
+    for c in content:
+        assert c["bytes"] == list(c["token"].encode("utf-8"))
+        assert len(c["top_logprobs"]) == 2
+        # Greedy: the token is the most likely one, with its log-probability.
+        assert c["logprob"] == c["top_logprobs"][0]["logprob"] <= 0
+    # Without logprobs: none.
+    status, body = post(served, "chat/completions", dict(messages=messages, max_tokens=2))
+    assert status == 200 and body["choices"][0]["logprobs"] is None
+    # max_tokens 0 with echo: the prompt scored, nothing generated.
+    prompt = "Question: The opposite of up is\nAnswer: down"
+    status, body = post(
+        served, "completions", dict(prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    )
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 0
+    ids = tokenizer.encode(prompt)
+    want = reference(ids)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [
+        tokenizer.decode(ids[: t + 1])[len(tokenizer.decode(ids[:t])) :] for t in range(len(ids))
+    ]
+    np.testing.assert_allclose(
+        lp["token_logprobs"][1:], [want[t - 1, ids[t]] for t in range(1, len(ids))], atol=1e-4
+    )
+    # logprobs 0: each top_logprobs holds the token alone.
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    bad = [
+        ("completions", dict(prompt="a", logprobs=True), "logprobs", "not a boolean"),
+        ("completions", dict(prompt="a", logprobs=1, stream=True), "logprobs", "with stream"),
+        ("completions", dict(prompt="a", echo=True, stream=True), "echo", "with stream"),
+        ("chat/completions", dict(messages=messages, logprobs=2), "logprobs", "true or false"),
+        ("chat/completions", dict(messages=messages, top_logprobs=2), "top_logprobs", "needs"),
+        (
+            "chat/completions",
+            dict(messages=messages, logprobs=True, top_logprobs=21),
+            "top_logprobs",
+            "[0, 20]",
+        ),
+    ]
+    for path, fields, param, message in bad:
+        status, body = post(served, path, fields)
+        assert status == 400 and body["error"]["param"] == param, (fields, body)
+        assert message in body["error"]["message"], body
