@@ -13,7 +13,10 @@ Each turn of the loop:
      turn, not the running requests' remaining tokens;
   3. runs one decode step for every slot, and sends each running job its next token.
 A job that finishes (EOS, a stop string, its max_tokens) gives its slot back in the turn it
-finishes, before the next admission. The thread sleeps while there is nothing to do.
+finishes, before the next admission. A job that asked for log-probabilities records each
+token's (`Job.token_logprobs`), and with echo its prompt's (`Job.prompt_logprobs`, from the
+prefill's `score` variant, run for a group when any of its jobs asks); an echo job with
+max_tokens 0 finishes at its prefill. The thread sleeps while there is nothing to do.
 
 Events go to each job's `on_event` from this thread; the HTTP layer forwards them to its
 event loop. Failures:
