@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from bench.fixtures import ROOT, TASKS, write_tiny_llama
-from nnx_zoo.evaluation.run import EvalRequest
+from nnx_zoo.evaluation.model import LoadRequest
 from nnx_zoo.serving import load
 from nnx_zoo.serving.logprobs import top_key
 
@@ -49,11 +49,7 @@ def served(hf_dir):
     from nnx_zoo.serving.api import create_app
 
     request = load.ServeRequest(
-        load=EvalRequest(
-            workdir=hf_dir,
-            hf_checkpoint=hf_dir,
-            evaluate=False,
-        ),
+        load=LoadRequest(workdir=None, hf_checkpoint=hf_dir),
         max_batch=4,
         max_seq_len=MAX_SEQ_LEN,
         max_queue=64,
