@@ -142,6 +142,14 @@ def server(workdir, tmp_path_factory):
     log.close()
 
 
+def _generated(stdout: str, prompt: str) -> str:
+    """What eval_main --prompt generated: it prints the platform line, then prompt + text."""
+    platform, printed = stdout.split("\n", 1)
+    assert platform.startswith("jax ") and " on cpu: " in platform, stdout
+    assert printed.startswith(prompt), stdout
+    return printed[len(prompt) : -1]
+
+
 def _complete(server, prompt, **kwargs):
     kwargs = {"max_tokens": NEW, "temperature": 0, **kwargs}
     return server.client.completions.create(model=NAME, prompt=prompt, **kwargs)
@@ -185,7 +193,7 @@ def test_greedy_equals_eval_main_streamed_and_not(server, workdir):
             ]
         )
         assert result.returncode == 0, result.stderr[-2000:]
-        want = result.stdout[len(prompt) : -1]  # eval_main prints prompt + generation
+        want = _generated(result.stdout, prompt)
         response = _complete(server, prompt)
         choice = response.choices[0]
         assert choice.text == want
@@ -214,7 +222,7 @@ def test_a_seeded_sample_is_the_same_text_from_eval_main_and_the_server(server, 
         ]
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    want = result.stdout[len(prompt) : -1]
+    want = _generated(result.stdout, prompt)
     greedy = _complete(server, prompt).choices[0].text
     sampled = _complete(server, prompt, temperature=0.9, seed=seed, extra_body={"top_k": 50})
     assert sampled.choices[0].text == want
