@@ -37,7 +37,9 @@ def make(run: RunConfig, strategy_name: str, mesh, tokenizer) -> Callable[[objec
         tasks = harness.prepare(section.tasks, include, section.num_fewshot, section.limit)
         harness.check_strategy(tasks, strategy_name)
     except UsageError as e:
-        raise UsageError(f"config eval.tasks={section.tasks!r}: {e}") from None
+        # harness's lines name eval_main's flag; here it is a config field.
+        why = str(e).replace("--include_path", "eval.include_path")
+        raise UsageError(f"config eval.tasks={section.tasks!r}: {why}") from None
     limit = section.limit
     if limit is not None and limit >= 1:
         limit = int(limit)

@@ -88,6 +88,9 @@ def prepare(
     plan = plan_run(run, init_from=init_from)
     # The data before the model: a bad source or tokenizer fails before any initialisation.
     run_data = build_data(run, plan.mesh, plan.strategy.batch_spec())
+    downstream = None
+    if run.eval.tasks:  # its tasks checked before the model is built
+        downstream = eval_tasks(run, plan.strategy.name, plan.mesh, run_data.tokenizer)
     built = build(run, plan=plan, init_from=init_from)
     tokenizer = run_data.tokenizer
     if built.model_cfg.vocab_size < tokenizer.vocab_size:
@@ -107,9 +110,6 @@ def prepare(
         "platform": host.platform().record(),
         "attention": trace_attention(built),
     }
-    downstream = None
-    if run.eval.tasks:
-        downstream = eval_tasks(run, built.strategy.name, built.mesh, tokenizer)
     return TrainSession(
         built, run_data, workdir, info, notes + run_data.notes, saved=saved, downstream=downstream
     )
