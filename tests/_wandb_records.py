@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 BLOCK = 32768
 HEADER = 7
@@ -34,6 +35,8 @@ def _chunks(path: str):
         if kind == 0 and length == 0:  # zeros to the end of the block
             pos += left
             continue
+        if pos + HEADER + length > len(data):  # a chunk still being written
+            return
         chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == FULL:
@@ -61,9 +64,17 @@ def offline_runs(wandb_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb")))
 
 
-def read_run(path: str) -> dict:
+def read_run(path: str, timeout: float = 60.0) -> dict:
     """{"id", "project", "name", "tags", "config": {key: value}, "history": {step: {key:
-    value}}} of one offline run file."""
+    value}}} of one offline run file, once it is complete: `run.finish()` returns before
+    wandb-core's writer has written the file (a file of the header alone was seen right
+    after it), so this waits for the run's `exit` record."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kinds = [r.WhichOneof("record_type") for r in records(path)]
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     out = {"config": {}, "history": {}}
     for record in records(path):
         kind = record.WhichOneof("record_type")
