@@ -465,10 +465,10 @@ def run(
     """Train from `start_step` to `options.total_steps`; returns the logged records.
 
     `train_batches` yields global arrays; `train_iter` is the Grain iterator behind it, whose
-    state the checkpointer saves. `writer` is a training.metrics.MetricsWriter. The
-    checkpointer (nnx_zoo/checkpoint/manager.py: it alone decides which steps are due) and
-    the preemption watcher (nnx_zoo/runtime/preemption.py) may each be None; without a
-    checkpointer nothing is saved.
+    state the checkpointer saves. `writer` is a training.metrics.MetricsWriter (or its
+    `Writers`: it and a W&B run). The checkpointer (nnx_zoo/checkpoint/manager.py: it alone
+    decides which steps are due) and the preemption watcher (nnx_zoo/runtime/preemption.py)
+    may each be None; without a checkpointer nothing is saved.
     """
     loop = _Loop(trainer, options, writer, checkpointer, train_iter, start_step)
     total = options.total_steps
