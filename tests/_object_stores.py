@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 import time
 
 BUCKET = "zoo-bucket"
@@ -123,3 +124,60 @@ def make_bucket(scheme: str, name: str) -> None:
 
     fs = storage.filesystem(f"{scheme}://{name}")
     fs.mkdir(name)
+
+
+@contextlib.contextmanager
+def read_only_s3(log_dir: str):
+    """A second S3 server that checks credentials (moto with INITIAL_NO_AUTH_ACTION_COUNT:
+    the first 4 requests make a bucket and a user allowed to read it, every later one is
+    authorised against moto's IAM). Yields the variables that reach it as that user."""
+    import json
+
+    import boto3
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(os.path.join(log_dir, "moto-auth.log"), "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_listening(port, proc, out.name)
+        admin = {"endpoint_url": url, **_boto_keys(S3_ENV), "region_name": "us-east-1"}
+        boto3.client("s3", **admin).create_bucket(Bucket=READ_ONLY_BUCKET)
+        iam = boto3.client("iam", **admin)
+        iam.create_user(UserName="reader")
+        reads = {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}
+        policy = {"Version": "2012-10-17", "Statement": [reads]}
+        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        yield {
+            "AWS_ENDPOINT_URL": url,
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+READ_ONLY_BUCKET = "read-only"
+
+
+def _boto_keys(env: dict) -> dict:
+    return {
+        "aws_access_key_id": env["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
+    }
+
+
+def s3_client(env: dict):
+    """boto3's S3 client for the endpoint and credentials in `env`."""
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1", **_boto_keys(env)
+    )

@@ -13,6 +13,7 @@ loads in transformers and equals the local run's export.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -203,3 +204,58 @@ def test_eval_serve_and_export_read_the_bucket(chains, reference, tmp_path):
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+@contextlib.contextmanager
+def _variables(**values):
+    """Other endpoint or credential variables for one in-process run (the clients are built
+    again from them, and again after)."""
+    saved = dict(os.environ)
+    os.environ.update(values)
+    storage.forget_filesystems()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        storage.forget_filesystems()
+
+
+def _one_line_exit_2(result, *needles) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_missing_bucket_is_one_line_and_exit_2(servers, scheme):
+    url = f"{scheme}://no-such-bucket-zoo/run"
+    line = _one_line_exit_2(run_train_main([f"--workdir={url}", *ARGS]), url)
+    assert "does the bucket exist?" in line
+    assert not storage.exists(f"{scheme}://no-such-bucket-zoo")
+
+
+def test_a_denied_write_is_one_line_exit_2_and_writes_nothing(servers, tmp_path):
+    url = f"s3://{stores.READ_ONLY_BUCKET}/run"
+    with stores.read_only_s3(str(tmp_path)) as reader, _variables(**reader):
+        result = run_train_main([f"--workdir={url}", *ARGS])
+        line = _one_line_exit_2(result, url, "permission denied")
+        assert "Access Denied" in line
+        assert reader["AWS_SECRET_ACCESS_KEY"] not in result.stdout + result.stderr
+        listing = stores.s3_client(reader).list_objects_v2(Bucket=stores.READ_ONLY_BUCKET)
+        assert listing["KeyCount"] == 0  # nothing half-written
+
+
+def test_an_unreachable_endpoint_is_one_line_and_exit_2(servers):
+    url = f"s3://{stores.BUCKET}/unreachable"
+    closed = f"http://127.0.0.1:{stores.free_port()}"
+    with _variables(AWS_ENDPOINT_URL=closed):
+        started = time.monotonic()
+        result = run_train_main([f"--workdir={url}", *ARGS])
+        elapsed = time.monotonic() - started
+    _one_line_exit_2(result, url)
+    assert stores.S3_ENV["AWS_SECRET_ACCESS_KEY"] not in result.stdout + result.stderr
+    assert elapsed < 120
