@@ -259,3 +259,48 @@ def test_an_unreachable_endpoint_is_one_line_and_exit_2(servers):
     _one_line_exit_2(result, url)
     assert stores.S3_ENV["AWS_SECRET_ACCESS_KEY"] not in result.stdout + result.stderr
     assert elapsed < 120
+
+
+DATA_RUN = {
+    **SMALL_SHAPES,
+    "training.steps": 4,
+    "optimizer.warmup_steps": 0,
+    "training.eval_every": 0,
+    "training.eval_batches": 1,
+    "logging.log_every": 1,
+    "logging.progress_bar": False,
+    "logging.tensorboard": False,
+    "logging.loss_curve": False,
+    "checkpoint.enabled": False,
+}
+
+
+def test_a_store_in_a_bucket_trains_as_the_same_store_on_disk(servers, tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.jsonl"
+    with open(corpus, "w", encoding="utf-8") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": f"document {i}: " + "lorem ipsum " * (i % 23 + 1)}) + "\n")
+    local = str(tmp_path / "tokens")
+    made = _entry.run_main(
+        "data_main",
+        [f"--source={corpus}", "--tokenizer=byte", f"--out={local}", "--shard_bytes=4000"],
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    shards = [n for n in os.listdir(local) if n.endswith(".arrayrecord")]
+    assert len(shards) > 2  # rows come from several shards, each copied when first read
+    url = f"s3://{stores.BUCKET}/tokens/"
+    storage.upload_tree(local, url)
+    monkeypatch.setenv("NNX_ZOO_SHARD_CACHE", str(tmp_path / "shard-cache"))
+
+    def losses(source, name):
+        workdir = str(tmp_path / name)
+        flags = cli_flags({**DATA_RUN, "data.source": source, "data.tokenizer": "byte"})
+        result = run_train_main([f"--workdir={workdir}", *flags])
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+        return [(r.get("loss"), r.get("val_loss")) for r in records]
+
+    from_disk, from_bucket = losses(local, "from-disk"), losses(url, "from-bucket")
+    assert sum(loss is not None for loss, _ in from_bucket) == DATA_RUN["training.steps"]
+    assert from_bucket == from_disk
+    assert os.listdir(tmp_path / "shard-cache")  # read through this host's copies
