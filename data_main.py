@@ -47,9 +47,9 @@ DATA = cli.define_flags(
 )
 
 
+@cli.quiet_logging()
 def main(argv):
     cli.no_arguments(argv)
-    cli.quiet_logging()
     for flag in (DATA.source, DATA.out):
         if not flag.value:
             cli.usage_error(f"--{flag.name} is required (--source=PATH --out=DIR)")

@@ -98,10 +98,13 @@ def _request():
     )
 
 
+@cli.quiet_logging()
 def main(argv):
     cli.no_arguments(argv)
-    cli.quiet_logging()
     from nnx_zoo.evaluation import run as evaluation
+    from nnx_zoo.runtime import host
+
+    host.announce()  # the first line: the backend and devices JAX chose
 
     if EVAL.tasks.value is not None:  # lm-evaluation-harness tasks (nnx_zoo/evaluation/harness.py)
         _run_tasks()

@@ -51,9 +51,9 @@ EXPLAIN = cli.define_flags(
 )
 
 
+@cli.quiet_logging()
 def main(argv):
     cli.no_arguments(argv)
-    cli.quiet_logging()
     import jax
 
     from nnx_zoo.launch.build import model_config

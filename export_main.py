@@ -46,14 +46,17 @@ EXPORT = cli.define_flags(
 )
 
 
+@cli.quiet_logging()
 def main(argv):
     cli.no_arguments(argv)
-    cli.quiet_logging()
     for flag in (EXPORT.workdir, EXPORT.format, EXPORT.out):
         if not flag.value:
             cli.usage_error(f"--{flag.name} is required (--workdir=DIR --format=hf|peft --out=OUT)")
     from nnx_zoo.checkpoint.workdir import expand
     from nnx_zoo.export import export_run
+    from nnx_zoo.runtime import host
+
+    host.announce()  # the first line: the backend and devices JAX chose
 
     try:
         out = expand(EXPORT.out.value)

@@ -62,9 +62,9 @@ PLAN = cli.define_flags(
 )
 
 
+@cli.quiet_logging()
 def main(argv):
     cli.no_arguments(argv)
-    cli.quiet_logging()
     if not PLAN.topology.value:
         cli.usage_error("--topology is required, e.g. --topology=v5p:2x2x2 or --topology=h100:8")
     from nnx_zoo.checkpoint.workdir import expand

@@ -1,7 +1,8 @@
 """Serve a checkpoint over the OpenAI HTTP API, with continuous batching.
 
     python serve_main.py --workdir=DIR [--step=N] [--port=8000] [--host=127.0.0.1]
-        [--max_batch=8] [--max_seq_len=N] [--max_queue=64] [--served_model_name=NAME]
+        [--max_batch=8] [--max_seq_len=N] [--max_queue=64] [--max_request_bytes=2097152]
+        [--served_model_name=NAME]
         [--sharding_strategy=tp] [--mesh_shape=...] [--lora=merge|apply]
         [--chat_template=FILE]
     python serve_main.py --hf_checkpoint=HF_DIR [--port=8000] ...
@@ -54,7 +55,13 @@ SERVE = cli.define_flags(
         None,
         "Tokens per slot (prompt + output); default: the model's, at most 2048.",
     ),
-    ("max_queue", int, 64, "Requests waiting for a slot; past it: 503."),
+    ("max_queue", int, 64, "Sequences (prompts x n) waiting for a slot; past it: 503."),
+    (
+        "max_request_bytes",
+        int,
+        2 << 20,  # nnx_zoo.serving.api.DEFAULT_MAX_REQUEST_BYTES (this module loads without it)
+        "A request body past this many bytes is refused (413) before it is read.",
+    ),
     ("chat_template", str, None, "A Jinja chat template file; default: the tokenizer directory's."),
     ("warmup", bool, True, "Compile every program before listening."),
 )
@@ -62,17 +69,16 @@ SERVE = cli.define_flags(
 
 def _request():
     from nnx_zoo.checkpoint.workdir import expand
-    from nnx_zoo.evaluation.run import EvalRequest
+    from nnx_zoo.evaluation.model import LoadRequest
     from nnx_zoo.serving.load import ServeRequest
 
     if bool(LOAD.workdir.value) == bool(LOAD.hf_checkpoint.value):
         cli.usage_error("give one of --workdir (a run directory) or --hf_checkpoint (an HF dir)")
     hf = LOAD.hf_dir()
-    load = EvalRequest(
+    load = LoadRequest(
         workdir=hf or expand(LOAD.workdir.value),
         hf_checkpoint=hf,
         step=LOAD.step.value,
-        evaluate=False,
         overrides=LOAD.overrides(),
     )
     return ServeRequest(
@@ -89,9 +95,9 @@ def _request():
     )
 
 
+@cli.quiet_logging()
 def main(argv):
     cli.no_arguments(argv)
-    cli.quiet_logging()
     try:
         import uvicorn
 
@@ -101,9 +107,14 @@ def main(argv):
             f"serve_main needs the serve extra ({e.name} is not installed): "
             "pip install 'nnx-zoo[serve]'"
         )
+    from nnx_zoo.runtime import host
     from nnx_zoo.serving import load
 
+    host.announce()  # the first line: the backend and devices JAX chose
+
     request = _request()
+    if SERVE.max_request_bytes.value < 1:
+        cli.usage_error(f"--max_request_bytes={SERVE.max_request_bytes.value} must be >= 1")
     sock = _listen(SERVE.host.value, SERVE.port.value)  # a port in use: said before the model loads
     with sock:
         served = load.build(request)
@@ -112,6 +123,7 @@ def main(argv):
             served_model=served.name,
             chat_template=served.chat_template,
             chat_template_error=served.chat_template_error,
+            max_request_bytes=SERVE.max_request_bytes.value,
         )
         host, port = sock.getsockname()[:2]
         served.engine.start()

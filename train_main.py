@@ -19,6 +19,7 @@ import dataclasses
 import os
 import sys
 
+from nnx_zoo.checkpoint import write_errors  # imports no jax, no Orbax
 from nnx_zoo.launch import cli
 
 cli.preamble()
@@ -27,9 +28,10 @@ FLAGS = cli.new_flags()
 RUN = cli.define_run_flags(FLAGS, " | auto (the fastest that fits, nnx_zoo/planning/)")
 
 
+@cli.quiet_logging()
+@write_errors.failed_saves_said_once()  # until the process leaves (a failed save: os._exit)
 def main(argv):
     cli.no_arguments(argv)
-    cli.quiet_logging()
     from nnx_zoo.runtime import peers
 
     try:
@@ -49,12 +51,11 @@ def _train() -> int:
     saved (a scheduler requeues on it; docs/cluster.md)."""
     # Orbax, Grain and the model load once the flags are good: --help and a bad flag answer
     # without them.
-    from nnx_zoo.checkpoint import write_errors
     from nnx_zoo.checkpoint.workdir import expand, hold
     from nnx_zoo.data import DataFileError
     from nnx_zoo.errors import UsageError
     from nnx_zoo.launch import session
-    from nnx_zoo.runtime import console, distributed, peers
+    from nnx_zoo.runtime import console, distributed, host, peers
     from nnx_zoo.runtime.preemption import EXIT_PREEMPTED
     from nnx_zoo.training.loop import DivergedError
 
@@ -73,6 +74,7 @@ def _train() -> int:
             distributed.initialize(
                 address, RUN.num_processes.value, RUN.process_id.value, peer_timeout_s=timeout
             )
+            host.announce()  # the first line (UsageError: the accelerator asked for is absent)
             for note in notes:  # adjustments a user expects (a smoke run's warmup)
                 console.warn(note)
             coordinator = address.rsplit(":", 1)[0] if address else None

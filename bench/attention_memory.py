@@ -21,10 +21,7 @@ import re
 import time
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-from nnx_zoo.runtime.host import import_jax_quietly  # noqa: E402
-
-import_jax_quietly()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the targets are compiled for, not used
 
 from nnx_zoo.launch.build import abstract_run  # noqa: E402
 from nnx_zoo.planning import target_devices, target_platform  # noqa: E402

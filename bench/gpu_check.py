@@ -46,7 +46,7 @@ def _rows(packed: bool, T: int):
     324 padding; unpacked rows are one document from 0 of lengths 1024 and 611."""
     import numpy as np
 
-    from tests.attention_reference import packed_rows
+    from bench.fixtures import packed_rows
 
     seg, pos = packed_rows(([300, 500, 224], [700]) if packed else ([T], [611]), T)
     if not packed:

@@ -24,16 +24,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from nnx_zoo.runtime.host import import_jax_quietly
-
-    import_jax_quietly()
     import jax
     from lm_eval.api.instance import Instance
 
+    from bench.fixtures import TASKS, write_tiny_llama
     from nnx_zoo.data.tokenizers import make_tokenizer
     from nnx_zoo.evaluation.harness_lm import ZooLM
     from shardings import get_strategy
-    from tests._harness_helpers import TASKS, write_tiny_llama
     from zoo import from_pretrained
 
     hf_dir = os.path.join(tempfile.mkdtemp(), "tiny")

@@ -24,17 +24,14 @@ def main():
     parser.add_argument("--style", choices=["llama", "gpt2"], default="llama")
     args = parser.parse_args()
 
-    from nnx_zoo.runtime.host import import_jax_quietly
-
-    import_jax_quietly()
     import jax
     import lm_eval
 
+    from bench.fixtures import TASKS, write_tiny_llama
     from nnx_zoo.data.tokenizers import make_tokenizer
     from nnx_zoo.evaluation.harness import run_tasks, task_manager
     from nnx_zoo.evaluation.harness_lm import ZooLM
     from shardings import get_strategy
-    from tests._harness_helpers import TASKS, write_tiny_llama
     from zoo import from_pretrained
 
     hf_dir = os.path.join(tempfile.mkdtemp(), "tiny")

@@ -30,8 +30,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from bench.fixtures import SMALL_SHAPES  # noqa: E402
 from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps  # noqa: E402
-from tests._train_helpers import SMALL_SHAPES  # noqa: E402
 
 RUN = {
     **SMALL_SHAPES,  # the tests' small run: it compiles and trains in seconds

@@ -31,9 +31,6 @@ def main():
     args = parser.parse_args()
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the target is compiled for, not used
-    from nnx_zoo.runtime.host import import_jax_quietly
-
-    import_jax_quietly()
     from nnx_zoo.planning.targets import target_devices
     from nnx_zoo.serving.slots import Slots
     from nnx_zoo.training.config import RunConfig

@@ -64,9 +64,6 @@ def main():
     )
     parser.add_argument("--max_seq_len", type=int, help="default: prompt_len + max_tokens")
     args = parser.parse_args()
-    from nnx_zoo.runtime.host import import_jax_quietly
-
-    import_jax_quietly()
 
     server = None
     if args.url:

@@ -40,7 +40,7 @@ def hybrid_device_array(shape: Sequence[int], axes: Sequence[str], devices: Sequ
     """Devices shaped `shape`; axis 0 must be `replica`, and its size a multiple of the
     granule count, so every other axis lies inside one granule.
 
-    Raises ValueError (one line, with a valid alternative) when the shape cannot do that.
+    Raises UsageError (one line, with a valid alternative) when the shape cannot do that.
     """
     if axes[0] != REPLICA:
         raise UsageError(f"the {REPLICA!r} axis must come first in {tuple(axes)}")

@@ -63,7 +63,7 @@ def make_mesh(strategy, shape=None, devices=None, config=None) -> Mesh:
     """A mesh with the strategy's axes, all `AxisType.Explicit`.
 
     `shape` is None (the strategy's documented default for these devices and `config`), a
-    tuple, or a string for `parse_mesh_shape`. Raises ValueError when it does not fit the devices.
+    tuple, or a string for `parse_mesh_shape`. Raises UsageError when it does not fit the devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)

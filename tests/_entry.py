@@ -37,7 +37,7 @@ def run_main(module: str, args: list[str], *, cwd: str = ROOT) -> Result:
     processes are), in this process. The module is (re)loaded with `sys.argv` set to the
     command line, as a fresh process would load it: its flags (the `--config.*` overrides
     among them) are defined against that command line."""
-    # Not `*_main.py`: argv[0] of that form would re-execute this process for huge pages.
+    # Not `*_main.py`: with ZOO_HUGE_PAGES=1, argv[0] of that form would re-execute this process.
     argv = [module, *[str(a) for a in args]]
     # The environment too: plan_main and explain_main add the CPU device count their command
     # line asks for to XLA_FLAGS at import (a process's own start-up), and every process a

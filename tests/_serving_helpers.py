@@ -32,3 +32,23 @@ def perturb(model, kind, scale: float, seed: int = 1) -> None:
         nnx.update(model, jax.tree.unflatten(tree, moved))
 
     move(model)
+
+
+class FailOnce:
+    """A compiled serving program that fails once, at its `at`-th call (counted over every
+    program sharing this object), as a device error does: after the call took its donated
+    KV cache (the program runs; its outputs are dropped)."""
+
+    def __init__(self, at: int = 1):
+        self.at, self.calls, self.failed = at, 0, False
+
+    def wrap(self, program):
+        def call(*args):
+            out = program(*args)
+            self.calls += 1
+            if self.calls == self.at:
+                self.failed = True
+                raise RuntimeError("injected: the device call failed")
+            return out
+
+        return call

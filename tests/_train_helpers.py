@@ -15,17 +15,11 @@ TRAIN_MAIN = os.path.join(ROOT, "train_main.py")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench.fixtures import SMALL_SHAPES  # noqa: E402 -- shared with bench/process_faults.py
+
 # configs/tiny.py made smaller still, so a run compiles and trains in seconds on 2 cores.
 # Every dim still splits over the default fsdp_tp mesh (data:4, model:2) and over 8 devices
 # for dp / fsdp; heads 8 / kv heads 4 as in the preset. bench/process_faults.py runs it too.
-SMALL_SHAPES = {
-    "model.hidden_dim": 64,
-    "model.num_layers": 2,
-    "model.head_dim": 8,
-    "model.ffn_dim": 128,
-    "data.seq_len": 64,
-    "data.global_batch_size": 16,
-}
 SMALL_RUN = {
     **SMALL_SHAPES,
     "optimizer.learning_rate": 3e-3,

@@ -11,19 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def packed_rows(doc_lengths_per_row, T):
-    """segment ids (1-based, 0 = padding) and positions (restart per document) for rows."""
-    seg = np.zeros((len(doc_lengths_per_row), T), np.int32)
-    pos = np.zeros_like(seg)
-    for b, lengths in enumerate(doc_lengths_per_row):
-        start = 0
-        for i, n in enumerate(lengths):
-            seg[b, start : start + n] = i + 1
-            pos[b, start : start + n] = np.arange(n)
-            start += n
-        assert start <= T
-    return seg, pos
+from bench.fixtures import packed_rows  # noqa: F401 -- the tests' packed rows, shared with bench
 
 
 def reference_mask(q_seg, kv_seg, q_pos, kv_pos, causal, window):

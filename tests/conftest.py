@@ -5,11 +5,9 @@ start."""
 import atexit
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
-from nnx_zoo.runtime.xla_cpu import set_cpu_flags
+from nnx_zoo.runtime.xla_cpu import set_cpu_flags, xla_takes
 
 # The tests' programs are tiny and compiled once or twice each, so compiling, not running,
 # is their cost: LLVM's cheaper pipeline compiles the suite's CPU programs in ~3/4 of the time
@@ -38,21 +36,11 @@ os.environ["ZOO_DATA_CACHE"] = "off"
 _DECIDED = "NNX_ZOO_TEST_XLA_FLAGS"
 
 
-def _xla_takes(flag: str) -> bool:
-    probe = subprocess.run(
-        [sys.executable, "-c", "import jax; jax.devices('cpu')"],
-        env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        check=False,
-    )
-    return probe.returncode == 0
-
-
 # The first process to load this file (the xdist controller, or plain pytest) decides; its
 # workers and the processes they start inherit the environment.
 if _DECIDED not in os.environ:
     flags = CHEAP_COMPILE
-    if _xla_takes(LEGACY_FUSION_EMITTERS):
+    if xla_takes(LEGACY_FUSION_EMITTERS):  # probed once per jaxlib (runtime/xla_cpu.py)
         flags += " " + LEGACY_FUSION_EMITTERS
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     os.environ[_DECIDED] = flags

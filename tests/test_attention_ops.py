@@ -16,8 +16,6 @@ outputs here are of order 1, so a few bf16 ulps.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,12 +25,15 @@ from attention_reference import reference_attention, reference_mask
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from zoo.layers.attention import (
     CallInfo,
     Segments,
     attention,
+    choices,
     registry,
     resolve_implementation,
+    ring,
 )
 from zoo.layers.attention import cudnn as attention_cudnn
 from zoo.layers.attention import dispatch as attention_ops
@@ -271,7 +272,7 @@ def test_explicit_backend_that_cannot_run_says_why():
         "attention implementation 'cudnn' needs an NVIDIA GPU with cuDNN; "
         "this process compiles for cpu; use 'xla' or 'auto'"
     )
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(UsageError) as err:
         resolve_implementation("cudnn", _call("cpu"))
     assert str(err.value) == msg
     with pytest.raises(ValueError, match="needs bfloat16 or float16 inputs, got float32"):
@@ -290,7 +291,7 @@ def test_cudnn_on_cpu_raises_our_error_at_trace_time():
     case = _case("causal")
     q, k, v = _qkv(2, 16, 16, 4, 2, dtype=jnp.bfloat16)
     # Under jit too: the error comes while tracing, before jax's "cuDNN is not detected".
-    with pytest.raises(ValueError, match="needs an NVIDIA GPU with cuDNN; this process comp"):
+    with pytest.raises(UsageError, match="needs an NVIDIA GPU with cuDNN; this process comp"):
         jax.jit(lambda q, k, v: _run(q, k, v, case, implementation="cudnn", packed=False))(q, k, v)
 
 
@@ -312,52 +313,103 @@ def _recording_xla(calls):
     return fn
 
 
-def test_calls_a_backend_cannot_express_go_to_xla_with_the_reason_once(monkeypatch, caplog):
-    """A backend that takes lengths only, masks by index and needs a static window (the
-    flags) never sees a packed row, a decode step or a traced window: those go to xla, with
-    one warning per reason when it was asked for by name, and one log line either way."""
-    monkeypatch.setattr(attention_ops, "_LOGGED", set())
+LENGTHS_ONLY = dict(keeps_layout=True, packed_rows=False, equal_lengths=True, static_window=True)
+
+
+def test_a_named_backend_that_cannot_express_a_call_is_a_usage_error():
+    """A backend asked for by name is a promise: a call it cannot express (a packed row for a
+    lengths-only backend, a decode step for an index-masking one, a traced window for one that
+    needs it static) is a UsageError naming the backend, the call and why, and what would
+    work -- never a quiet run on xla."""
     calls = []
     case = _case("packed")
     q, k, v = _qkv(2, 16, 16, 4, 2)
     dq, dk, dv = _qkv(2, 2, 12, 4, 2)  # a decode step: T=2 queries, S=12 cache slots
-    xla_out = _run(q, k, v, case)
-    original = registry._BACKENDS["cudnn"]
-    flags = dict(keeps_layout=True, packed_rows=False, equal_lengths=True, static_window=True)
-    with registry.override_backend("cudnn", _recording_xla(calls), **flags):
-        with pytest.warns(UserWarning, match="cannot keep the documents of packed rows apart"):
-            out = _run(q, k, v, case, implementation="cudnn")
-        np.testing.assert_array_equal(out, xla_out)
-        assert calls == []
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the second time: no warning
+    with registry.override_backend("cudnn", _recording_xla(calls), **LENGTHS_ONLY):
+        with pytest.raises(UsageError) as err:
             _run(q, k, v, case, implementation="cudnn")
-        caplog.clear()
-        # 'auto' is not asked for by name: no warning, but the reason is logged once.
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            out = attention_ops.attention(
-                dq,
-                dk,
-                dv,
-                _segments(_case("decode"), packed=False),
-                scale=SCALE,
-                out_sharding=None,
-                implementation="auto",
-            )
-        assert calls == []
-        with pytest.warns(UserWarning, match="masks by index and needs T == S"):
+        assert str(err.value) == (
+            "attention implementation 'cudnn' cannot run a call this model makes (causal "
+            "attention: T=S=16, 4/2 heads x 8, float32, packed rows, no window): it cannot "
+            "keep the documents of packed rows apart (it takes sequence lengths, not segment "
+            "ids; Segments.packed=False states one document per row); use attention_impl "
+            "'auto' (it runs such calls on xla) or 'xla'"
+        )
+        with pytest.raises(UsageError, match=r"\(causal attention: T=2, S=12, .* needs T == S"):
             _run(dq, dk, dv, _case("decode"), implementation="cudnn", packed=False)
-        with pytest.warns(UserWarning, match="needs a sliding window known at trace time"):
+        with pytest.raises(UsageError, match=r"window \(traced\)\): it needs a sliding window"):
             jax.jit(lambda w: _run(q, k, v, case, implementation="cudnn", packed=False, window=w))(
                 jnp.int32(3)
             )
-        assert sum("needs a sliding window known" in r.message for r in caplog.records) == 1
-        assert calls == []
+        assert calls == []  # and nothing ran in its place
         # One document per row, T == S, static window: the backend itself runs.
         _run(q, k, v, _case("causal"), implementation="cudnn", packed=False, window=4)
         assert calls == [(2, 16)]
-    assert registry._BACKENDS["cudnn"] is original  # restored after the block
+
+
+def test_auto_chooses_per_call_and_records_why(monkeypatch):
+    """Only `auto` chooses: on a GPU its backend runs the calls it can express, xla the rest,
+    and each call site's choice and reason is recorded (run_info.json's `attention`)."""
+    monkeypatch.setattr(attention_ops, "compile_platform", lambda: "gpu")
+    calls = []
+    q, k, v = _qkv(2, 16, 16, 4, 2)
+    dq, dk, dv = _qkv(2, 2, 12, 4, 2)
+    with (
+        registry.override_backend("cudnn", _recording_xla(calls), **LENGTHS_ONLY),
+        choices.recording() as chosen,
+    ):
+        packed = _run(q, k, v, _case("packed"), implementation="auto")
+        _run(q, k, v, _case("causal"), implementation="auto", packed=False)
+        _run(q, k, v, _case("causal"), implementation="auto", packed=False)  # recorded once
+        _run(dq, dk, dv, _case("decode"), implementation="auto", packed=False)
+    assert calls == [(2, 16), (2, 16)]  # the unpacked self-attention, twice
+    np.testing.assert_array_equal(packed, _run(q, k, v, _case("packed")))
+    assert choices.to_json(chosen) == {
+        "implementation": "auto",
+        "calls": [
+            {
+                "call": "causal attention: T=S=16, 4/2 heads x 8, float32, packed rows, no window",
+                "backend": "xla",
+                "why": "auto: cudnn cannot keep the documents of packed rows apart (it takes "
+                "sequence lengths, not segment ids; Segments.packed=False states one document "
+                "per row)",
+            },
+            {
+                "call": "causal attention: T=S=16, 4/2 heads x 8, float32, one document "
+                "per row, no window",
+                "backend": "cudnn",
+                "why": "auto: cudnn on gpu",
+            },
+            {
+                "call": "causal attention: T=2, S=12, 4/2 heads x 8, float32, one document per "
+                "row, no window",
+                "backend": "xla",
+                "why": "auto: cudnn masks by index and needs T == S (query t and key t at one "
+                "position), got T=2, S=12",
+            },
+        ],
+    }
+
+
+def test_the_ring_refuses_blocks_a_named_backend_cannot_run_and_auto_runs_them_on_xla():
+    """Context parallelism's ring picks its blocks' kernel: a named splash with a window (its
+    index masks cannot say one) or a named cudnn (no ring form) is a UsageError naming the
+    call; `auto` runs those blocks on xla and says why."""
+    tpu = dict(dtype=jnp.bfloat16, head_dim=64, block_len=512, balanced=True, platform="tpu")
+    tpu.update(interpret=False, call="the ring")
+    gpu = {**tpu, "platform": "gpu"}
+    assert ring.block_kernel("splash", sliding_window=None, **tpu) == (
+        "splash",
+        "asked for by name",
+    )
+    masks = "runs the ring's blocks by index masks, which cannot say a sliding window"
+    with pytest.raises(UsageError, match=rf"'splash' cannot run .* \(the ring\): it {masks}; use"):
+        ring.block_kernel("splash", sliding_window=128, **tpu)
+    assert ring.block_kernel("auto", sliding_window=128, **tpu) == ("xla", f"auto: splash {masks}")
+    with pytest.raises(UsageError, match=r"'cudnn' cannot run .* it has no ring form"):
+        ring.block_kernel("cudnn", sliding_window=None, **gpu)
+    kernel, why = ring.block_kernel("auto", sliding_window=None, **gpu)
+    assert kernel == "xla" and why.startswith("auto: cudnn has no ring form")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["lengths", "mask"])

@@ -23,16 +23,14 @@ Tolerances (absolute; outputs and gradients are O(1)):
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_reference import packed_rows, reference_attention, reference_mask
 
-from zoo.layers.attention import Segments, attention
+from nnx_zoo.errors import UsageError
+from zoo.layers.attention import Segments, attention, choices
 from zoo.layers.attention import dispatch as attention_ops
 
 T = 128
@@ -136,30 +134,45 @@ def test_packed_rows_keep_documents_apart():
     np.testing.assert_allclose(out[0, :n], packed[0, start : start + n], atol=2e-5, rtol=0)
 
 
-def test_calls_splash_cannot_express_go_to_xla_and_say_why_once(monkeypatch, caplog):
-    """A decode step (T != S) and a traced per-layer window run on xla, with the reason
-    logged once per reason (and warned once, since splash was named); the result is xla's."""
-    monkeypatch.setattr(attention_ops, "_LOGGED", set())
-    caplog.set_level(logging.WARNING, logger=attention_ops.__name__)
+def test_calls_a_named_splash_cannot_express_are_usage_errors():
+    """A decode step (T != S) and a traced per-layer window: splash, asked for by name, stops
+    with a UsageError naming the call and why, at trace time (never runs them on xla); `auto`
+    on a TPU runs them on xla and records why."""
     N, K = HEADS["gqa"]
     q, k, v, seg, pos, _ = _inputs(N, K, jnp.float32)
     decode = Segments(*(jnp.asarray(x) for x in (seg[:, :2], seg, pos[:, :2], pos)))
     common = dict(scale=SCALE, out_sharding=None, interpret=True)
-    with pytest.warns(UserWarning, match="'splash' masks by index and needs T == S"):
-        out = attention(q[:, :2], k, v, decode, implementation="splash", **common)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the second time: neither warned nor logged
+    with pytest.raises(
+        UsageError,
+        match=r"^attention implementation 'splash' cannot run a call this model makes \(causal "
+        r"attention: T=2, S=128, 4/2 heads x 16, float32, packed rows, no window\): it masks by "
+        r"index and needs T == S .*; use attention_impl 'auto' .* or 'xla'$",
+    ):
         attention(q[:, :2], k, v, decode, implementation="splash", **common)
-    np.testing.assert_array_equal(out, attention(q[:, :2], k, v, decode, **common))
 
     rows = Segments.self_attention(jnp.asarray(seg), jnp.asarray(pos))
     run = jax.jit(
         lambda w: attention(q, k, v, rows, sliding_window=w, implementation="splash", **common)
     )
-    with pytest.warns(UserWarning, match="needs a sliding window known at trace time"):
-        out = run(jnp.int32(7))
-    xla = attention(q, k, v, rows, sliding_window=7, **common)
-    np.testing.assert_allclose(out, xla, atol=1e-6, rtol=0)
-    messages = [r.getMessage() for r in caplog.records]
-    assert sum("needs T == S" in m for m in messages) == 1, messages
-    assert sum("known at trace time" in m for m in messages) == 1, messages
+    with pytest.raises(
+        UsageError, match=r"'splash' cannot run .*per-layer window \(traced\)\): it needs a sl"
+    ):
+        run(jnp.int32(7))
+
+
+def test_auto_on_a_tpu_runs_what_splash_cannot_express_on_xla(monkeypatch):
+    monkeypatch.setattr(attention_ops, "compile_platform", lambda: "tpu")
+    N, K = HEADS["gqa"]
+    q, k, v, seg, pos, _ = _inputs(N, K, jnp.float32)
+    decode = Segments(*(jnp.asarray(x) for x in (seg[:, :2], seg, pos[:, :2], pos)))
+    common = dict(scale=SCALE, out_sharding=None, interpret=True)
+    with choices.recording() as chosen:
+        out = attention(q[:, :2], k, v, decode, implementation="auto", **common)
+    np.testing.assert_array_equal(out, attention(q[:, :2], k, v, decode, **common))
+    assert [(c.backend, c.why) for c in chosen] == [
+        (
+            "xla",
+            "auto: splash masks by index and needs T == S (query t and key t at one "
+            "position), got T=2, S=128",
+        )
+    ]

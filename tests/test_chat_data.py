@@ -137,8 +137,9 @@ def test_prompt_completion_masks_the_completion_and_eos(tok_dir):
 def test_prompt_completion_strings_start_as_the_tokenizer_starts_a_text(tmp_path, style):
     """BOS first where the tokenizer adds one, as transformers' tokenizer(prompt) does (and
     TRL with a prompt that has no chat template); nothing for a BOS-less tokenizer."""
-    from _harness_helpers import STYLES, write_tokenizer
     from tokenizers import Tokenizer as HfTok
+
+    from bench.fixtures import STYLES, write_tokenizer
 
     write_tokenizer(str(tmp_path), style)
     tokenizer = make_tokenizer(str(tmp_path))

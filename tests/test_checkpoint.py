@@ -263,7 +263,7 @@ def test_no_checkpoint_is_a_usage_error(tmp_path):
     mesh, model, _ = build("dp", (8,))
     with jax.set_mesh(mesh), pytest.raises(UsageError, match="no complete checkpoint"):
         restore_params(str(tmp_path), model)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(UsageError, match="no complete checkpoint"):
         read_meta(str(tmp_path))
 
 

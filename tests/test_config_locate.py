@@ -1,9 +1,10 @@
-"""configs/locate.py: `--config` finds the packaged configs by name or by the checkout path the
-docs use, from any directory (an installed package has no ./configs), and a real file wins."""
+"""nnx_zoo/launch/config_files.py: `--config` finds the packaged configs by name or by the
+checkout path the docs use, from any directory (an installed package has no ./configs), and a
+real file wins."""
 
 import os
 
-from configs import locate
+from nnx_zoo.launch import config_files as locate
 
 
 def test_the_shipped_configs_are_listed():

@@ -141,7 +141,7 @@ def test_sentencepiece_round_trip(tmp_path):
 
 def test_make_tokenizer_errors_name_the_path(tmp_path):
     missing = str(tmp_path / "nope.json")
-    with pytest.raises(FileNotFoundError, match="nope.json"):
+    with pytest.raises(UsageError, match="nope.json"):
         make_tokenizer(missing)
     odd = tmp_path / "vocab.bin"
     odd.write_bytes(b"x")

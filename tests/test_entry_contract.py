@@ -18,8 +18,8 @@ import jax
 import pytest
 from _train_helpers import child_env, cli_flags, run_config
 
-from configs.locate import names
 from nnx_zoo.launch.build import plan_run
+from nnx_zoo.launch.config_files import names
 from shardings import get_strategy
 
 with open(f"{_entry.ROOT}/pyproject.toml", "rb") as f:

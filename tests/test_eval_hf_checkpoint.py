@@ -57,7 +57,8 @@ def test_eval_of_a_hf_checkpoint_equals_the_reference_loss(tmp_path, family, str
     assert report["tokens"] == ids.size  # 24 targets per document: 23 ids and the EOS
     # An HF checkpoint has no step: the printed result names the directory instead.
     hf_dir = os.path.join(REFERENCE, family)
-    assert result.stdout.startswith(f"hf checkpoint {hf_dir}: loss "), result.stdout
+    # After the platform line (nnx_zoo/runtime/host.py).
+    assert result.stdout.splitlines()[1].startswith(f"hf checkpoint {hf_dir}: loss "), result.stdout
     assert report["step"] is None and report["non_finite"] == []
     # float32 logits against transformers' (parity tests: within 1e-5), averaged over 48 terms.
     np.testing.assert_allclose(

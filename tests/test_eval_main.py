@@ -3,6 +3,7 @@ dp on 8 devices (in this process) and on one device (a process of one device), e
 in-process loss of the saved model; generation from the one-device run equals the in-process
 one; bad input exits 2."""
 
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _stderr import ours
 from _train_helpers import child_env
 from flax import nnx
 from model_utils import save_as_run
@@ -119,7 +121,11 @@ def saved(tmp_path_factory):
             eos_id=tokenizer.eos_id,
         )[0]
     return dict(
-        workdir=workdir, loss=total / count, tokens=count, generated=tokenizer.decode(generated)
+        workdir=workdir,
+        loss=total / count,
+        tokens=count,
+        generated=tokenizer.decode(generated),
+        saving=(run, mesh, model, optimizer),
     )
 
 
@@ -175,7 +181,7 @@ def test_bad_input_exits_2_with_one_line(saved, flags, message):
 def test_empty_workdir_exits_2(tmp_path):
     proc = eval_main_process(str(tmp_path))
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error: no complete checkpoint in"), proc.stderr
+    assert ours(proc.stderr).strip().startswith("error: no complete checkpoint in"), proc.stderr
 
 
 def test_workdir_that_is_a_file_exits_2_before_any_work(tmp_path):
@@ -224,3 +230,17 @@ def test_non_finite_results_are_null_and_flagged():
         "non_finite": ["loss", "perplexity"],
     }
     json.dumps(safe, allow_nan=False)  # strict JSON
+
+
+def test_a_run_trained_on_a_named_backend_generates_on_auto(saved, tmp_path):
+    # A GPU run's record says cudnn; this host has no GPU, and KV-cache decoding is a call
+    # cudnn cannot express. Only a backend named to eval_main binds it.
+    workdir = str(tmp_path)
+    run, mesh, model, optimizer = saved["saving"]
+    on_gpu = dataclasses.replace(run, model=dataclasses.replace(run.model, attention_impl="cudnn"))
+    save_as_run(workdir, on_gpu, mesh, model, optimizer)
+    proc = eval_main(workdir, "--noevaluate", f"--prompt={PROMPT}", "--max_new_tokens=12")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.endswith(f"{PROMPT}{saved['generated']}\n"), proc.stdout
+    named = eval_main(workdir, "--noevaluate", f"--prompt={PROMPT}", "--attention_impl=cudnn")
+    assert named.returncode == 2 and "'cudnn' needs an NVIDIA GPU" in named.stderr, named.stderr

@@ -130,13 +130,13 @@ def nucleus_reference(logits_BV: np.ndarray, top_p: float) -> np.ndarray:
 
 @pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.9, 0.999])
 def test_nucleus_keeps_what_the_naive_definition_keeps(top_p):
-    from zoo.generate import nucleus
+    from zoo.sampling import nucleus
 
     rng = np.random.default_rng(0)
     logits = rng.normal(0.0, 3.0, (6, 50)).astype(np.float32)
     logits[1, :40] = -np.inf  # what top-k leaves: only 10 candidates
     logits[2, 7] = 30.0  # one token holds nearly all the mass: it alone is the nucleus
-    got = np.asarray(nucleus(jax.numpy.asarray(logits), top_p))
+    got = np.asarray(nucleus(jax.numpy.asarray(logits), jax.numpy.full((6,), top_p)))
     want = nucleus_reference(logits, top_p)
     # The same candidates and untouched logits. The float32 cumulative sum can differ from
     # float64 only where a prefix's mass lies within ~1e-6 of top_p; these seeded rows have

@@ -15,9 +15,10 @@ import _entry
 import jax
 import numpy as np
 import pytest
-from _harness_helpers import ROOT, STYLES, TASKS, write_tiny_llama, write_tokenizer
+from _stderr import ours
 from _train_helpers import SMALL_RUN, child_env, cli_flags, run_train_main
 
+from bench.fixtures import ROOT, STYLES, TASKS, write_tiny_llama, write_tokenizer
 from nnx_zoo.data.tokenizers import ByteTokenizer, make_tokenizer
 from nnx_zoo.evaluation.harness_batch import pack, row_length
 from nnx_zoo.evaluation.harness_tokens import HarnessTokens
@@ -269,7 +270,7 @@ def test_tasks_without_the_extra_name_the_install_command(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(shadow.parent), ROOT, env.get("PYTHONPATH", "")])
     proc = _eval_main_process(f"--workdir={tmp_path}", "--tasks=zoo_facts", env=env)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (
+    assert ours(proc.stderr).strip() == (
         'error: --tasks needs lm-evaluation-harness: pip install "nnx-zoo[eval]" (lm-eval 0.4.13)'
     ), proc.stderr
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from _harness_helpers import TASKS, write_tiny_llama
+
+from bench.fixtures import TASKS, write_tiny_llama
 
 pytest.importorskip("lm_eval", reason="the [eval] extra (lm-eval) is not installed")
 pytest.importorskip("torch", reason="the hf reference backend needs torch (CPU wheel)")

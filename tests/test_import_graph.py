@@ -183,7 +183,7 @@ def test_only_the_assembly_and_its_callers_import_launch():
 
 # docs/ARCHITECTURE.md's "may import" column, package by package (jax and the libraries aside).
 # `errors` (the one UsageError) sits below everything: every package may import it.
-_BASE = {"shardings", "zoo", "data", "checkpoint", "runtime", "training", "configs", "errors"}
+_BASE = {"shardings", "zoo", "data", "checkpoint", "runtime", "training", "errors"}
 ALLOWED = {
     "errors": set(),
     "shardings": {"errors"},
@@ -214,4 +214,35 @@ def test_configs_take_only_the_config_from_training():
             bad = {
                 d for d in deps if _package(d) == "training" and d != f"{NAMESPACE}.training.config"
             }
+            assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_the_benches_import_no_test_module():
+    # Fixtures both need live in bench/fixtures.py, which the tests import.
+    for name in sorted(os.listdir(os.path.join(ROOT, "bench"))):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(ROOT, "bench", name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            else:
+                continue
+            bad = [
+                n
+                for n in names
+                if n == "tests" or n.startswith(("tests.", "_")) and n != "__future__"
+            ]
+            assert not bad, f"bench/{name} imports {bad}"
+
+
+def test_no_package_imports_configs():
+    # configs/ imports the run config's dataclasses (training); a package importing configs
+    # back would close a circle through the top level (launch finds config files by path).
+    for module, deps in GRAPH.items():
+        if _package(module) != "configs":
+            bad = {d for d in deps if _package(d) == "configs"}
             assert not bad, f"{module} imports {sorted(bad)}"

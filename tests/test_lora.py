@@ -13,6 +13,7 @@ from model_utils import one_device_mesh, packed_batch
 from nnx_zoo.training.loop import Trainer, loss_sum
 from shardings import STRATEGIES, get_strategy
 from zoo import create_model, get_config
+from zoo.layers import pipeline
 from zoo.layers.lora import TARGETS, LoraConfig, LoraParam, adapters, add_lora, merge_lora
 
 CFG = get_config("tiny")
@@ -68,7 +69,11 @@ def _train(mesh, strategy, values=None):
         base_before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         initial = _values(model)
         optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=LoraParam)
-        trainer = Trainer(model, optimizer, batch_spec=strategy.batch_spec(), wrt=LoraParam)
+        # Under a pipeline strategy the trainer runs the schedule of the model's plan.
+        pp = pipeline.plan_for(model.cfg, strategy.lm_sharding(), mesh)
+        trainer = Trainer(
+            model, optimizer, batch_spec=strategy.batch_spec(), wrt=LoraParam, pipeline=pp
+        )
         losses = [float(trainer.train_step(batch)["loss"]) for _ in range(STEPS)]
         model, optimizer = trainer.sync()
     return model, optimizer, losses, base_before, batch, initial

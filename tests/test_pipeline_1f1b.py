@@ -4,10 +4,10 @@ declared layouts are the live ones, and the loss, every gradient and ten AdamW s
 one-device run, in float32 on packed rows, on 2 and 4 stages with 4 and 8 micro-batches (more
 than the 2S-1 slots of its ring of residuals), under both pipeline strategies and two remat
 policies (the third, `full`, trains through train_main in test_pipeline_1f1b_train.py). The loss
-and gradients are the trainer's (`training.loop.train_loss_sum`, which 1F1B computes inside its
-loop); the logits come from the model's forward (GPipe's loop). Tolerances are that file's (its
-docstring gives the reasons): the pipeline only reorders which rows run when, and sums the
-micro-batches' gradients in another order.
+and gradients are the trainer's (`training.loop.train_loss_sum` given the plan's schedule, which
+1F1B computes inside its loop); the logits come from the forward (GPipe's loop,
+`zoo.pipelined`). Tolerances are that file's (its docstring gives the reasons): the pipeline
+only reorders which rows run when, and sums the micro-batches' gradients in another order.
 
 Memory: compiled for CPU devices with the rows per micro-batch fixed, 1F1B's temporaries do not
 grow with the micro-batch count beyond the rows themselves (the embedded inputs, their
@@ -37,7 +37,7 @@ from nnx_zoo.planning.compile import Candidate, Target, compile_plan
 from nnx_zoo.training.config import RunConfig
 from nnx_zoo.training.loop import train_loss_sum
 from shardings import get_strategy
-from zoo import get_config
+from zoo import get_config, pipelined
 from zoo.layers import pipeline
 
 BASE = get_config("tiny").replace(num_layers=4, pipeline_schedule="1f1b")
@@ -53,12 +53,17 @@ def _trainer_objective(model, batch):
     """(loss, logits, grads, extras) as equal._run compares them: the trainer's token-mean
     loss and its gradients (1F1B's loop), the logits of the model's forward."""
 
+    pp = pipeline.plan_for(model.cfg, model.sharding, jax.sharding.get_abstract_mesh())
+    assert pp.schedule == "1f1b"
+
     def mean_loss(model):
-        total, (count, _) = train_loss_sum(model, batch)
+        total, (count, _) = train_loss_sum(model, batch, pipeline=pp)
         return total / count
 
     loss, grads = nnx.value_and_grad(mean_loss)(model)
-    logits = model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+    logits = pipelined.logits(
+        model, pp, batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+    )
     return loss, logits, grads, {}
 
 

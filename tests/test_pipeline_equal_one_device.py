@@ -14,8 +14,10 @@ rows run when, so the sums inside a row are the one-device run's.
 
 from __future__ import annotations
 
+import jax
 import pytest
 import test_strategies_equal_one_device as equal
+from flax import nnx
 from model_utils import one_device_mesh
 from test_strategies_equal_one_device import (  # noqa: F401 -- collected here, on this module's fixtures
     test_adamw_steps_equal_one_device,
@@ -26,7 +28,9 @@ from test_strategies_equal_one_device import (  # noqa: F401 -- collected here, 
 )
 
 from shardings import get_strategy
-from zoo import get_config
+from zoo import get_config, pipelined
+from zoo.layers import pipeline
+from zoo.loss import lm_loss
 
 BASE = get_config("tiny").replace(num_layers=4)
 # (strategy, mesh, micro-batches, repeats, layers, remat)
@@ -41,6 +45,26 @@ CASES = [
     ("fsdp_tp_pp", (4, 1, 2), 4, 1, 4, "none"),
     ("fsdp_pp", (4, 2), 4, 2, 8, "full"),  # circular on 4 stages
 ]
+
+
+def _pipelined_objective(model, batch):
+    """(loss, logits, grads, extras) as equal._run compares them, the layer stack run by the
+    schedule the model's plan gives (zoo.pipelined; the model alone would run its own loop)."""
+    pp = pipeline.plan_for(model.cfg, model.sharding, jax.sharding.get_abstract_mesh())
+    assert pp is not None
+
+    def loss_fn(model):
+        logits = pipelined.logits(
+            model,
+            pp,
+            batch["tokens"],
+            segment_ids=batch["segment_ids"],
+            positions=batch["positions"],
+        )
+        return lm_loss(logits, batch["tokens"], batch["segment_ids"])[0], logits
+
+    (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    return loss, logits, grads, {}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +108,10 @@ def sharded(case, reference, monkeypatch_module):
     # The shared layout test reads the module's config.
     monkeypatch_module.setattr(equal, "CFG", cfg)
     mesh = get_strategy(name).make_mesh(shape=shape)
-    return name, equal._run(name, mesh, init_params=reference["params"], cfg=cfg)
+    run = equal._run(
+        name, mesh, init_params=reference["params"], cfg=cfg, objective=_pipelined_objective
+    )
+    return name, run
 
 
 @pytest.fixture(scope="module")

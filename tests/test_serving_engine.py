@@ -6,14 +6,19 @@ queue bound and cancellation; the text stream's stop strings and held-back text.
 
 from __future__ import annotations
 
+import functools
+import queue
+import threading
+import time
+
 import jax
 import numpy as np
 import pytest
-from _serving_helpers import perturbed_model
+from _serving_helpers import FailOnce, perturbed_model
 from flax import nnx
 
 from nnx_zoo.data.tokenizers import ByteTokenizer
-from nnx_zoo.serving.engine import Engine
+from nnx_zoo.serving.engine import Engine, EngineStoppedError
 from nnx_zoo.serving.scheduler import Job, QueueFullError, Sampling, Scheduler
 from nnx_zoo.serving.slots import Slots, buckets
 from nnx_zoo.serving.text import TextStream
@@ -148,6 +153,14 @@ def test_sharded_mesh_equals_one_device(one_device):
     try:
         # Three prompts of one bucket: two prefills of 2 rows, the second with a spare row.
         assert _ids(engine.generate(SHORT, max_tokens=6, ignore_eos=True)) == want
+        # The empty cache put in place after a failed call has the old one's layouts: the
+        # compiled programs take it as they are (no new trace), with the same tokens.
+        layouts = [jax.typeof(leaf).sharding for leaf in jax.tree.leaves(slots.cache)]
+        traces = dict(slots.traces)
+        slots.reset()
+        assert [jax.typeof(leaf).sharding for leaf in jax.tree.leaves(slots.cache)] == layouts
+        assert _ids(engine.generate(SHORT, max_tokens=6, ignore_eos=True)) == want
+        assert dict(slots.traces) == traces
     finally:
         engine.stop()
 
@@ -164,6 +177,159 @@ def test_lora_adapters_survive_the_per_layer_split(one_device):
     graphdef, state = layer_list(model)
     kept = jax.tree.leaves(nnx.state(nnx.merge(graphdef, state), LoraParam))
     assert len(kept) == len(jax.tree.leaves(nnx.state(model, LoraParam))) == 4  # A, B x 2
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def _submit(engine, prompts, max_tokens=NEW, **kwargs):
+    """Submit one job per prompt; returns (jobs, finals): finals[i].get(timeout) is job i's
+    last event."""
+    finals = [queue.SimpleQueue() for _ in prompts]
+    jobs = []
+    for prompt, final in zip(prompts, finals, strict=True):
+        job = engine.job(
+            prompt, max_tokens=max_tokens, sampling=Sampling(), ignore_eos=True, on_event=None
+        )
+        job.on_event = functools.partial(_put_last, final)
+        jobs.append(job)
+    engine.submit(jobs)
+    return jobs, finals
+
+
+def _put_last(final: queue.SimpleQueue, event) -> None:
+    if event.finish_reason is not None:
+        final.put(event)
+
+
+def test_a_failed_decode_fails_the_requests_in_the_cache_and_serves_the_next(
+    one_device, monkeypatch
+):
+    """Both programs donate the KV cache: a decode that fails takes it along. The four
+    requests in it fail (naming the cause), the two that waited for a slot are served on a
+    fresh cache, token for token as alone, and so is the next request."""
+    _, _, engine = one_device
+    prompts = [*PROMPTS, *SHORT[:2]]
+    alone = [_ids(engine.generate([p], max_tokens=NEW, ignore_eos=True))[0] for p in prompts]
+    decode = engine.slots.compile_decode()
+    fail = FailOnce(at=3)  # mid-generation
+    monkeypatch.setattr(engine.slots, "compile_decode", lambda: fail.wrap(decode))
+    before = engine.status()
+    jobs, finals = _submit(engine, prompts)
+    events = [final.get(timeout=120) for final in finals]
+    assert fail.failed
+    for event in events[:4]:
+        assert event.finish_reason == "error"
+        assert "injected: the device call failed" in event.error
+    assert [e.finish_reason for e in events[4:]] == ["length", "length"]
+    assert [job.stream.ids for job in jobs[4:]] == alone[4:]
+    assert _ids(engine.generate(PROMPTS[:1], max_tokens=NEW, ignore_eos=True)) == alone[:1]
+    status = engine.status()
+    assert status["cache_resets"] == before["cache_resets"] + 1
+    assert status["failed"] == before["failed"] + 4 and status["stopped"] is None
+
+
+def test_a_failed_prefill_fails_the_requests_in_the_cache_not_those_still_to_prefill(
+    one_device, monkeypatch
+):
+    """Three requests admitted in one turn, prefilled one by one: the second prefill fails.
+    The first (in the lost cache) and the second fail; the third, not yet prefilled, is
+    served on the fresh cache with its own tokens."""
+    _, _, engine = one_device
+    alone = [_ids(engine.generate([p], max_tokens=NEW, ignore_eos=True))[0] for p in SHORT]
+    compile_prefill = engine.slots.compile_prefill
+    fail = FailOnce(at=2)
+    monkeypatch.setattr(engine.slots, "compile_prefill", lambda b: fail.wrap(compile_prefill(b)))
+    jobs, finals = _submit(engine, SHORT)
+    events = [final.get(timeout=120) for final in finals]
+    assert [e.finish_reason for e in events] == ["error", "error", "length"]
+    assert all("injected" in e.error for e in events[:2])
+    assert jobs[2].stream.ids == alone[2]
+
+
+class _RaisingTokenizer(ByteTokenizer):
+    """Decodes until its `after`-th call, then raises (a tokenizer bug on some output)."""
+
+    def __init__(self, after: int):
+        super().__init__()
+        self.calls, self.after = 0, after
+
+    def decode(self, ids):
+        self.calls += 1
+        if self.calls > self.after:
+            raise UnicodeError("injected: this request's text cannot be decoded")
+        return super().decode(ids)
+
+
+def test_a_decode_error_fails_that_request_alone(one_device):
+    """Turning one request's tokens into text raises (outside the device calls): that
+    request fails with the cause; the others finish with their own tokens and the engine
+    goes on."""
+    _, _, engine = one_device
+    alone = [_ids(engine.generate([p], max_tokens=NEW, ignore_eos=True))[0] for p in SHORT]
+    jobs, finals = _submit(engine, SHORT)
+    jobs[1].stream.tokenizer = _RaisingTokenizer(after=5)
+    events = [final.get(timeout=120) for final in finals]
+    assert [e.finish_reason for e in events] == ["length", "error", "length"]
+    assert "injected: this request's text" in events[1].error
+    assert [jobs[0].stream.ids, jobs[2].stream.ids] == [alone[0], alone[2]]
+    assert engine.stopped() is None
+
+
+def test_an_engine_thread_that_dies_fails_every_request_and_refuses_new_ones(one_device):
+    """Anything that escapes the engine's loop (here the scheduler) ends its thread: the
+    request waiting gets an error at once, not never; a new one is refused; `stopped` says
+    why. (A second engine over the same slots; it dies before any device call.)"""
+    _, _, live = one_device
+    engine = Engine(live.slots, TOKENIZER, max_queue=4)
+    reached, go = threading.Event(), threading.Event()
+
+    def admit():
+        reached.set()
+        go.wait(30)
+        raise KeyError("injected: a scheduler bug")
+
+    engine.scheduler.admit = admit
+    engine.start()
+    try:
+        _, finals = _submit(engine, SHORT[:1])
+        assert reached.wait(30)  # the request is in, the engine thread about to fail
+        go.set()
+        event = finals[0].get(timeout=1.0)
+        assert event.finish_reason == "error" and "injected: a scheduler bug" in event.error
+        assert "injected: a scheduler bug" in engine.stopped()
+        assert engine.status()["stopped"] == engine.stopped()
+        with pytest.raises(EngineStoppedError, match="a scheduler bug"):
+            _submit(engine, SHORT[:1])
+    finally:
+        go.set()
+        engine.stop()
+
+
+def test_the_counters_are_written_under_the_lock(one_device, monkeypatch):
+    """`status` reads the counters under the engine's lock; the engine thread writes them
+    under it too: while another thread holds the lock, a finished decode step does not count
+    itself until it is let go."""
+    _, _, engine = one_device
+    decode = engine.slots.compile_decode()
+    in_call, go = threading.Event(), threading.Event()
+
+    def held(*args):
+        out = decode(*args)
+        in_call.set()
+        go.wait(30)
+        return out
+
+    monkeypatch.setattr(engine.slots, "compile_decode", lambda: held)
+    _, finals = _submit(engine, SHORT[:1], max_tokens=2)
+    assert in_call.wait(60)
+    with engine._cond:  # what status() takes
+        steps = engine.steps
+        go.set()
+        time.sleep(0.3)  # the engine thread returns from the call and counts the step...
+        assert engine.steps == steps  # ...only once it holds the lock
+    assert finals[0].get(timeout=60).finish_reason == "length"
+    assert engine.status()["decode_steps"] == steps + 1
 
 
 # -- host-side pieces -------------------------------------------------------------------------
@@ -195,6 +361,22 @@ def test_scheduler_queue_bound_admission_and_cancel():
     with pytest.raises(QueueFullError):
         sched.submit([e, _job(), _job()])  # all or nothing
     assert not sched.waiting
+
+
+def test_a_full_queue_counts_what_it_holds():
+    """The 503's message counts the sequences running and waiting and the requests they
+    came in, not the slots."""
+    sched = Scheduler(max_batch=4, max_queue=2)
+    sched.submit([_job("a")])
+    sched.admit()  # one running, three slots free
+    sched.submit([_job("b"), _job("c")])  # one request of two, for the free slots
+    with pytest.raises(QueueFullError) as refused:
+        sched.submit([_job() for _ in range(4)])  # 3 free + 2 queue places - 2 waiting < 4
+    assert str(refused.value) == (
+        "the server is at capacity: 1 of 4 slots busy and 2 sequences waiting (--max_queue=2), "
+        "from 2 requests; this request needs room for 4 sequences (prompts x n); retry later"
+    )
+    assert sched.capacity == 6
 
 
 def _feed(stream, text: str):

@@ -69,6 +69,12 @@ def test_loss_falls_and_files_exist(fsdp_tp_run):
     with open(os.path.join(fsdp_tp_run, "run_info.json")) as f:
         info = json.load(f)
     assert info["strategy"] == "fsdp_tp" and info["mesh_shape"] == {"data": 4, "model": 2}
+    # Where JAX ran it (nnx_zoo/runtime/host.py): tests/conftest.py's 8 CPU devices.
+    assert {k: info["platform"][k] for k in ("backend", "device_kind", "device_count")} == {
+        "backend": "cpu",
+        "device_kind": "cpu",
+        "device_count": 8,
+    }
 
 
 # Same parameters (one seed, built directly in each layout) and the same batches; what differs

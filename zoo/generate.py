@@ -21,11 +21,13 @@ How a batch of prompts of different lengths runs:
     weights are sliced into one array per layer, once, so the one-token steps (bound by
     reading the weights) do not copy every layer's slice out of the stack at every step.
 
-Sampling: `temperature == 0` is greedy (argmax); otherwise softmax(logits / temperature),
-optionally restricted to the `top_k` largest logits, then to the nucleus of `top_p` (the most
-likely tokens holding that much probability), in transformers' order. Logits are gathered
-over the vocab dim first (`V/model` under tensor parallelism) -- one [B, V] array per step --
-so argmax/top-k/top-p run on whole rows, and the random draws are the same on every mesh.
+Sampling is `zoo.sampling`'s, the server's too: `temperature == 0` is greedy (argmax);
+otherwise softmax(logits / temperature), optionally restricted to the `top_k` largest logits,
+then to the nucleus of `top_p` (the most likely tokens holding that much probability), in
+transformers' order. Row r draws with `seed + r`, keyed by the position the drawn token takes,
+so a seeded prompt gives the same text here and from serve_main. Logits are gathered over the
+vocab dim first (`V/model` under tensor parallelism) -- one [B, V] array per step -- so
+argmax/top-k/top-p run on whole rows, and the random draws are the same on every mesh.
 
 tests/test_generate.py's `greedy_reference` recomputes the whole sequence without the cache
 at every step; it is the oracle the KV-cache path is tested against.
@@ -48,11 +50,13 @@ from jax.sharding import PartitionSpec as P
 from nnx_zoo.errors import UsageError
 from shardings import get_strategy
 from shardings.specs import split_size
+from zoo import sampling
 from zoo.layers.lora import has_lora
+from zoo.sampling import SamplingRows, sample
 
 
 def check_can_generate(strategy_name: str, what: str = "--prompt") -> None:
-    """ValueError (one line, starting with `what`) for a strategy generation cannot run under:
+    """UsageError (one line, starting with `what`) for a strategy generation cannot run under:
     a pipeline's, or one that splits the sequence (context parallelism), checked by name
     before any model is built."""
     sharding = get_strategy(strategy_name).lm_sharding()
@@ -116,31 +120,6 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int):
     return tokens, segment_ids, positions
 
 
-def _sample(logits_BV, key, temperature: float, top_k: int | None, top_p: float | None = None):
-    if temperature == 0.0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = logits_BV / temperature
-    if top_k is not None and top_k < logits_BV.shape[-1]:
-        kth_BV = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
-        logits_BV = jnp.where(logits_BV < kth_BV, -jnp.inf, logits_BV)
-    if top_p is not None and top_p < 1.0:
-        logits_BV = nucleus(logits_BV, top_p)
-    return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
-
-
-def nucleus(logits_BV, top_p: float):
-    """`logits_BV` with -inf outside each row's nucleus: the most likely tokens whose
-    probabilities first reach `top_p` in total (at least one). As transformers'
-    TopPLogitsWarper, applied after temperature and top-k: a token stays when the mass of the
-    tokens more likely than it is below `top_p` (a tie at the edge keeps every tied token)."""
-    sorted_BV = jnp.sort(logits_BV, axis=-1, descending=True)
-    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-    above_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # the mass ranked above each token
-    kept_B1 = jnp.maximum(jnp.sum(above_BV < top_p, axis=-1, keepdims=True), 1)
-    edge_B1 = jnp.take_along_axis(sorted_BV, kept_B1 - 1, axis=-1)
-    return jnp.where(logits_BV < edge_B1, -jnp.inf, logits_BV)
-
-
 def _last_logits(logits_BTV, batch_spec: P):
     """The last column's logits, gathered over the vocab dim: [B, V] laid out `B/data V`."""
     return jax.sharding.reshard(logits_BTV[:, -1, :], P(batch_spec[0], None))
@@ -176,7 +155,7 @@ def layer_list(model):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id"),
+    static_argnames=("graphdef", "max_new_tokens", "eos_id"),
 )
 def _generate(
     graphdef,
@@ -184,12 +163,9 @@ def _generate(
     tokens_BP,
     segment_ids_BP,
     positions_BP,
-    key,
+    sampling: SamplingRows,
     *,
     max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
     eos_id: int | None,
 ):
     model = nnx.merge(graphdef, state)
@@ -199,13 +175,13 @@ def _generate(
     logits_BPV, cache, _ = model.forward(
         tokens_BP, segment_ids=segment_ids_BP, positions=positions_BP, cache=cache
     )
-    key, sub = jax.random.split(key)
-    token_B = _sample(_last_logits(logits_BPV, spec), sub, temperature, top_k, top_p)
+    # Next position of each row: its prompt length (left padding has positions 0). A token is
+    # drawn keyed by the position it takes, as the server draws (zoo/sampling.py).
+    position_B = positions_BP[:, -1] + 1
+    token_B = sample(_last_logits(logits_BPV, spec), sampling, position_B)
     # The prefill above keeps the layer scan (one compiled block; its weight copies are shared
     # by P tokens); the one-token steps below run the layers as a list.
     graphdef, state = layer_list(model)
-    # Next position of each row: its prompt length (left padding has positions 0).
-    position_B = positions_BP[:, -1] + 1
     out_BO = jnp.full((B, max_new_tokens), -1, jnp.int32, out_sharding=spec)
     done_B = jnp.zeros((B,), bool, out_sharding=P(spec[0]))
     eos = -2 if eos_id is None else eos_id  # never matches a token when there is no EOS
@@ -218,11 +194,11 @@ def _generate(
     # The parameters ride in the carry: an NNX module must be merged at the trace level that
     # uses it (nnx.scan inside the model rejects variables closed over from outside the loop).
     def cond(carry):
-        i, token_B, _, _, done_B, _, _, _ = carry
+        i, token_B, _, _, done_B, _, _ = carry
         return (i < max_new_tokens - 1) & ~jnp.all(done_B | (token_B == eos))
 
     def body(carry):
-        i, token_B, cache, position_B, done_B, out_BO, key, state = carry
+        i, token_B, cache, position_B, done_B, out_BO, state = carry
         done_B, out_BO = emit(i, token_B, done_B, out_BO)
         model = nnx.merge(graphdef, state)
         step = lambda x: jax.sharding.reshard(x[:, None], spec)  # noqa: E731
@@ -232,12 +208,11 @@ def _generate(
             positions=step(position_B),
             cache=cache,
         )
-        key, sub = jax.random.split(key)
-        token_B = _sample(_last_logits(logits_B1V, spec), sub, temperature, top_k, top_p)
-        return i + 1, token_B, cache, position_B + 1, done_B, out_BO, key, state
+        token_B = sample(_last_logits(logits_B1V, spec), sampling, position_B + 1)
+        return i + 1, token_B, cache, position_B + 1, done_B, out_BO, state
 
-    carry = (jnp.int32(0), token_B, cache, position_B, done_B, out_BO, key, state)
-    i, token_B, _, _, done_B, out_BO, _, _ = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(0), token_B, cache, position_B, done_B, out_BO, state)
+    i, token_B, _, _, done_B, out_BO, _ = jax.lax.while_loop(cond, body, carry)
     _, out_BO = emit(i, token_B, done_B, out_BO)
     return out_BO
 
@@ -291,19 +266,15 @@ def generate(
     rows = _pad_rows([list(p) for p in prompts], batch_multiple(model, mesh))
     sharding = NamedSharding(mesh, model.sharding.tokens)
     arrays = [jax.device_put(a, sharding) for a in left_pad(rows, prompt_len)]
+    per_row = NamedSharding(mesh, P(model.sharding.tokens[0]))
+    settings = sampling.rows(
+        len(rows), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+    )
+    settings = SamplingRows(*(jax.device_put(a, per_row) for a in settings))
     graphdef, state = nnx.split(model)
     with jax.set_mesh(mesh):
         out_BO = _generate(
-            graphdef,
-            state,
-            *arrays,
-            jax.random.key(seed),
-            max_new_tokens=max_new_tokens,
-            temperature=float(temperature),
-            top_k=top_k,
-            # 1 keeps every token; greedy ignores it: neither compiles a variant of its own.
-            top_p=None if top_p is None or top_p >= 1.0 or temperature == 0 else float(top_p),
-            eos_id=eos_id,
+            graphdef, state, *arrays, settings, max_new_tokens=max_new_tokens, eos_id=eos_id
         )
     out_BO = np.asarray(jax.device_get(out_BO))[: len(prompts)]
     results = []

@@ -282,7 +282,7 @@ def from_pretrained(path: str, strategy, *, mesh=None, **overrides):
     remat='full', scan_layers=False, attention_impl='auto', max_seq_len=...); or the
     `ModelPlan` of this directory's config (`read_config(path, ...)`) that the caller planned
     once (nnx_zoo/launch/build.py), with no mesh or overrides. Parameters are float32.
-    Raises ValueError (one line) for an unsupported architecture or a checkpoint whose
+    Raises UsageError (one line) for an unsupported architecture or a checkpoint whose
     tensors are missing, misshapen or unexpected, before any device memory is used.
     """
     if isinstance(strategy, ModelPlan):

@@ -240,7 +240,7 @@ def family_and_config(path: str, overrides: dict) -> tuple[Family, DecoderConfig
 
 
 def check_field_types(config_cls, fields: dict, where: str) -> None:
-    """ValueError (one line) for a config.json value of the wrong kind for our Config field it
+    """UsageError (one line) for a config.json value of the wrong kind for our Config field it
     fills ("64" for an integer, null for a number, a non-finite float): the checks a
     dataclass does not make, so such values fail here and not deep in a layer's init."""
     kinds = {f.name: str(f.type).replace(" ", "") for f in dataclasses.fields(config_cls)}
@@ -268,7 +268,7 @@ def check_field_types(config_cls, fields: dict, where: str) -> None:
 
 
 def config_to_hf(cfg: DecoderConfig) -> dict:
-    """config.json for `cfg`; ValueError when its family's format cannot express a field."""
+    """config.json for `cfg`; UsageError when its family's format cannot express a field."""
     fam = family_for_config(cfg)
     fmt = hf_format(cfg)
     hf = fmt.config_to_hf(cfg)

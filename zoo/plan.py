@@ -160,7 +160,7 @@ class ModelPlan:
         return _rows(self.layout)
 
     def check_batch_size(self, rows: int) -> None:
-        """ValueError (one line) when `rows` per forward pass do not cut into the pipeline's
+        """UsageError (one line) when `rows` per forward pass do not cut into the pipeline's
         micro-batches over the batch split (nothing to check without a pipeline)."""
         pipeline.check_batch_size(rows, self.pipeline, self.sharding, self.mesh)
 
@@ -180,7 +180,7 @@ class ModelPlan:
 def plan_model(cfg: DecoderConfig, strategy, mesh=None) -> ModelPlan:
     """Plan `cfg` under `strategy` (a Strategy or its name) on `mesh` (default: the active
     one, `jax.set_mesh`): pad the vocab where its split needs it, check that every split of
-    every parameter and activation divides (ValueError, one line, naming the first that does
+    every parameter and activation divides (UsageError, one line, naming the first that does
     not) and that the pipeline schedule fits. The one place a model is checked."""
     if isinstance(strategy, str):
         strategy = get_strategy(strategy)
@@ -202,6 +202,6 @@ def plan_model(cfg: DecoderConfig, strategy, mesh=None) -> ModelPlan:
 
 
 def check_model_fits(cfg: DecoderConfig, strategy, mesh) -> None:
-    """Raise ValueError naming the first array whose split does not divide its dim (the
+    """Raise UsageError naming the first array whose split does not divide its dim (the
     vocab, padded as the model will be, always does): `plan_model` without the plan."""
     plan_model(cfg, strategy, mesh)

@@ -3,7 +3,7 @@ shards (with an index when there are several). Knows nothing of models or names.
 
 safetensors' numpy reader rejects BF16 (numpy has no bfloat16), the dtype most hub
 checkpoints use; the format is an 8-byte little-endian header length, a JSON header and raw
-little-endian bytes, read here directly. Every malformed file is a one-line ValueError naming
+little-endian bytes, read here directly. Every malformed file is a one-line UsageError naming
 the file (and the tensor, where there is one).
 """
 

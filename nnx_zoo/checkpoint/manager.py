@@ -36,8 +36,8 @@ matches the manifest, which is checked once, before the first array is read:
 A step with no manifest (a run killed between Orbax's commit and the manifest, or a copy cut
 short) is incomplete: readers skip it with a warning, a `Checkpointer` sets it aside.
 
-Errors are one line: FileNotFoundError when the workdir holds no complete checkpoint,
-CorruptCheckpointError (a ValueError) for a damaged one, ValueError for one whose arrays do
+Errors are one line: UsageError when the workdir holds no complete checkpoint,
+CorruptCheckpointError (a UsageError) for a damaged one, UsageError for one whose arrays do
 not fit the model (the saved and the model's shapes are compared before anything is read,
 naming every array that differs).
 """

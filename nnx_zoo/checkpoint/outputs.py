@@ -75,7 +75,7 @@ def _shown(names: list[str], limit: int = 4) -> str:
 
 
 def check_out(out: str, command: str, *, overwrite: bool, flag: str = "--out") -> None:
-    """ValueError (one line, naming `out` and what would be valid) unless `command`'s output
+    """UsageError (one line, naming `out` and what would be valid) unless `command`'s output
     may be written at the absolute path `out` (module docstring)."""
     given = f"{flag}={out}"
     if storage.is_url(out):
@@ -149,7 +149,7 @@ def staging_dir(out: str, *, clear: bool) -> str:
 
 
 def check_out_everywhere(out: str, command: str, *, overwrite: bool, flag: str = "--out"):
-    """`check_out` on process 0 (the writer); ValueError on every process if it fails, so no
+    """`check_out` on process 0 (the writer); UsageError on every process if it fails, so no
     process waits in a collective the others never reach."""
     import jax
 

@@ -91,7 +91,7 @@ def _vocab_dim(path: str) -> int | None:
 def check_fits(
     saved_tree: Mapping, live_tree: Mapping, what: str, *, vocab_padding_differs: bool = False
 ) -> bool:
-    """One-line ValueError naming every array whose saved shape or dtype differs, or that only
+    """One-line UsageError naming every array whose saved shape or dtype differs, or that only
     one side has. With `vocab_padding_differs` (the saved model has the same vocabulary, padded
     for another mesh: zoo.plan.fit_vocab), arrays may differ in their vocab dim alone; returns
     whether any does (then the restore pads or cuts those rows, which hold no token)."""

@@ -95,7 +95,7 @@ class WorkdirLock:
         self._fd: int | None = None
 
     def acquire(self) -> str | None:
-        """Take the lock. Raises ValueError naming the holder if another live process has
+        """Take the lock. Raises UsageError naming the holder if another live process has
         it; returns a warning line when it took over a dead run's lock, else None."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
@@ -138,7 +138,7 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def check_history(workdir: str, checkpoints: bool) -> None:
-    """ValueError (one line) when a run without checkpoints would start a workdir that holds
+    """UsageError (one line) when a run without checkpoints would start a workdir that holds
     an earlier run's records: it could not resume them, and starting from step 0 would cut
     metrics.jsonl and overwrite run_info.json while the old checkpoints stayed, so records
     and checkpoints would disagree."""
@@ -160,7 +160,7 @@ def hold(workdir: str, *, checkpoints: bool = True) -> WorkdirLock | None:
     """Check that the workdir (and, with `checkpoints`, its checkpoints/ folder) can be
     written, that it holds no history a run without checkpoints would overwrite
     (`check_history`), and take its lock, on process 0; tell every process the outcome:
-    ValueError on all of them if any check fails. Returns the lock on process 0."""
+    UsageError on all of them if any check fails. Returns the lock on process 0."""
     import jax
 
     lock, error = None, ""
@@ -191,7 +191,7 @@ def hold(workdir: str, *, checkpoints: bool = True) -> WorkdirLock | None:
 
 
 def check_writable_everywhere(workdir: str, flag: str = "--workdir") -> None:
-    """`check_writable` on process 0; ValueError on every process if it fails."""
+    """`check_writable` on process 0; UsageError on every process if it fails."""
     import jax
 
     error = ""
@@ -204,7 +204,7 @@ def check_writable_everywhere(workdir: str, flag: str = "--workdir") -> None:
 
 
 def raise_everywhere(error: str, elsewhere: str) -> None:
-    """Raise ValueError(error) on process 0 and ValueError(elsewhere) on the others when
+    """Raise UsageError(error) on process 0 and UsageError(elsewhere) on the others when
     process 0 had an error, so no process waits for a collective the others never reach."""
     import jax
 

@@ -25,6 +25,7 @@ OSError(errno 28): `reason` finds either anywhere in the exception chain.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -34,10 +35,23 @@ import traceback
 
 from nnx_zoo.runtime.console import one_line
 
+# What Orbax and TensorStore print around a failed save, besides the one line: each is kept
+# off stderr by `failed_saves_said_once()` while a run is in it (and only then), and each
+# names a failure that is raised again, or one that already was.
+#
 # Orbax's background writes are asyncio tasks: when they fail, the event loop logs "exception
 # was never retrieved" with a stack trace for every array. The failure is reported once, by
 # CheckpointWriteError; the per-array copies are noise.
-logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+_STORAGE_FRAME = re.compile(r"[/\\](orbax|tensorstore)[/\\]")
+
+
+def _not_a_failed_write(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    if error is None or "exception was never retrieved" not in record.getMessage():
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return not any(_STORAGE_FRAME.search(frame.filename) for frame in frames)
+
 
 # Orbax's background threads also log each failure with its stack trace (absl, ERROR; ~600
 # lines for one full disk at the tiny model) before storing it, and `wait_until_finished`
@@ -58,29 +72,45 @@ def _not_reraised(record: logging.LogRecord) -> bool:
     )
 
 
-logging.getLogger("absl").addFilter(_not_reraised)
-
 # After a failed save Orbax closes its event loop while TensorStore writes are still pending;
 # each one that completes then tries to wake the closed loop and TensorStore reports it as an
 # unraisable "Event loop is closed" (~100 lines on stderr, timing-dependent, between the
 # failure and the one line). Nothing is lost with them: the save already failed and says so.
-_default_unraisablehook = sys.unraisablehook
-
-
-def _drop_closed_loop_wakeups(unraisable) -> None:
+def _closed_loop_wakeup(unraisable) -> bool:
     error = unraisable.exc_value
     frames = traceback.extract_tb(unraisable.exc_traceback)
-    if (
+    return (
         isinstance(error, RuntimeError)
         and str(error) == "Event loop is closed"
-        and frames
+        and bool(frames)
         and frames[-1].filename.endswith(os.path.join("asyncio", "base_events.py"))
-    ):
-        return
-    _default_unraisablehook(unraisable)
+    )
 
 
-sys.unraisablehook = _drop_closed_loop_wakeups
+@contextlib.contextmanager
+def failed_saves_said_once():
+    """For the length of a run that saves checkpoints (train_main's): what Orbax, asyncio and
+    TensorStore print around a failed save is kept off stderr, since the run reports the
+    failure in one line (CheckpointWriteError). Everything else they log, and every other
+    unraisable error, passes as before; all is put back when the block ends."""
+    asyncio_log, absl_log = logging.getLogger("asyncio"), logging.getLogger("absl")
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not _closed_loop_wakeup(unraisable):
+            previous(unraisable)
+
+    asyncio_log.addFilter(_not_a_failed_write)
+    absl_log.addFilter(_not_reraised)
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        asyncio_log.removeFilter(_not_a_failed_write)
+        absl_log.removeFilter(_not_reraised)
+        if sys.unraisablehook is hook:  # a hook installed since is the installer's to undo
+            sys.unraisablehook = previous
+
 
 _REASONS = (
     (re.compile(r"RESOURCE_EXHAUSTED|No space left", re.I), os.strerror(errno.ENOSPC)),

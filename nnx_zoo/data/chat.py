@@ -14,7 +14,7 @@ the tokenizer) in Jinja's ImmutableSandboxedEnvironment with the names transform
 `eos_token`, ..., `add_generation_prompt`), so the text, and its token ids, are those of
 transformers' `apply_chat_template(messages, tokenize=True)`. A template is code that came
 with a download: the sandbox stops it reaching outside, and any error it raises becomes one
-ValueError line.
+UsageError line.
 
 The loss mask is per token: 1 on the tokens of the assistant messages (their content and the
 end-of-turn marker the template writes after it, so the model learns to stop), or of the
@@ -112,7 +112,7 @@ class ChatTemplate:
         return cls(template, special, source=config_path)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False, **kwargs):
-        """The template's text for `messages`; ValueError (one line) when the template raises."""
+        """The template's text for `messages`; UsageError (one line) when the template raises."""
         import jinja2
 
         # transformers drops keys whose value is None before rendering.
@@ -165,7 +165,7 @@ class ChatTemplate:
         return text, spans
 
     def _check_every_message_renders(self, messages: Sequence[dict]) -> None:
-        """ValueError (one line) naming the first message the template renders nothing of.
+        """UsageError (one line) naming the first message the template renders nothing of.
 
         The template is the judge of roles: each content is swapped for a marker, and a
         message whose marker is not in the text, and without which the text is the same, was
@@ -261,7 +261,7 @@ def _check_messages(messages, where: str) -> list[dict]:
 
 
 def check_record(record, data_format: str, where: str) -> dict:
-    """The record's fields for `data_format`, checked; ValueError naming `where` if wrong."""
+    """The record's fields for `data_format`, checked; UsageError naming `where` if wrong."""
     if not isinstance(record, dict):
         raise UsageError(f"{where}: expected a JSON object, got {json.dumps(record)[:40]}")
     if data_format == "chat":
@@ -382,7 +382,7 @@ def encode_records(
     Every record is encoded here, once, while the run is built: a template that raises, a
     role it does not know, a record too long under `overflow='error'`, and a split with no
     trained token at all (conversations without an assistant turn: the loss would be 0 and
-    the gradient nothing) are each a ValueError (one line) before the first step. What was
+    the gradient nothing) are each a UsageError (one line) before the first step. What was
     dropped or cut is counted in one line appended to `notes`."""
     if overflow not in OVERFLOW:
         raise UsageError(f"data.chat_overflow={overflow!r}; valid: {', '.join(OVERFLOW)}")

@@ -27,7 +27,7 @@ each streamed source's position in its global form (nnx_zoo/data/position.py). I
 exactly; with other weights (a run resumed with a changed `data.mixture` weight), each source
 continues where it was and the new weights' schedule starts at the resume point, so the rows
 after it hold the new shares (to within K rows, as from the start); a state with other source names
-is a ValueError naming both.
+is a UsageError naming both.
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ def build_mixture(
 
 def _text_store(source: str, tokenizer: Tokenizer, data_format: str) -> bool:
     """Whether `source` is a token store of text, read by row; any store must match the
-    run's tokenizer and data.format (ValueError naming both)."""
+    run's tokenizer and data.format (UsageError naming both)."""
     if not token_store.is_store(source):
         return False
     check_store(source, tokenizer, data_format)

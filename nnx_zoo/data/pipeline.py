@@ -28,13 +28,10 @@ could not move to another count.
 
 The cost: each process reads, tokenizes and packs every document, n times the work of reading
 1/n of them, so every process must build the stream as fast as the whole run consumes it (its
-tokens_per_second). One process's rate, from bench/data_throughput.py on one core of a loaded
-2-core machine (default source, 16x2048 batches): 10M tokens/s with the byte tokenizer, 0.47M
-with an 8k-id BPE tokenizer.json (0.66M with 2 workers), 3.3M reading the same ids
-pre-tokenized from ArrayRecord. The fastest run the README reports (llama3_1b on one H100)
-consumes 47k tokens/s, so one process serves ten such hosts even with BPE; past that,
-`num_workers` spreads tokenizing over a host's cores, and a pre-tokenized store (`zoo-data`,
-nnx_zoo/data/token_store.py) takes tokenizing out of the run.
+tokens_per_second). One process's rate against what runs consume is docs/data.md's table
+"One process's stream" (bench/data_throughput.py); past it, `num_workers` spreads tokenizing
+over a host's cores, and a pre-tokenized store (`zoo-data`, nnx_zoo/data/token_store.py)
+takes tokenizing out of the run.
 
 A text store as `source` takes another path (nnx_zoo/data/rows.py): concat-then-split rows read
 directly by number, each process reading only the rows of its share of each global batch; the
@@ -186,7 +183,7 @@ def check_batch_split(global_batch_size: int, process_count: int) -> None:
 
 
 def check_store(source: str, tokenizer: Tokenizer, data_format: str) -> None:
-    """ValueError (one line) unless the token store at `source` was written with `tokenizer`
+    """UsageError (one line) unless the token store at `source` was written with `tokenizer`
     in `data_format`."""
     index = token_store.read_index(source)
     token_store.check_tokenizer(source, index, tokenizer)

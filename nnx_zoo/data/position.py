@@ -11,7 +11,7 @@ each worker's count and the next worker. The global form replaces that stage's s
 run with one worker count thus resumes in a run with another.
 
 This reads Grain's state layout (grain 0.2.x: flat map, window shuffle, first-fit packing and
-interleave states); a layout this module does not know raises ValueError naming the key,
+interleave states); a layout this module does not know raises UsageError naming the key,
 rather than resuming somewhere else. tests/test_elastic_data.py checks the round trips.
 """
 

@@ -20,8 +20,8 @@ Sources:
   text reads as '' and becomes no tokens (the pipeline skips it).
   a token store: a directory holding `index.json`, written by `zoo-data` (data/token_store.py):
               documents by number, the tokenizer's identity checked by the pipeline.
-  A path that does not exist, or a glob matching nothing, raises FileNotFoundError naming it; a
-  file that cannot be read as its kind raises ValueError naming the file (and the line, for
+  A path that does not exist, or a glob matching nothing, raises UsageError naming it; a
+  file that cannot be read as its kind raises UsageError naming the file (and the line, for
   text: bytes that are not UTF-8 at start; a JSONL line that is not an object with the text
   field when it is read, the first line of each file at start).
 
@@ -110,7 +110,7 @@ def _expand(source: str) -> list[str]:
 
 
 def _decode(raw: bytes, path: str, line_no: int | None = None) -> str:
-    """UTF-8 text of `raw`; ValueError naming the file and line of the first bad byte."""
+    """UTF-8 text of `raw`; UsageError naming the file and line of the first bad byte."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -122,7 +122,7 @@ def _decode(raw: bytes, path: str, line_no: int | None = None) -> str:
 
 def jsonl_records(path: str):
     """(line number, parsed JSON) for each non-blank line of a JSONL file; a line that is not
-    UTF-8 or not JSON is a ValueError naming the file and line."""
+    UTF-8 or not JSON is a UsageError naming the file and line."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             line = _decode(raw, path, line_no)
@@ -244,7 +244,7 @@ def _text_documents(source, files, split, text_field, validation_fraction) -> gr
 
 
 def _no_text_error(source: str, text_field: str) -> ValueError:
-    return ValueError(
+    return UsageError(
         f"data source {source!r} holds no documents: every text is empty "
         f"(data.text_field={text_field!r} names the text)"
     )

@@ -104,7 +104,7 @@ def line_of(path: str, offset: int) -> int:
 
 def _utf8_error(path: str, region: bytes, lines_before: int, error: UnicodeDecodeError):
     line = lines_before + region[: error.start].count(b"\n") + 1
-    return ValueError(
+    return UsageError(
         f"{path}:{line}: not UTF-8 text (byte 0x{region[error.start]:02x}); data files must be "
         "UTF-8"
     )
@@ -273,7 +273,7 @@ def _store(cache: str, index: FileIndex) -> None:
 
 def index_file(path: str, text_field: str, check_type) -> FileIndex:
     """The index of one .jsonl / .txt / .parquet file (from the cache when it is there).
-    `check_type(path, arrow_schema)` checks a Parquet file's text column (raises ValueError)."""
+    `check_type(path, arrow_schema)` checks a Parquet file's text column (raises UsageError)."""
     kind = kind_of(path)
     if kind == "parquet":
         # The metadata is read anyway (the schema check): only the buckets are worth caching.

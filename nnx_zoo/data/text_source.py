@@ -8,7 +8,7 @@ text, so pickling it to Grain's worker processes copies no data, and host memory
 neither the corpus nor `data.num_workers`.
 
 A JSONL line that is not JSON, or not an object with a string text field, is a
-`DataFileError` (a ValueError) naming file:line when it is read, as is a Parquet row group
+`DataFileError` (a UsageError) naming file:line when it is read, as is a Parquet row group
 that cannot be read: found mid-training, it is still the user's data, and train_main ends
 with exit status 2 and that line; one whose text is empty (or a Parquet null / empty string)
 reads as '' -- no document: the pipeline's tokenizer turns '' into no tokens, and the chunker

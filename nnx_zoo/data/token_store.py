@@ -102,7 +102,7 @@ def _describe(identity: dict) -> str:
 
 
 def check_tokenizer(store_path: str, index: dict, tokenizer) -> None:
-    """ValueError (one line, both tokenizers named) unless `tokenizer` is the store's."""
+    """UsageError (one line, both tokenizers named) unless `tokenizer` is the store's."""
     theirs = index["tokenizer"]
     ours = tokenizer_identity(tokenizer, getattr(tokenizer, "path", None) or "byte")
     if any(ours[k] != theirs[k] for k in ("fingerprint", "vocab_size", "eos_id")):

@@ -390,8 +390,8 @@ def _finished(out: str, pieces: list[Piece]) -> dict[int, dict]:
 
 def tokenize_corpus(request: Request, *, log=None) -> dict:
     """Tokenize `request.source` into a store at `request.out`; its index. Progress (documents,
-    tokens, MB/s, ETA) goes to stderr, then the tokens/s of each worker. ValueError /
-    FileNotFoundError (one line) for bad input."""
+    tokens, MB/s, ETA) goes to stderr, then the tokens/s of each worker. UsageError /
+    UsageError (one line) for bad input."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     if request.data_format not in chat.FORMATS:
         raise UsageError(f"--format={request.data_format!r}; valid: {', '.join(chat.FORMATS)}")

@@ -13,8 +13,10 @@ data is not in the local datasets cache need the network.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 
 from nnx_zoo.errors import UsageError
@@ -30,7 +32,7 @@ def include_dir(value: str) -> str:
     shipped in this package when `value` is not a directory and names them: `lm_eval_tasks`,
     or the checkout paths `examples/lm_eval_tasks` (where they lived) and
     `nnx_zoo/evaluation/lm_eval_tasks`. An existing directory always wins, so a user's own
-    `lm_eval_tasks/` is theirs (as configs/locate.py treats config names)."""
+    `lm_eval_tasks/` is theirs (as nnx_zoo/launch/config_files.py treats config names)."""
     from nnx_zoo.checkpoint.workdir import expand
 
     path = expand(value)
@@ -43,7 +45,7 @@ def include_dir(value: str) -> str:
 
 
 def require_lm_eval() -> None:
-    """ValueError naming the install command when the [eval] extra is missing."""
+    """UsageError naming the install command when the [eval] extra is missing."""
     try:
         import lm_eval  # noqa: F401
     except ImportError:
@@ -58,7 +60,7 @@ def parse_tasks(spec: str) -> list[str]:
 
 
 def task_manager(names: list[str], include_path: str | None):
-    """A TaskManager that knows every name in `names`, or ValueError naming the unknown."""
+    """A TaskManager that knows every name in `names`, or UsageError naming the unknown."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not os.path.isdir(include_path):
@@ -112,10 +114,9 @@ def _unmentioned(names: list[str]) -> list[str]:
 def prepare(
     tasks: str, include_path: str | None, num_fewshot: int | None, limit: float | None
 ) -> TaskRequest:
-    """The --tasks request, checked before any model is loaded: ValueError (one line) for a
+    """The --tasks request, checked before any model is loaded: UsageError (one line) for a
     missing extra, a bad path, an unknown task or a bad count."""
     require_lm_eval()
-    _quiet_harness()
     names = parse_tasks(tasks)
     if num_fewshot is not None and num_fewshot < 0:
         raise UsageError(f"--num_fewshot={num_fewshot} must be >= 0")
@@ -123,16 +124,35 @@ def prepare(
         raise UsageError(
             f"--limit={limit} must be a finite number > 0 (N examples, or a fraction below 1)"
         )
-    return TaskRequest(names, task_manager(names, include_path), num_fewshot, limit)
+    with _harness_settings():
+        manager = task_manager(names, include_path)
+    return TaskRequest(names, manager, num_fewshot, limit)
 
 
-def _quiet_harness() -> None:
-    """The harness warns at length about every local task's custom loader; errors stay."""
-    import logging
+# The hub is never asked for a model or a tokenizer; tokenizers' own threads stay off (the
+# harness forks its workers). The user's values win.
+_HARNESS_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+
+@contextlib.contextmanager
+def _harness_settings():
+    """While the harness builds or runs tasks: `_HARNESS_ENV`, and its logger at ERROR (it
+    warns at length about every local task's custom loader; errors stay). Put back after."""
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    saved = {name: os.environ.get(name) for name in _HARNESS_ENV}
+    for name, value in _HARNESS_ENV.items():
+        os.environ.setdefault(name, value)
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_tasks(
@@ -146,20 +166,19 @@ def run_tasks(
     log_samples: bool = False,
 ) -> dict:
     """The harness's results dict (`simple_evaluate`) for `lm` on tasks `names`."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import lm_eval
+    with _harness_settings():
+        import lm_eval
 
-    manager = manager or task_manager(names, include_path)
-    return lm_eval.simple_evaluate(
-        model=lm,
-        tasks=names,
-        task_manager=manager,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        log_samples=log_samples,
-        torch_random_seed=None,  # no torch here
-    )
+        manager = manager or task_manager(names, include_path)
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=names,
+            task_manager=manager,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            log_samples=log_samples,
+            torch_random_seed=None,  # no torch here
+        )
 
 
 def write_results(results: dict, path: str) -> None:
@@ -196,7 +215,7 @@ class TaskRequest:
 
 
 def check_strategy(tasks: TaskRequest, strategy: str) -> None:
-    """ValueError (one line) when `strategy` cannot generate (a pipeline's, a context-parallel
+    """UsageError (one line) when `strategy` cannot generate (a pipeline's, a context-parallel
     one: zoo.generate.check_can_generate) and a requested task does (output_type
     generate_until). The tasks are built to read their type only in that case."""
     from shardings import get_strategy
@@ -206,7 +225,8 @@ def check_strategy(tasks: TaskRequest, strategy: str) -> None:
     try:
         check_can_generate(strategy)
     except ValueError:
-        built = tasks.manager.load(tasks.names)["tasks"]
+        with _harness_settings():
+            built = tasks.manager.load(tasks.names)["tasks"]
         generating = sorted(n for n, t in built.items() if t.OUTPUT_TYPE == "generate_until")
         if generating:
             shown = ", ".join(generating[:3]) + (

@@ -20,6 +20,7 @@ from nnx_zoo.runtime.distributed import to_global
 from nnx_zoo.training.mixture_spec import parse_mixture
 from shardings.mesh import check_batch
 from shardings.specs import split_size
+from zoo import pipelined
 from zoo.layers import pipeline
 from zoo.loss import answer_mask, target_mask
 
@@ -67,7 +68,9 @@ def evaluate(model, mesh, settings: EvalSettings, tokenizer) -> dict:
     @jax.jit
     def nll_sum(state, batch):
         m = nnx.merge(graphdef, state)
-        nll_BT, mask_BT, _ = m.token_nll(
+        nll_BT, mask_BT, _ = pipelined.token_nll(
+            m,
+            pp,
             batch["tokens"],
             segment_ids=batch["segment_ids"],
             positions=batch["positions"],

@@ -1,7 +1,7 @@
 """What eval_main runs: a request in (`EvalRequest`), the model loaded and scored, the result
 printed and written to eval.json (`report`).
 
-Every mistake in a request surfaces in `evaluate` as ValueError / FileNotFoundError (one
+Every mistake in a request surfaces in `evaluate` as UsageError (one
 line); eval_main turns it into exit status 2.
 """
 
@@ -12,16 +12,15 @@ import os
 
 import jax
 
-from nnx_zoo.checkpoint.restore import read_meta
 from nnx_zoo.checkpoint.workdir import check_writable_everywhere
-from nnx_zoo.data.tokenizers import make_tokenizer
 from nnx_zoo.errors import UsageError
 from nnx_zoo.evaluation import metrics as eval_metrics
 from nnx_zoo.evaluation import model as eval_model
-from nnx_zoo.evaluation.settings import EvalSettings, from_run_info
+from nnx_zoo.evaluation.settings import EvalSettings
 from nnx_zoo.runtime.console import warn
 from nnx_zoo.runtime.files import write_json_atomic
 from zoo.generate import check_can_generate
+from zoo.layers.attention import choices as attention_choices
 
 EVAL_FILE = "eval.json"
 
@@ -61,6 +60,8 @@ class EvalResult:
     step: int | None
     metrics: dict | None
     generated: tuple[str, int] | None  # (text, tokens)
+    # What each attention call site ran on, and why (attention.choices.to_json).
+    attention: dict | None = None
 
 
 def evaluate(request: EvalRequest) -> EvalResult:
@@ -77,33 +78,25 @@ def evaluate(request: EvalRequest) -> EvalResult:
     if request.generation is not None:
         check_can_generate(settings.strategy)  # the run's own, when no --sharding_strategy
     metrics = None
-    if request.evaluate:
-        metrics = eval_metrics.json_safe(eval_metrics.evaluate(model, mesh, settings, tokenizer))
-    generated = None
-    if request.generation is not None:
-        generated = _generate(model, mesh, tokenizer, request.generation)
-    return EvalResult(request, settings, mesh, step, metrics, generated)
+    with attention_choices.recording() as chosen:
+        if request.evaluate:
+            metrics = eval_metrics.evaluate(model, mesh, settings, tokenizer)
+            metrics = eval_metrics.json_safe(metrics)
+        generated = None
+        if request.generation is not None:
+            generated = _generate(model, mesh, tokenizer, request.generation)
+    attention = attention_choices.to_json(chosen)
+    return EvalResult(request, settings, mesh, step, metrics, generated, attention)
 
 
 def load(request: EvalRequest):
-    """(settings, tokenizer, model, mesh, step): the request's model on its strategy's mesh,
-    from the run's checkpoint or the Hugging Face directory (also used by --tasks)."""
-    run_info, step = None, request.step
-    if request.hf_checkpoint is None:
-        step, meta = read_meta(request.workdir, request.step)
-        run_info = meta.get("run_info") or {}
-    settings = from_run_info(run_info, hf_checkpoint=request.hf_checkpoint, **request.overrides)
-    tokenizer = make_tokenizer(settings.tokenizer)
-    if request.hf_checkpoint is not None:
-        explicit_length = request.overrides.get("seq_len") is not None
-        model, mesh, settings = eval_model.load_from_hf(
-            request.hf_checkpoint, settings, explicit_length
+    """(settings, tokenizer, model, mesh, step): `eval_model.load` of the request's model
+    (also used by --tasks)."""
+    return eval_model.load(
+        eval_model.LoadRequest(
+            request.workdir, request.hf_checkpoint, request.step, request.overrides
         )
-    else:
-        model, mesh, step = eval_model.load_from_checkpoint(
-            request.workdir, run_info, settings, step
-        )
-    return settings, tokenizer, model, mesh, step
+    )
 
 
 def _generate(model, mesh, tokenizer, gen: Generation) -> tuple[str, int]:
@@ -140,6 +133,7 @@ def record(result: EvalResult) -> dict:
         "mesh_shape": dict(result.mesh.shape),
         "num_devices": jax.device_count(),
         "hf_checkpoint": request.hf_checkpoint,
+        "attention": result.attention,
     }
     if result.generated is not None:
         text, tokens = result.generated

@@ -22,7 +22,7 @@ def export_run(
     Returns the step.
 
     `out` is checked first (nnx_zoo/checkpoint/outputs.py): a file, a run's directory (or its
-    checkpoints/, ...), or a directory holding anything is refused (ValueError), except, with
+    checkpoints/, ...), or a directory holding anything is refused (UsageError), except, with
     `overwrite`, an earlier export's; the export is written beside `out` and renamed into
     place whole, with a manifest of what it wrote."""
     import jax

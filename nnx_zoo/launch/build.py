@@ -7,7 +7,7 @@ micro-batches, optimizer) and its memory figures come from one formula
 with its `NamedSharding` on the mesh, so a model far larger than this host, on a TPU or GPU
 target it does not have, is compiled without allocating anything.
 
-Every mistake in the inputs surfaces here as a one-line ValueError / FileNotFoundError,
+Every mistake in the inputs surfaces here as a one-line UsageError,
 which the entry points turn into exit status 2.
 """
 
@@ -170,7 +170,7 @@ def starting_from(run: RunConfig, init_from: str | None) -> RunConfig:
 
 
 def check_positions(model_cfg, length: int, what: str) -> None:
-    """ValueError (one line) when rows of `length` tokens run past a learned position table
+    """UsageError (one line) when rows of `length` tokens run past a learned position table
     (GPT-2): a gather past its last row reads that row again, silently."""
     if getattr(model_cfg, "position", None) == "learned" and length > model_cfg.max_seq_len:
         raise UsageError(
@@ -181,7 +181,7 @@ def check_positions(model_cfg, length: int, what: str) -> None:
 
 def check_attention(model_cfg, mesh, seq_len: int) -> str:
     """The attention backend `model_cfg.attention_impl` runs on `mesh`'s platform for rows of
-    `seq_len`; one-line ValueError when a backend named explicitly cannot run there."""
+    `seq_len`; one-line UsageError when a backend named explicitly cannot run there."""
     return check_implementation(
         model_cfg.attention_impl,
         dtype=model_cfg.compute_dtype,
@@ -304,6 +304,7 @@ def build(
         batch_spec=plan.strategy.batch_spec(),
         loss_chunk_size=run.training.loss_chunk_size,
         wrt=finetune.trainable(model),
+        pipeline=plan.pipeline,
     )
     if abstract:
         trainer.state = on_mesh(trainer.state, plan.mesh)

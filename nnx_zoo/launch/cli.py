@@ -13,6 +13,7 @@ writes the rest of its flags as a table (`define_flags`). Import this module, an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -28,26 +29,31 @@ DEFAULT_CONFIG = os.path.join(_CONFIGS_DIR, "tiny.py")
 
 
 def preamble(*, huge_pages: bool = True, cpu_flags: bool = True, cpu_only: bool = False) -> None:
-    """Before jax is imported: quiet native libraries (errors own stderr), this host's CPU
-    allocator and XLA flags, and (`cpu_only`) no accelerator, for plans that never run."""
+    """Before jax is imported, in an entry point's own process: XLA's C++ logs at WARNING and
+    up (TF_CPP_MIN_LOG_LEVEL, unless set), our XLA CPU flags where the running XLA takes them
+    (nnx_zoo/runtime/xla_cpu.py), huge pages when the user asks (ZOO_HUGE_PAGES=1,
+    nnx_zoo/runtime/cpu_memory.py), and (`cpu_only`: plan_main, explain_main, data_main,
+    which compile for abstract targets or none) the CPU backend unless JAX_PLATFORMS says
+    otherwise, so a plan never takes the accelerator a run is using. The platform is JAX's
+    choice otherwise (nnx_zoo/runtime/host.py); what the native libraries still print at
+    start-up: docs/performance.md, "Start-up"."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if cpu_only:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        # libtpu, loaded to compile for a TPU target, may be held by a run on this host.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     program = os.path.basename(sys.argv[0]) if sys.argv else ""
     if huge_pages and (program.endswith("_main.py") or program.startswith("zoo-")):
         # glibc reads its tunables when a process starts: restart now (before anything
-        # heavy is loaded) with huge pages for the host allocator where that helps.
+        # heavy is loaded) when the user asked for huge pages. Only an entry point's own
+        # process: anything else importing it (a test runner) would be started again.
         from nnx_zoo.runtime.cpu_memory import reexec_with_huge_pages
 
         reexec_with_huge_pages()
     if cpu_flags:
         from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 
-        set_cpu_flags()  # CPU dot kernels; a flag already in XLA_FLAGS wins
-    from nnx_zoo.runtime.host import import_jax_quietly
-
-    import_jax_quietly()
+        set_cpu_flags()  # a flag already in XLA_FLAGS wins
 
 
 def simulate_cpu_devices(flag: str, count_of=lambda value: value, default=None) -> None:
@@ -91,13 +97,24 @@ def no_arguments(argv) -> None:
         usage_error(f"unexpected arguments {argv[1:]}; flags look like --name=value")
 
 
-def quiet_logging() -> None:
-    """absl at WARNING unless --verbosity was given: Orbax logs every save, optax notes a
-    constant schedule, at INFO; stderr is for the progress bar and errors."""
+@contextlib.contextmanager
+def quiet_logging():
+    """absl at WARNING for the length of an entry point's run unless --verbosity was given
+    (Orbax logs every save, optax notes a constant schedule, at INFO; stderr is for the
+    progress bar and errors); the previous verbosity is put back after. Decorates each entry
+    point's `main` (`@cli.quiet_logging()`), so a run called in-process leaves absl as it
+    found it."""
     from absl import flags, logging
 
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
+    if flags.FLAGS["verbosity"].present:
+        yield
+        return
+    before = logging.get_verbosity()
+    logging.set_verbosity(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
 
 
 _HELP = ("-h", "--help", "--helpshort", "--helpfull", "-help")
@@ -419,7 +436,7 @@ def load_config(config_flag, *, notes: list | None = None):
     Its warnings are printed (process 0), or appended to `notes` for the caller to `warn`
     later: a run of several processes reads its config before `jax.distributed.initialize`
     (which takes the config's timeouts), and nothing may ask for the process index before.
-    A bad field raises ValueError (one line)."""
+    A bad field raises UsageError (one line)."""
     from nnx_zoo.training.config import RunConfig
 
     try:
@@ -461,8 +478,9 @@ def load_run_config(run_flags: RunFlags, *, notes: list | None = None):
 def _resolve_config_path(value: str) -> str:
     """`~` expanded (the shell does not, after `=`); a shipped config found by name (`tiny`,
     `llama3_8b`) or by the checkout path the docs use (`configs/tiny.py`) from any directory,
-    so installed entry points find their configs; an existing file wins (configs/locate.py)."""
-    from configs.locate import config_path
+    so installed entry points find their configs; an existing file wins
+    (nnx_zoo/launch/config_files.py)."""
+    from nnx_zoo.launch.config_files import config_path
 
     return config_path(value)
 
@@ -530,7 +548,7 @@ def _unknown_field_message(error: Exception) -> str | None:
 
 def config_file_message(error: Exception) -> str:
     """One line for a --config file that did not load (nnx_zoo/training/config_file.py)."""
-    from configs.locate import names
+    from nnx_zoo.launch.config_files import names
     from nnx_zoo.training.config_file import load_error_message
 
     given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]

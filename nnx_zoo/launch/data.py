@@ -30,7 +30,7 @@ class RunData:
 
 
 def build_data(run: RunConfig, mesh, batch_spec) -> RunData:
-    """Raises ValueError / FileNotFoundError (one line) for a source or tokenizer that cannot
+    """Raises UsageError (one line) for a source or tokenizer that cannot
     serve the run; the validation split is built here so an empty one fails before training."""
     d = run.data
     tokenizer = make_tokenizer(d.tokenizer)

@@ -84,7 +84,7 @@ def data_changes(run, saved) -> list[str]:
 
 def check_mixture(run, saved, step: int) -> str | None:
     """The note for a mixture resumed with other weights (None when they are the same); a
-    ValueError naming the difference when its sources are not the checkpoint's."""
+    UsageError naming the difference when its sources are not the checkpoint's."""
     sources, weights = describe_change(saved.data.mixture, run.data.mixture)
     if sources:
         raise UsageError(

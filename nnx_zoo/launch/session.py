@@ -1,9 +1,9 @@
 """What train_main runs: a built run with its data and its workdir (`prepare`), restored
 from the workdir's checkpoint if it has one (`resume`), then trained (`train`).
 
-Every mistake in the inputs surfaces in `prepare` / `resume` as ValueError or
-FileNotFoundError (one line), before run_info.json or anything else in the workdir is
-touched; train_main turns it into exit status 2.
+Every mistake in the inputs surfaces in `prepare` / `resume` as UsageError (one line),
+before run_info.json or anything else in the workdir is touched; train_main turns it into
+exit status 2.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from nnx_zoo.errors import UsageError
 from nnx_zoo.launch import resume as resume_rules
 from nnx_zoo.launch.build import Run, build, plan_run
 from nnx_zoo.launch.data import RunData, build_data
-from nnx_zoo.runtime import peers
+from nnx_zoo.runtime import host, peers
 from nnx_zoo.runtime.console import say, warn
 from nnx_zoo.runtime.files import write_json_atomic
 from nnx_zoo.runtime.preemption import PreemptionWatcher
@@ -32,6 +32,7 @@ from nnx_zoo.training.loop import run as run_loop
 from nnx_zoo.training.metrics import MetricsWriter
 from nnx_zoo.training.profile import StepProfiler, parse_steps
 from nnx_zoo.training.step_memory import step_memory
+from zoo.layers.attention import choices as attention_choices
 
 RUN_INFO_FILE = "run_info.json"
 
@@ -84,7 +85,24 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
             f"model vocab_size={built.model_cfg.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size} ids ({run.data.tokenizer}); {fix}"
         )
-    return TrainSession(built, run_data, workdir, built.info(), notes + run_data.notes, saved=saved)
+    # What JAX runs the run on (the first line train_main printed): backend, device kind,
+    # device and process counts.
+    info = {
+        **built.info(),
+        "platform": host.platform().record(),
+        "attention": trace_attention(built),
+    }
+    return TrainSession(built, run_data, workdir, info, notes + run_data.notes, saved=saved)
+
+
+def trace_attention(built: Run) -> dict:
+    """run_info.json's `attention`: the train step traced (not compiled) while the run is
+    built, so an attention backend named in the config that cannot run one of the model's
+    calls stops the run here (UsageError), before anything is written; and what `auto`
+    chose for each call site, and why. The compile before the first step reuses the trace."""
+    with attention_choices.recording() as choices, jax.set_mesh(built.mesh):
+        built.trainer.trace(built.abstract_batch())
+    return attention_choices.to_json(choices)
 
 
 def _make_checkpointer(session: TrainSession):
@@ -108,7 +126,7 @@ def resume(session: TrainSession) -> int:
     """Restore the newest good checkpoint, if any (after naming each newer one that fails
     its checksums), then record run_info.json. Every mistake in the inputs it finds (a
     checkpoint that does not fit the model, a data position it cannot continue) is a
-    ValueError, raised before run_info.json is touched. Returns the step training starts from."""
+    UsageError, raised before run_info.json is touched. Returns the step training starts from."""
     run, workdir, built = session.run, session.workdir, session.built
     ckpt, session.watcher = _make_checkpointer(session)
     session.checkpointer = ckpt

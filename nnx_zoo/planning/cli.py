@@ -1,6 +1,6 @@
 """What plan_main.py and `train_main.py --sharding_strategy=auto` run: a request in, plans out.
 
-Every mistake in a request raises ValueError with one line (plan_main exits 2 with it).
+Every mistake in a request raises UsageError with one line (plan_main exits 2 with it).
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def build(request: Request):
 
 
 def _check_as_train_main(run, target: Target, name: str, shape, remats, micro) -> None:
-    """ValueError (train_main's line for the same flags) for the first remat / micro-batch
+    """UsageError (train_main's line for the same flags) for the first remat / micro-batch
     count whose run train_main would refuse on `target`'s devices."""
     for remat in remats:
         for k in micro:
@@ -239,7 +239,7 @@ def _measured_load(request: Request, run):
 
 def plan(request: Request, as_json: bool = False) -> str:
     """Run the request: the table (or JSON lines), and with `auto` the pick's one-line why.
-    Raises ValueError on bad input and NoFitError (a ValueError) when nothing fits."""
+    Raises UsageError on bad input and NoFitError (a UsageError) when nothing fits."""
     run, target, candidates, auto = build(request)
     measured = _measured_load(request, run)  # before any compile: a bad path fails at once
     log = (lambda _: None) if as_json else (lambda line: print(line, flush=True))
@@ -272,7 +272,7 @@ def resolve_auto(run, log=print, init_from: str | None = None):
     """`train_main --sharding_strategy=auto`: the run config with the pick's strategy, mesh,
     remat and micro-batches, for this process's view of the run's devices (`run_devices`), and
     the model the run starts from (`init_from`'s architecture where given). Logs the one-line
-    why; raises NoFitError (a ValueError) when nothing fits."""
+    why; raises NoFitError (a UsageError) when nothing fits."""
 
     if run.training.mesh_shape:  # it would be silently replaced by the pick's mesh
         raise UsageError(

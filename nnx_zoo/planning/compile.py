@@ -227,7 +227,7 @@ def collectives_by_axis(ops) -> list[dict]:
 
 def make_target(name: str, memory_gib: float | None = None) -> Target:
     """A target by name: a TPU slice or GPU hosts (`planning.targets`), or `cpu:N`, this
-    host's first N (simulated) CPU devices. Raises ValueError (TargetError) with one line."""
+    host's first N (simulated) CPU devices. Raises UsageError (TargetError) with one line."""
 
     kind, _, count = name.partition(":")
     if kind.lower() == "cpu":
@@ -398,7 +398,7 @@ def _read(run, candidate, target, mesh, pp, compiled) -> dict:
 
 
 def compile_plan(run, candidate: Candidate, target: Target) -> Plan:
-    """Compile the train step for `candidate` on `target`; raises ValueError for a candidate
+    """Compile the train step for `candidate` on `target`; raises UsageError for a candidate
     the layouts or the batch cannot take (a split that does not divide). A step the compiler
     refuses for memory is a plan that does not fit. The step forecast is added by
     `planning.forecast.add_forecast` (two more compiles, so only where asked)."""

@@ -70,7 +70,7 @@ class MeasuredLoad:
 
 def load_from_run(workdir: str, num_experts: int, last: int = 10) -> MeasuredLoad:
     """The load a train_main run of the same MoE model logged (a short CPU run is enough to
-    see a router's habits at this batch); ValueError with one line when there is none."""
+    see a router's habits at this batch); UsageError with one line when there is none."""
     path = os.path.join(workdir, METRICS_FILE)
     try:
         with open(path) as f:

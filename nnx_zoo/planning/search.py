@@ -25,6 +25,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+import jax
+
 from nnx_zoo.errors import UsageError
 from nnx_zoo.planning.compile import (
     Candidate,
@@ -289,19 +291,14 @@ def search(
 
 def _schedule(cfg, c: Candidate):
     """The pipeline schedule of a candidate (its bubble is compute no candidate escapes), or
-    None; None too for sizes the pipeline cannot run (the compile will say why)."""
-    stage_axis = get_strategy(c.strategy).lm_sharding().stage_axis
-    if stage_axis is None:
-        return None
-    stages = dict(zip(get_strategy(c.strategy).axes, c.mesh_shape, strict=True))[stage_axis]
+    None; None too for sizes the pipeline cannot run (the compile will say why). Before
+    anything is built, so from `pipeline.plan_for` on the candidate's mesh shape: the
+    function `zoo.plan.plan_model` derives `ModelPlan.pipeline` with, which the compiled
+    step then runs."""
+    strategy = get_strategy(c.strategy)
+    mesh = jax.sharding.AbstractMesh(tuple(c.mesh_shape), tuple(strategy.axes))
     try:
-        return pipeline.plan(
-            cfg.num_layers,
-            stages,
-            cfg.pipeline_microbatches,
-            cfg.pipeline_repeats,
-            cfg.pipeline_schedule,
-        )
+        return pipeline.plan_for(cfg, strategy.lm_sharding(), mesh)
     except ValueError:
         return None
 

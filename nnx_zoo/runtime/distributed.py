@@ -16,6 +16,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
+
 # Environment variables that say this process is one of several launched by a cluster manager
 # whose environment jax.distributed.initialize() reads (Slurm, Open MPI, Cloud TPU). Auto-init
 # happens only when one is set with more than one task, so a laptop run never waits for a
@@ -70,12 +72,12 @@ def initialize(
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
         if missing:
-            raise ValueError(
+            raise UsageError(
                 f"several processes need all of --coordinator_address, --num_processes and "
                 f"--process_id; missing {', '.join(missing)}"
             )
         if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise ValueError(
+            raise UsageError(
                 f"--process_id={process_id} must be in [0, --num_processes={num_processes})"
             )
         _join(

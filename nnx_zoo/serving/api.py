@@ -8,9 +8,17 @@ pieces to this request's asyncio queue; the handler streams them as server-sent 
 away (mid-stream or while waiting) has its unfinished jobs cancelled, which frees their
 slots at the engine's next turn; nothing else is disturbed.
 
+The event loop only moves bytes: a request body is read with a bound (413 past
+`max_request_bytes`, said by its Content-Length before any of it is read, or counted as it
+streams in), and parsed, checked, rendered and tokenized on a worker thread, so a long prompt
+never holds up the streams of the others.
+
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
 request (unknown model, a prompt that leaves no room for max_tokens, out-of-range sampling
-settings, malformed JSON, a missing field), 503 when the waiting queue is full.
+settings, more prompts x n than the server can ever hold, too many or too long stop strings,
+malformed JSON, a missing field), 413 for a body past the limit, 503 when the waiting queue is
+full now, 500 when the engine failed the request (with the cause) or has stopped (then
+`/health` answers 503 too).
 """
 
 from __future__ import annotations
@@ -23,13 +31,20 @@ import threading
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from nnx_zoo.serving import protocol
-from nnx_zoo.serving.engine import Engine
+from nnx_zoo.serving.engine import Engine, EngineStoppedError
 from nnx_zoo.serving.protocol import ApiError, ChatRequest, CompletionRequest
-from nnx_zoo.serving.scheduler import QueueFullError, Sampling
+from nnx_zoo.serving.scheduler import Event, QueueFullError, Sampling
+
+# A request body past this is refused (413) unread. A request holds at most --max_batch +
+# --max_queue prompts of at most --max_seq_len tokens; 2 MiB is ~500k tokens of English
+# text, or ~250k token ids: the default server's largest request with room to spare, and
+# small enough that parsing one holds the interpreter only briefly (docs/serving.md).
+DEFAULT_MAX_REQUEST_BYTES = 2 << 20
+# How often a waiting request looks at whether the engine still runs.
+_ENGINE_CHECK_SECONDS = 0.5
 
 
 def create_app(
@@ -38,26 +53,27 @@ def create_app(
     served_model: str,
     chat_template=None,
     chat_template_error: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """`chat_template`: a `nnx_zoo.data.chat.ChatTemplate`, or None (then chat requests get
     a 400 saying `chat_template_error`)."""
     app = FastAPI(title="nnx-zoo", docs_url=None, redoc_url=None)
     tokenizer = engine.tokenizer
+    # A tokenizer that can let the other threads run while it works (the engine's among them).
+    encode = getattr(tokenizer, "encode_concurrently", tokenizer.encode)
     started = int(time.time())
-    # n beyond what can ever run or wait at once would be refused by the queue anyway.
-    max_n = engine.slots.max_batch + engine.scheduler.max_queue
+    capacity = engine.scheduler.capacity
 
     @app.exception_handler(ApiError)
     async def api_error(_request, error: ApiError):
         return JSONResponse(error.body(), status_code=error.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request, error: RequestValidationError):
-        return JSONResponse(_validation_body(error), status_code=400)
-
     @app.get("/health")
     async def health():
-        return {"status": "ok", **engine.status()}
+        status = engine.status()
+        if status["stopped"] is not None:
+            return JSONResponse({"status": "error", **status}, status_code=503)
+        return {"status": "ok", **status}
 
     @app.get("/v1/models")
     async def models():
@@ -70,16 +86,20 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        ask = protocol.check(body, served_model=served_model, max_n=max_n)
-        prompts = _completion_prompts(body.prompt, tokenizer)
+    def completion_jobs(raw: bytes, on_event):
+        body = protocol.parse(raw, CompletionRequest)
+        ask = protocol.check(body, served_model=served_model, capacity=capacity)
+        texts = protocol.prompts(body.prompt)
+        _check_fits(len(texts), ask.n, capacity)  # before tokenizing them all
+        prompts = [encode(p) if isinstance(p, str) else p for p in texts]
+        if not prompts or any(not p for p in prompts):
+            raise ApiError("the prompt is empty", param="prompt")
         envelope = protocol.Envelope(served_model, chat=False)
-        return await _serve(engine, request, prompts, ask, envelope, body)
+        return body, envelope, prompts, _jobs(engine, prompts, ask, envelope, on_event)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        ask = protocol.check(body, served_model=served_model, max_n=max_n)
+    def chat_jobs(raw: bytes, on_event):
+        body = protocol.parse(raw, ChatRequest)
+        ask = protocol.check(body, served_model=served_model, capacity=capacity)
         if chat_template is None:
             raise ApiError(chat_template_error or "this model has no chat template")
         if not body.messages:
@@ -89,34 +109,71 @@ def create_app(
             text = chat_template.render(messages, add_generation_prompt=True)
         except ValueError as e:
             raise ApiError(str(e), param="messages") from None
+        prompts = [encode(text)]
         envelope = protocol.Envelope(served_model, chat=True)
-        return await _serve(engine, request, [tokenizer.encode(text)], ask, envelope, body)
+        return body, envelope, prompts, _jobs(engine, prompts, ask, envelope, on_event)
+
+    async def serve(request: Request, make_jobs):
+        raw = await _read_body(request, max_request_bytes)
+        events: asyncio.Queue = asyncio.Queue()
+        on_event = functools.partial(_bridge(request).put, events)
+        # Parsing, the template and the tokenizer run beside the event loop (and, for a
+        # tokenizer that lets go of the interpreter, beside the engine thread).
+        body, envelope, prompts, jobs = await asyncio.to_thread(make_jobs, raw, on_event)
+        return await _serve(engine, request, body, envelope, prompts, jobs, events)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, completion_jobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await serve(request, chat_jobs)
 
     return app
 
 
-def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
-    """Token ids of each prompt: a string, a list of strings, token ids or lists of them."""
-    if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]
-    else:
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-    if not prompts or any(not p for p in prompts):
-        raise ApiError("the prompt is empty", param="prompt")
-    return prompts
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or ApiError(413) past `limit` bytes: by its Content-Length before
+    anything is read, or as it arrives (a chunked body, or one longer than it said)."""
+    too_large = ApiError(
+        f"the request body is larger than this server's limit of {limit} bytes "
+        "(serve_main --max_request_bytes)",
+        status=413,
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(f"Content-Length {declared!r} is not a number of bytes")
+        if int(declared) > limit:
+            raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-async def _serve(engine: Engine, request: Request, prompts, ask, envelope, body):
-    bridge = _bridge(request)
-    events: asyncio.Queue = asyncio.Queue()
+def _check_fits(prompts: int, n: int, capacity: int) -> None:
+    if prompts * n > capacity:
+        raise ApiError(
+            f"this request asks for {prompts} prompts x n={n} = {prompts * n} sequences; this "
+            f"server holds at most {capacity} at once (--max_batch + --max_queue), so it could "
+            "never be admitted: send fewer prompts, or a smaller n",
+            param="n" if prompts == 1 else "prompt",
+        )
+
+
+def _jobs(engine: Engine, prompts, ask, envelope, on_event) -> list:
+    """n jobs per prompt, choice p * n + i drawing with seed + i."""
     jobs = []
     seed = random.getrandbits(32) if ask.seed is None else ask.seed
     limit = engine.slots.max_seq_len
     for p, prompt in enumerate(prompts):
         for i in range(ask.n):
-            index = p * ask.n + i
             sampling = Sampling(ask.temperature, ask.top_k, ask.top_p, (seed + i) % 2**32)
             # No max_tokens (chat): as much as the context leaves (at least one token, so a
             # prompt that fills the context is refused as too long).
@@ -128,17 +185,24 @@ async def _serve(engine: Engine, request: Request, prompts, ask, envelope, body)
                     sampling=sampling,
                     stop=ask.stop,
                     ignore_eos=ask.ignore_eos,
-                    on_event=functools.partial(bridge.put, events, index),
+                    on_event=functools.partial(on_event, p * ask.n + i),
                 )
             except ValueError as e:
                 raise ApiError(str(e), param="messages" if envelope.chat else "prompt") from None
             jobs.append(job)
+    return jobs
+
+
+async def _serve(engine: Engine, request: Request, body, envelope, prompts, jobs, events):
     try:
         engine.submit(jobs)
     except QueueFullError as e:
         raise ApiError(str(e), status=503, kind="overloaded_error") from None
+    except EngineStoppedError as e:
+        raise ApiError(str(e), status=500) from None
     prompt_tokens = sum(len(p) for p in prompts)
     watcher = asyncio.ensure_future(_on_disconnect(request, engine, jobs, events))
+    _bridge(request).watch(engine, events, watcher)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = _stream(engine, jobs, events, envelope, prompt_tokens, include_usage, watcher)
@@ -160,12 +224,35 @@ async def _serve(engine: Engine, request: Request, prompts, ask, envelope, body)
 
 class _Bridge:
     """Events from the engine thread into the event loop's queues, one wake-up of the loop
-    for all the events of an engine step (not one per token per request)."""
+    for all the events of an engine step (not one per token per request).
+
+    And a watchdog: the engine fails every request it holds when its thread ends, but should
+    it end without a word to some request, that request gets an error event within
+    `_ENGINE_CHECK_SECONDS` (one task looks at the engine while any request waits on it)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.lock = threading.Lock()
         self.pending: list = []
+        self.waiting: dict[asyncio.Queue, asyncio.Future] = {}  # a request's events: its watcher
+        self.watchdog: asyncio.Future | None = None
+
+    def watch(self, engine: Engine, events: asyncio.Queue, watcher: asyncio.Future) -> None:
+        """Until `watcher` (the request's disconnect watcher, cancelled when it ends) is done."""
+        self.waiting[events] = watcher
+        if self.watchdog is None or self.watchdog.done():
+            self.watchdog = asyncio.ensure_future(self._watch(engine))
+
+    async def _watch(self, engine: Engine) -> None:
+        while self.waiting:
+            await asyncio.sleep(_ENGINE_CHECK_SECONDS)
+            stopped = engine.stopped()
+            for events, watcher in list(self.waiting.items()):
+                if watcher.done():
+                    del self.waiting[events]
+                elif stopped is not None:
+                    del self.waiting[events]
+                    events.put_nowait((0, Event("", "error", 0, error=stopped)))
 
     def put(self, events: asyncio.Queue, index: int, event) -> None:
         with self.lock:
@@ -262,17 +349,3 @@ def _cancel_unfinished(engine: Engine, jobs) -> None:
     for job in jobs:
         if not job.finished:
             engine.cancel(job)
-
-
-def _validation_body(error: RequestValidationError) -> dict:
-    """One message for FastAPI's list of validation errors (malformed JSON among them)."""
-    first = error.errors()[0] if error.errors() else {}
-    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-    kind = first.get("type", "")
-    if kind == "json_invalid":  # its loc is a character offset, not a field
-        return protocol.error_body(f"the request body is not valid JSON ({first.get('msg', '')})")
-    elif kind == "missing":
-        message = f"missing required field {where!r}"
-    else:
-        message = f"{where or 'body'}: {first.get('msg', 'invalid')}"
-    return protocol.error_body(message, param=where or None)

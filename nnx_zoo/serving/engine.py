@@ -16,8 +16,17 @@ A job that finishes (EOS, a stop string, its max_tokens) gives its slot back in 
 finishes, before the next admission. The thread sleeps while there is nothing to do.
 
 Events go to each job's `on_event` from this thread; the HTTP layer forwards them to its
-event loop. An exception from the device fails the jobs of that call (an "error" event) and
-the engine goes on serving.
+event loop. Failures:
+  - a device call that fails loses the KV cache (both programs donate it): the slots put an
+    empty one in its place (`slots.CacheLostError`), every request that was in it fails (an
+    "error" event naming the cause), and the requests waiting, or admitted but not prefilled
+    yet, are served on the new cache;
+  - an error turning one request's tokens into text (its tokenizer's decode) fails that
+    request alone;
+  - anything else that escapes the loop ends the thread: every request waiting or running
+    fails with the error, `submit` refuses new ones (`EngineStoppedError`), and `failure` says
+    why (the HTTP layer answers 500, `/health` 503).
+Every counter `status` reports is written and read under the engine's lock.
 """
 
 from __future__ import annotations
@@ -29,18 +38,21 @@ import threading
 import time
 from collections.abc import Sequence
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.serving.scheduler import Event, Job, Sampling, Scheduler
-from nnx_zoo.serving.slots import Slots
+from nnx_zoo.serving.slots import CacheLostError, Slots
 from nnx_zoo.serving.text import TextStream
 
 _log = logging.getLogger(__name__)
 GREEDY = Sampling()
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine thread is not running (it failed, or was stopped): nothing is served."""
+
+
 class Engine:
     def __init__(self, slots: Slots, tokenizer, *, max_queue: int):
-        if max_queue < 0:
-            raise ValueError(f"--max_queue={max_queue} must be >= 0")
         self.slots = slots
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(slots.max_batch, max_queue)
@@ -51,6 +63,9 @@ class Engine:
         self.prefills = 0  # prefill calls run
         self.peak_running = 0  # most slots busy in one decode step
         self.cancelled = 0  # jobs dropped from a slot (their client went away)
+        self.failed = 0  # jobs failed by an error (a device call's, or their own text's)
+        self.cache_resets = 0  # KV caches rebuilt after a failed device call
+        self.failure: str | None = None  # why the engine thread ended, once it has
 
     # -- the public side (any thread) ----------------------------------------------------
 
@@ -66,27 +81,46 @@ class Engine:
     ) -> Job:
         """A job for `submit` (checked: a prompt that fits, with room for max_tokens)."""
         if not prompt:
-            raise ValueError("the prompt is empty")
+            raise UsageError("the prompt is empty")
         if max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+            raise UsageError(f"max_tokens={max_tokens} must be >= 1")
         limit = self.slots.max_seq_len
         if len(prompt) + max_tokens > limit:
-            raise ValueError(
+            raise UsageError(
                 f"this model's maximum context length is {limit} tokens; the prompt has "
                 f"{len(prompt)} and max_tokens asks for {max_tokens} more"
             )
         vocab = self.slots.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+            raise UsageError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         eos = None if ignore_eos else self.tokenizer.eos_id
         stream = TextStream(self.tokenizer, max_tokens=max_tokens, stop=stop, eos_id=eos)
         return Job(list(prompt), sampling, stream, on_event)
 
     def submit(self, jobs: Sequence[Job]) -> None:
+        """Queue `jobs` (one request: all or none). QueueFullError when they do not fit now;
+        EngineStoppedError when the engine thread is not running."""
         with self._cond:
+            if (stopped := self._stopped()) is not None:
+                raise EngineStoppedError(stopped)
             self.scheduler.submit(jobs)
             self._cond.notify()
+
+    def stopped(self) -> str | None:
+        """Why nothing is served (the engine thread failed, was stopped or never started),
+        or None while it runs."""
+        with self._cond:
+            return self._stopped()
+
+    def _stopped(self) -> str | None:
+        if self.failure is not None:
+            return self.failure
+        if self._stopping:
+            return "the engine is shutting down"
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine thread is not running"
+        return None
 
     def cancel(self, job: Job) -> None:
         with self._cond:
@@ -95,7 +129,7 @@ class Engine:
 
     def status(self) -> dict:
         with self._cond:
-            return dict(
+            status = dict(
                 running=len(self.scheduler.running()),
                 waiting=len(self.scheduler.waiting),
                 max_batch=self.slots.max_batch,
@@ -105,11 +139,15 @@ class Engine:
                 prefills=self.prefills,
                 peak_running=self.peak_running,
                 cancelled=self.cancelled,
-                traces={
-                    " ".join(map(str, k)) if isinstance(k, tuple) else k: v
-                    for k, v in self.slots.traces.items()
-                },
+                failed=self.failed,
+                cache_resets=self.cache_resets,
+                stopped=self._stopped(),
             )
+            traces = dict(self.slots.traces)  # (one C-level copy: the engine may be tracing)
+        status["traces"] = {
+            " ".join(map(str, k)) if isinstance(k, tuple) else k: v for k, v in traces.items()
+        }
+        return status
 
     def start(self) -> Engine:
         self._thread = threading.Thread(target=self._run, name="serving-engine", daemon=True)
@@ -158,6 +196,15 @@ class Engine:
     # -- the engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 -- the thread's last act: fail everyone
+            _log.critical("serving engine: the engine thread failed; nothing is served", exc_info=e)
+            with self._cond:
+                self.failure = f"the engine stopped: {_one_line(e)}"
+        self._fail_everyone()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self.scheduler.has_work():
@@ -176,9 +223,10 @@ class Engine:
         try:
             first = self.slots.prefill([j.prompt for j in jobs], [j.slot for j in jobs], columns)
         except Exception as e:  # noqa: BLE001 -- fail these jobs, keep serving the rest
-            self._fail(jobs, e)
+            self._device_failed(jobs, e)
             return
-        self.prefills += 1
+        with self._cond:
+            self.prefills += 1
         now = time.perf_counter()
         for job, token in zip(jobs, first, strict=True):
             job.first_token = now
@@ -200,17 +248,22 @@ class Engine:
         try:
             out = self.slots.decode(tokens, active, _sampling_columns(sampling))
         except Exception as e:  # noqa: BLE001
-            self._fail(running, e)
+            self._device_failed(running, e)
             return
-        self.steps += 1
-        self.peak_running = max(self.peak_running, len(running))
+        with self._cond:
+            self.steps += 1
+            self.peak_running = max(self.peak_running, len(running))
         for job in running:
             if not job.cancelled:
                 self._deliver(job, out[job.slot])
 
     def _deliver(self, job: Job, token: int) -> None:
         job.last_token = int(token)
-        delta = job.stream.add(token)
+        try:
+            delta = job.stream.add(token)
+        except Exception as e:  # noqa: BLE001 -- this request's text (its decode): it alone fails
+            self._fail([job], e, "turning a request's tokens into text")
+            return
         if delta.finish_reason is not None:
             with self._cond:
                 self.scheduler.release(job)
@@ -218,15 +271,44 @@ class Engine:
         # a streaming client sees every token arrive, which is what latency is measured by.
         _send(job, Event(delta.text, delta.finish_reason, job.stream.num_tokens))
 
-    def _fail(self, jobs: list[Job], error: Exception) -> None:
-        _log.exception("serving engine: a device call failed")
-        message = f"the engine failed: {' '.join(str(error).split())[:500]}"
+    def _device_failed(self, jobs: list[Job], error: Exception) -> None:
+        """A prefill or decode call of `jobs` failed. When it took the cache with it, every
+        request in the cache fails too: those prefilled before (their first token sent),
+        not those admitted this turn whose prefill is still to come."""
+        if isinstance(error, CacheLostError):
+            with self._cond:
+                self.cache_resets += 1
+                in_cache = [j for j in self.scheduler.running() if j.first_token is not None]
+            jobs = [*jobs, *(j for j in in_cache if j not in jobs)]
+        self._fail(jobs, error, "a device call")
+
+    def _fail(self, jobs: list[Job], error: Exception, what: str) -> None:
+        _log.error("serving engine: %s failed", what, exc_info=error)
+        message = f"the engine failed: {_one_line(error)}"
         with self._cond:
+            self.failed += len(jobs)
             for job in jobs:
                 self.scheduler.release(job)
         for job in jobs:
             job.stream.finish_reason = "error"
             _send(job, Event("", "error", job.stream.num_tokens, error=message))
+
+    def _fail_everyone(self) -> None:
+        """The thread ends (failed, or stopped): no request is left waiting for it."""
+        with self._cond:
+            message = self._stopped() or "the engine stopped"
+            jobs = [*self.scheduler.waiting, *self.scheduler.running()]
+            self.scheduler.waiting.clear()
+            for job in jobs:
+                self.scheduler.release(job)
+            self.failed += len(jobs)
+        for job in jobs:
+            job.stream.finish_reason = "error"
+            _send(job, Event("", "error", job.stream.num_tokens, error=message))
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:500]
 
 
 def _send(job: Job, event: Event) -> None:

@@ -2,7 +2,7 @@
 any strategy and mesh, a LoRA run's base with its adapters, or a Hugging Face directory), its
 tokenizer and chat template, and the engine over them.
 
-Every mistake surfaces as ValueError / FileNotFoundError (one line) before anything listens.
+Every mistake in what the user gave surfaces as `UsageError` (one line) before anything listens.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import os
 import jax
 
 from nnx_zoo.data.chat import ChatTemplate
-from nnx_zoo.evaluation.run import EvalRequest, load
+from nnx_zoo.errors import UsageError
+from nnx_zoo.evaluation.model import LoadRequest, load
 from nnx_zoo.serving.engine import Engine
 from nnx_zoo.serving.slots import Slots
 from zoo.generate import check_can_generate
@@ -27,7 +28,7 @@ DEFAULT_MAX_SEQ_LEN = 2048
 
 @dataclasses.dataclass(frozen=True)
 class ServeRequest:
-    load: EvalRequest  # the model: eval_main's request (workdir / hf_checkpoint / step / ...)
+    load: LoadRequest  # the model: which checkpoint, and its layout here
     max_batch: int = 8
     max_seq_len: int | None = None  # None: min(the model's max_seq_len, DEFAULT_MAX_SEQ_LEN)
     max_queue: int = 64
@@ -48,12 +49,9 @@ class Served:
 
 def build(request: ServeRequest) -> Served:
     if request.lora not in LORA_MODES:
-        raise ValueError(f"--lora={request.lora!r}: must be one of {', '.join(LORA_MODES)}")
-    for flag, least in (("max_batch", 1), ("max_queue", 0)):
-        if getattr(request, flag) < least:
-            raise ValueError(f"--{flag}={getattr(request, flag)} must be >= {least}")
+        raise UsageError(f"--lora={request.lora!r}: must be one of {', '.join(LORA_MODES)}")
     if request.max_seq_len is not None and request.max_seq_len < 1:
-        raise ValueError(f"--max_seq_len={request.max_seq_len} must be >= 1")
+        raise UsageError(f"--max_seq_len={request.max_seq_len} must be >= 1")
     strategy = request.load.overrides.get("strategy")
     if strategy:
         check_can_generate(strategy, "serve_main")  # before reading the checkpoint
@@ -90,7 +88,7 @@ def chat_template(request: ServeRequest) -> tuple[ChatTemplate | None, str | Non
         return None, None
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--chat_template={path!r} is not a file (a Jinja template)")
+        raise UsageError(f"--chat_template={path!r} is not a file (a Jinja template)")
     with open(path, encoding="utf-8") as f:
         return ChatTemplate(f.read(), source=path), None
 

@@ -1,6 +1,11 @@
-"""The OpenAI HTTP API's request bodies (pydantic models, as FastAPI reads them) and the
-checks and shapes around them: what a request asks for (`Ask`), the 400 errors, the
+"""The OpenAI HTTP API's request bodies (pydantic models) and the checks and shapes around
+them: reading a body (`parse`), what a request asks for (`Ask`), the 400 errors, the
 responses and stream chunks.
+
+A completion's `prompt` is checked here (`prompts`) rather than by a pydantic union: pydantic
+tries each member of `str | list[str] | list[int] | list[list[int]]` over the whole list, an
+order of magnitude slower for a long list of token ids than one pass of type checks, and
+holding the interpreter (so the engine thread too) all along (docs/serving.md, "Limits").
 
 Fields OpenAI defines that this server does not implement (log probabilities, echo,
 penalties, logit bias, suffix, best_of) are refused with a 400 when set to anything but
@@ -12,11 +17,14 @@ and `ignore_eos` (vLLM's names; with the `openai` client: `extra_body={...}`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from nnx_zoo.serving.text import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # OpenAI's defaults: a completion is 16 tokens unless asked; sampling at temperature 1.
 COMPLETION_MAX_TOKENS = 16
@@ -67,7 +75,7 @@ class _Sampled(BaseModel):
 
 
 class CompletionRequest(_Sampled):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list  # a string, token ids, or a list of either: `prompts` checks which
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -105,8 +113,47 @@ class Ask:
     ignore_eos: bool
 
 
-def check(request: _Sampled, *, served_model: str, max_n: int) -> Ask:
-    """The request's settings, or ApiError(400) naming the first bad one."""
+def parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """A request body read into `model`, or ApiError(400) saying what is wrong with it."""
+    try:
+        fields = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError)
+        raise ApiError(f"the request body is not valid JSON ({e})") from None
+    try:
+        return model.model_validate(fields)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(error: ValidationError) -> ApiError:
+    """One message for pydantic's list of errors: the first, naming its field."""
+    first = error.errors()[0] if error.errors() else {}
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    if first.get("type") == "missing":
+        return ApiError(f"missing required field {where!r}", param=where or None)
+    return ApiError(f"{where or 'body'}: {first.get('msg', 'invalid')}", param=where or None)
+
+
+def prompts(prompt: str | list) -> list[str | list[int]]:
+    """A completion's prompts, each a string or token ids (a string, token ids, or a list of
+    either), or ApiError(400)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(type(t) is int for t in prompt):
+        return [prompt]
+    for p in prompt:
+        if not (isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p))):
+            raise ApiError(
+                "prompt must be a string, a list of token ids, or a list of strings or of "
+                f"token id lists; found an element {type(p).__name__}",
+                param="prompt",
+            )
+    return list(prompt)
+
+
+def check(request: _Sampled, *, served_model: str, capacity: int) -> Ask:
+    """The request's settings, or ApiError(400) naming the first bad one. `capacity`: the
+    most sequences the server holds at once (running and waiting)."""
     if request.model != served_model:
         raise ApiError(
             f"the model {request.model!r} does not exist; this server serves {served_model!r}",
@@ -133,9 +180,23 @@ def check(request: _Sampled, *, served_model: str, max_n: int) -> Ask:
     top_k = request.top_k or 0
     if top_k < -1:
         raise ApiError(f"top_k={top_k} must be >= 1, or 0 / -1 for every token", param="top_k")
-    if not 1 <= request.n <= max_n:
-        raise ApiError(f"n={request.n} must be in [1, {max_n}]", param="n")
+    if not 1 <= request.n <= capacity:
+        raise ApiError(
+            f"n={request.n} must be in [1, {capacity}] (the most sequences this server holds "
+            "at once: --max_batch + --max_queue)",
+            param="n",
+        )
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(
+            f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+            param="stop",
+        )
+    if (longest := max(map(len, stop), default=0)) > MAX_STOP_CHARS:
+        raise ApiError(
+            f"a stop string of {longest} characters; at most {MAX_STOP_CHARS} are allowed",
+            param="stop",
+        )
     return Ask(
         max_tokens=max_tokens,
         temperature=float(temperature),

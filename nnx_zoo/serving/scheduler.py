@@ -2,8 +2,8 @@
 batching, with no device work in it (the engine runs it; the tests drive it directly).
 
 Jobs wait in arrival order in a bounded queue (`max_queue` beyond the free slots; a
-submission that would overflow it is refused whole, so an n-choice request is all in or all
-out); `admit` moves
+submission -- one request's jobs, prompts x n of them -- that would overflow it is refused
+whole, so a request is all in or all out); `admit` moves
 the head of the queue into free slots; a finished or cancelled sequence gives its slot back
 at once, for the next `admit`. Cancelling only marks a sequence: the engine thread, which
 owns the slots, drops it at its next turn (`drop_cancelled`).
@@ -16,11 +16,12 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.serving.text import TextStream
 
 
 class QueueFullError(Exception):
-    """The waiting queue cannot take the submission (HTTP 503)."""
+    """The waiting queue cannot take the submission now (HTTP 503)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,8 @@ class Job:
     last_token: int = 0
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token: float | None = None
+    first_token: float | None = None  # when its prefill returned (it is in the KV cache)
+    request: int = 0  # the submission it came in (the jobs of one request share it)
 
     @property
     def finished(self) -> bool:
@@ -62,18 +64,34 @@ class Job:
 
 class Scheduler:
     def __init__(self, max_batch: int, max_queue: int):
+        if max_queue < 0:  # the one check of --max_queue (--max_batch: Slots)
+            raise UsageError(f"--max_queue={max_queue} must be >= 0")
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
         self.slots: list[Job | None] = [None] * max_batch
+        self._submissions = 0
+
+    @property
+    def capacity(self) -> int:
+        """The most jobs that can be running or waiting at once: a request of more can never
+        be admitted."""
+        return len(self.slots) + self.max_queue
 
     def submit(self, jobs: Sequence[Job]) -> None:
         # Jobs a free slot will take at the engine's next turn are not waiting for one.
-        free = sum(s is None for s in self.slots)
+        running = self.running()
+        free = len(self.slots) - len(running)
         if len(self.waiting) + len(jobs) > self.max_queue + free:
+            requests = len({job.request for job in (*running, *self.waiting)})
             raise QueueFullError(
-                f"the server is at capacity ({len(self.slots)} running, {len(self.waiting)} "
-                f"waiting, --max_queue={self.max_queue}); retry later"
+                f"the server is at capacity: {len(running)} of {len(self.slots)} slots busy and "
+                f"{len(self.waiting)} sequences waiting (--max_queue={self.max_queue}), from "
+                f"{requests} requests; this request needs room for {len(jobs)} sequences "
+                "(prompts x n); retry later"
             )
+        self._submissions += 1
+        for job in jobs:
+            job.request = self._submissions
         self.waiting.extend(jobs)
 
     def has_work(self) -> bool:

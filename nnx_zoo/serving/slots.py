@@ -22,10 +22,15 @@ Decode. One token for each of the `max_batch` slots (T = 1), every step the same
 compiled program. A free slot computes too (its row is masked: segment id 0, and its write
 column does not move); that is the price of a fixed shape.
 
-Both programs donate the cache, so XLA updates it in place. The stacked layer weights are
-split into one array per layer once, at construction (`zoo.generate.layer_list`): prefill and
-decode then read each layer's weights directly (for one-token steps the scan's per-layer
-slice copy triples the traffic), and the weights are held once.
+Both programs donate the cache, so XLA updates it in place; so a call that fails leaves no
+cache behind (its buffers were given to the call, or are the failed call's output). Such a
+failure raises `CacheLostError` once a fresh empty cache took the old one's place: every
+request that was in the cache is gone, and the next prefill starts over on the new one.
+
+The stacked layer weights are split into one array per layer once, at construction
+(`zoo.generate.layer_list`): prefill and decode then read each layer's weights directly (for
+one-token steps the scan's per-layer slice copy triples the traffic), and the weights are held
+once.
 
 `traces` counts how often each program was traced: one per bucket used and one decode, never
 one per request (the engine's tests check it).
@@ -44,10 +49,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_zoo.serving.sampling import SamplingRows, sample
+from nnx_zoo.errors import UsageError
 from zoo.generate import batch_multiple, layer_list, model_mesh
+from zoo.sampling import SamplingRows, sample
 
 MIN_BUCKET = 16
+
+
+class CacheLostError(RuntimeError):
+    """A prefill or decode call failed: the requests in the KV cache are lost (the cache is
+    empty again); the error it raised is the `__cause__`."""
 
 
 def buckets(max_seq_len: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
@@ -66,13 +77,16 @@ class Slots:
         programs are only compiled."""
         cfg = model.cfg
         if max_seq_len > cfg.max_seq_len:
-            raise ValueError(
+            raise UsageError(
                 f"--max_seq_len={max_seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}"
             )
         self.mesh = mesh or model_mesh(model)
         self.rows = batch_multiple(model, self.mesh)
-        if max_batch < 1 or max_batch % self.rows:
-            raise ValueError(
+        # The one check of --max_batch (--max_queue: the Scheduler).
+        if max_batch < 1:
+            raise UsageError(f"--max_batch={max_batch} must be >= 1")
+        if max_batch % self.rows:
+            raise UsageError(
                 f"--max_batch={max_batch} must be a multiple of {self.rows} (the size of the "
                 f"mesh axis the batch is split over, in {dict(self.mesh.shape)})"
             )
@@ -92,6 +106,7 @@ class Slots:
             else:
                 self._graphdef, self._state = layer_list(model)
                 self.cache = _empty_cache(model, max_batch, max_seq_len, dtype)
+        self._cache_shapes = jax.tree.map(_shape, self.cache)  # an empty cache is all zeros
         self._prefill: dict[int, object] = {}
         self._decode = None
         self._steady: tuple = (None, None, None)  # (key, active_B, sampling_B) of `decode`
@@ -126,8 +141,7 @@ class Slots:
     def _shapes(self):
         """(weights, cache) as shapes with their layouts: what the programs are compiled for
         (the same whether this instance holds arrays or, to compile for a target, shapes)."""
-        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        return jax.tree.map(shape, self._state), jax.tree.map(shape, self.cache)
+        return jax.tree.map(_shape, self._state), self._cache_shapes
 
     def _shapes_of_rows(self, n: int, dtype):
         return jax.ShapeDtypeStruct((n,), dtype, sharding=self._rows)
@@ -156,14 +170,12 @@ class Slots:
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
         program = self.compile_prefill(bucket)
-        self.cache, first = program(
-            self._state,
-            self.cache,
+        args = (
             self._put(tokens, self._tokens),
             *self._row_args(np.asarray(lengths, np.int32), np.asarray(slots, np.int32)),
             self._sampling(*sampling),
         )
-        return np.asarray(first)[:n].tolist()
+        return self._run(program, *args)[:n].tolist()
 
     def decode(self, tokens: Sequence[int], active: Sequence[bool], sampling):
         """One token for every slot (int list of max_batch; a free slot's is meaningless).
@@ -177,8 +189,29 @@ class Slots:
             self._steady = (key, active_B, self._sampling(*sampling))
         _, active_B, sampling_B = self._steady
         tokens_B = self._put(np.asarray(tokens, np.int32), self._rows)
-        self.cache, out = program(self._state, self.cache, tokens_B, active_B, sampling_B)
-        return np.asarray(out).tolist()
+        return self._run(program, tokens_B, active_B, sampling_B).tolist()
+
+    def _run(self, program, *args) -> np.ndarray:
+        """program(weights, cache, *args): the cache updated, its tokens on the host. A
+        failure (at the call, or when its result is read: dispatch is asynchronous) loses
+        the cache: `CacheLostError`, a fresh one in its place."""
+        try:
+            self.cache, out = program(self._state, self.cache, *args)
+            return np.asarray(out)
+        except Exception as e:
+            self.reset()
+            raise CacheLostError(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}") from e
+
+    def reset(self) -> None:
+        """An empty cache (every slot free) in place of the current one, whose buffers are
+        freed first: after a failure the device may be short of memory."""
+        for leaf in jax.tree.leaves(self.cache):
+            if not leaf.is_deleted():
+                leaf.delete()
+        self.cache = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), self._cache_shapes
+        )
+        self._steady = (None, None, None)
 
     # -- host arrays to device -----------------------------------------------------------
 
@@ -197,6 +230,10 @@ class Slots:
                 np.asarray(seed, np.uint32),
             )
         )
+
+
+def _shape(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def _abstract(model) -> bool:

@@ -2,7 +2,7 @@
 
 `configs/*.py` hold the ConfigDicts (a comment on every field); `train_main.py` converts one
 with `RunConfig.from_config_dict` right after flag parsing, and nothing past that point reads
-the ConfigDict. Every check here raises ValueError with one line naming the field, its value
+the ConfigDict. Every check here raises UsageError with one line naming the field, its value
 and what would be valid, so `main` can print it and exit with status 2.
 """
 
@@ -323,7 +323,7 @@ class LoraSection:
     def __post_init__(self):
         _finite("lora", self)
         if self.rank is not None:
-            self.lora_config()  # one-line ValueError for a bad rank, alpha, dropout or target
+            self.lora_config()  # one-line UsageError for a bad rank, alpha, dropout or target
 
     @property
     def enabled(self) -> bool:
@@ -400,7 +400,7 @@ class RunConfig:
     def from_config_dict(
         cls, config: Mapping[str, Any], notes: list[str] | None = None
     ) -> RunConfig:
-        """Typed config from a ConfigDict (or nested dict); one-line ValueError on a bad one.
+        """Typed config from a ConfigDict (or nested dict); one-line UsageError on a bad one.
 
         A warmup at least as long as the schedule (a preset's warmup of 20 with
         `--config.training.steps=1`, a smoke run) is clamped to the schedule length - 1, and

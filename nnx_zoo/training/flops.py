@@ -128,8 +128,8 @@ def measure_cpu_peak_flops(size: int = 1024, repeats: int = 10, dtype=jnp.float3
     Simulated CPU devices (`--xla_force_host_platform_device_count`) share the host's cores,
     and one matmul already uses all of them, so the host's rate is divided by the number of
     local CPU devices: the sum over devices is then the machine's rate, as MFU needs.
-    Cached: measured once per process. 1024^2 takes ~0.6 s at every start of a run on a
-    2-core host and reads ~5% below 2048^2 (2.5 s): the MFU it divides is a rough CPU figure.
+    Cached: measured once per process; a 1024^2 matmul keeps that cheap at the start of a
+    run and reads a little below larger sizes, so the MFU it divides is a rough CPU figure.
     """
     device = jax.local_devices(backend="cpu")[0]
     key_a, key_b = jax.random.split(jax.random.key(0))
@@ -153,7 +153,7 @@ def peak_flops_per_device(
 
     `override_tflops` (e.g. from `--peak_tflops`) wins; CPUs are measured
     (`measure_cpu_peak_flops`, in `dtype`); accelerators come from `PEAKS`. An accelerator
-    not in the table raises ValueError, naming the kind and the override to use.
+    not in the table raises UsageError, naming the kind and the override to use.
     """
     if override_tflops is not None:
         if override_tflops <= 0:

@@ -9,8 +9,9 @@ Nothing here knows a model family: a model is anything with
 `model.nll_sum(tokens_BT, segment_ids=..., positions=..., loss_mask_BT=..., chunk_size=...,
 packed=...) -> (summed NLL over the counted positions, their count, MoE routing statistics or
 None for a dense model)`: the LM head fused with the loss over chunks of `chunk_size` tokens
-per device (0: full logits); under a 1F1B pipeline, the sum whose gradient the pipeline
-computes in its own loop.
+per device (0: full logits). Under a pipeline strategy the steps take the run's
+`PipelinePlan` (`ModelPlan.pipeline`), and `zoo.pipelined` runs the model's layer stack by
+its schedule (under 1F1B, the sum whose gradient the pipeline computes in its own loop).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.training.optim import accumulate_gradients
+from zoo import pipelined
 
 Batch = Mapping[str, jax.Array]
 
@@ -62,11 +64,13 @@ class DivergedError(FloatingPointError):
         super().__init__(f"training diverged: {what} at step {step}; {kept}")
 
 
-def _nll_sum(model, batch: Batch, packed: bool, chunk_size: int):
+def _nll_sum(model, batch: Batch, packed: bool, chunk_size: int, pipeline=None):
     # Chat / instruction data (`loss_mask`): only the trained targets (answers, completions)
     # count. The loss is then the mean over those tokens of the whole global batch: sums and
     # counts add over micro-batches and devices before the one division.
-    return model.nll_sum(
+    return pipelined.nll_sum(
+        model,
+        pipeline,
         batch["tokens"],
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
@@ -77,22 +81,23 @@ def _nll_sum(model, batch: Batch, packed: bool, chunk_size: int):
 
 
 def loss_sum(
-    model, batch: Batch, packed: bool = True, chunk_size: int = 0
+    model, batch: Batch, packed: bool = True, chunk_size: int = 0, pipeline=None
 ) -> tuple[jax.Array, jax.Array]:
     """(summed next-token NLL over counted tokens, their count): the form gradient accumulation
     needs (sums add across micro-batches; means would not). `packed=False` states that each
-    row is one document from index 0, then padding (attention then needs no document mask)."""
-    total, count, _ = _nll_sum(model, batch, packed, chunk_size)
+    row is one document from index 0, then padding (attention then needs no document mask).
+    `pipeline`: the model's `PipelinePlan` under a pipeline strategy (None: none)."""
+    total, count, _ = _nll_sum(model, batch, packed, chunk_size, pipeline)
     return total, count
 
 
-def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0):
+def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0, pipeline=None):
     """(the objective summed over counted tokens, (their count, metric sums)).
 
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
     the config's `router_aux_loss_coef`; see `objective_from_sums`.
     """
-    total, count, moe = _nll_sum(model, batch, packed, chunk_size)
+    total, count, moe = _nll_sum(model, batch, packed, chunk_size, pipeline)
     coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
     return objective_from_sums(total, count, moe, coef)
 
@@ -123,10 +128,12 @@ def objective_from_sums(total, count, moe, aux_coef: float):
     return total, (count, sums)
 
 
-def _loss_and_grad(model, batch: Batch, packed: bool = True, chunk_size: int = 0, wrt=nnx.Param):
+def _loss_and_grad(
+    model, batch: Batch, packed: bool = True, chunk_size: int = 0, wrt=nnx.Param, pipeline=None
+):
     """Gradients of the variables of kind `wrt` (nnx.Param; LoRA adapters: LoraParam)."""
     grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
-    return grad_fn(model, batch, packed, chunk_size)
+    return grad_fn(model, batch, packed, chunk_size, pipeline)
 
 
 class Trainer:
@@ -141,6 +148,8 @@ class Trainer:
       loss_chunk_size: tokens per device per chunk of the fused LM head + loss (train and
         eval steps); 0 builds the full logits.
       wrt: the variable kind that trains, as the optimizer's `wrt` (LoRA: LoraParam).
+      pipeline: the model's `PipelinePlan` under a pipeline strategy (`ModelPlan.pipeline`);
+        None without one.
     """
 
     def __init__(
@@ -153,8 +162,10 @@ class Trainer:
         packed: bool = True,
         loss_chunk_size: int = 0,
         wrt=nnx.Param,
+        pipeline=None,
     ):
         self.model, self.optimizer = model, optimizer
+        self.pipeline = pipeline
         self.wrt = wrt
         self.packed = packed
         self.loss_chunk_size = loss_chunk_size
@@ -172,7 +183,11 @@ class Trainer:
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads, means = accumulate_gradients(
             functools.partial(
-                _loss_and_grad, packed=self.packed, chunk_size=self.loss_chunk_size, wrt=self.wrt
+                _loss_and_grad,
+                packed=self.packed,
+                chunk_size=self.loss_chunk_size,
+                wrt=self.wrt,
+                pipeline=self.pipeline,
             ),
             model,
             batch,
@@ -190,7 +205,7 @@ class Trainer:
         model, _ = nnx.merge(self.graphdef, state)
         # Dropout (LoRA's, the one model part that has any) only while training.
         model = nnx.view(model, deterministic=True, raise_if_not_found=False)
-        return loss_sum(model, batch, self.packed, self.loss_chunk_size)
+        return loss_sum(model, batch, self.packed, self.loss_chunk_size, self.pipeline)
 
     def compile(self, batch: Batch) -> float:
         """Compile the train step ahead of time for batches like `batch`; returns seconds.
@@ -208,6 +223,12 @@ class Trainer:
         present."""
         step = self._train_jit if train else self._eval_jit
         return step.lower(self.state, model_batch(batch))
+
+    def trace(self, batch: Batch):
+        """The train step traced (not lowered) for the current state's and `batch`'s types:
+        the model's Python runs, so what it checks at trace time fails here; jax keeps the
+        trace, which `lower` / `compile` for the same types then reuse."""
+        return self._train_jit.trace(self.state, model_batch(batch))
 
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimizer step; returns its metrics as (not yet fetched) device scalars."""

@@ -36,7 +36,7 @@ def _fail(why: str) -> None:
 
 def parse_mixture(text: str) -> tuple[MixtureComponent, ...]:
     """The components of a `data.mixture` string, weights normalized; () for ''. One-line
-    ValueError naming the bad part and the valid form."""
+    UsageError naming the bad part and the valid form."""
     if not text.strip():
         return ()
     parsed = []

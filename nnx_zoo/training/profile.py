@@ -19,7 +19,7 @@ PROGRAM_FILE = "train_step.hlo.txt"  # the traced step's compiled program, besid
 
 
 def parse_steps(text: str) -> tuple[int, int] | None:
-    """'START:END' -> (START, END) with 1 <= START < END; '' -> None. ValueError: one line."""
+    """'START:END' -> (START, END) with 1 <= START < END; '' -> None. UsageError: one line."""
     if not text:
         return None
     start, sep, end = text.partition(":")

@@ -118,7 +118,7 @@ class DecoderConfig:
     # Layers per iteration of that scan: 1 keeps one compiled block; >= num_layers unrolls
     # it. 0 (auto) unrolls it on CPU when remat is 'none': there XLA's while loop zero-fills
     # the stacked activations the backward pass keeps and copies each layer's slice in and
-    # out (10-20% of a small model's train step). It stays rolled on TPU / GPU (compile
+    # out (a measurable share of a small model's train step). It stays rolled on TPU / GPU (compile
     # time) and with remat (unrolled, XLA CPU's schedule keeps every layer's activations
     # live, so remat would save nothing; bench/memory.py's docstring shows it).
     scan_unroll: int = 0

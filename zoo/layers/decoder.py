@@ -2,6 +2,11 @@
 
 Layers are stacked (one set of weights with a leading L dim, created with `nnx.vmap` and run
 with `nnx.scan`, so the block compiles once) or, for debugging, kept as a list.
+
+The model knows no pipeline schedule. It exports what one needs (zoo/layers/stage.py): its
+layer stack (`layer_stack`) and its end (`loss_head`); its embedding (`embed_tokens`);
+and `hidden` / `forward` / `token_nll` / `nll_sum` take `layers`, a function that runs the
+layer stack in place of the model's own loop. zoo/pipelined.py picks the schedule.
 """
 
 from __future__ import annotations
@@ -16,16 +21,18 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.errors import UsageError
 from shardings.mesh import check_batch, compile_platform
-from shardings.specs import BlockSharding, LmSharding
+from shardings.specs import BlockSharding, LmSharding, axes_of
 from zoo import loss
-from zoo.layers import kv_cache, pipeline, pipeline_1f1b, remat, rope
-from zoo.layers.attention import Attention, Segments, context_parallel
+from zoo.layers import kv_cache, quant, remat, rope
+from zoo.layers.attention import Attention, CallInfo, Segments, context_parallel
+from zoo.layers.attention.registry import backend, resolve_implementation
 from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.kv_cache import KVCache, LayerCache
 from zoo.layers.mlp import Mlp
 from zoo.layers.moe import Moe, moe_stats
-from zoo.lm_head_loss import Head, chunked_token_nll, drop_vocab_padding
+from zoo.layers.stage import LossHead, Rows, Stack
+from zoo.lm_head_loss import Head, chunk_nll, chunked_token_nll, drop_vocab_padding
 
 # Params with a vocab dim, by path, and which dim it is: the rows a padded vocab
 # (cfg.padded_vocab_size) adds, which checkpoints and Hugging Face files convert.
@@ -48,6 +55,28 @@ class TokenNll(NamedTuple):
     nll_BT: jax.Array  # next-token NLL, float32
     mask_BT: jax.Array  # which positions count (not padding, not a document's last token)
     router_stats: object  # MoeStats, or None for a dense model
+
+
+class LayerConsts(NamedTuple):
+    """A layer's constants, per layer of the stack (`[L]`, `[L, D/2]`)."""
+
+    window: np.ndarray  # attention window (0: none)
+    inv_freq: np.ndarray  # rope inverse frequencies
+
+
+def _to_compute_dtype(params, dtype, matmul_ndim: int):
+    """`params` with the matmul weights (`matmul_ndim`+ dims, float32) cast to `dtype`: the
+    values each Einsum would cast to itself (an astype of an astype is the same); norm scales
+    and biases stay float32, as the norms compute in float32."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return params
+
+    def cast(x):
+        if x.ndim >= matmul_ndim and x.dtype == jnp.float32:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, params)
 
 
 class Block(nnx.Module):
@@ -94,9 +123,9 @@ class Block(nnx.Module):
 
 
 def _needs_trace(sharding: LmSharding) -> bool:
-    """A layout whose model runs shard_map regions (pipeline stages, context-parallel
-    attention), which an eager call cannot enter."""
-    return sharding.stage_axis is not None or context_parallel.seq_axis(sharding.tokens) is not None
+    """A layout whose model runs shard_map regions (context-parallel attention), which an
+    eager call cannot enter."""
+    return context_parallel.seq_axis(sharding.tokens) is not None
 
 
 @nnx.jit(static_argnames=("packed",))
@@ -172,9 +201,9 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens_BT, *, segment_ids, positions, packed=True):
         """Logits [B, T, V] in float32 (`forward` also gives the cache and routing stats).
 
-        B must divide over the mesh axes the layout splits it over (ValueError naming B, the
-        axes and their size). Called outside jit under a pipeline or context-parallel layout,
-        whose shard_map regions need a trace, it runs itself under `nnx.jit`."""
+        B must divide over the mesh axes the layout splits it over (UsageError naming B, the
+        axes and their size). Called outside jit under a context-parallel layout, whose
+        shard_map regions need a trace, it runs itself under `nnx.jit`."""
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty:
             check_batch(
@@ -195,15 +224,23 @@ class DecoderLM(nnx.Module):
             tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed
         ).logits_BTV
 
-    def forward(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True) -> LmOutput:
+    def forward(
+        self, tokens_BT, *, segment_ids, positions, cache=None, packed=True, layers=None
+    ) -> LmOutput:
         """Logits [B, T, V] in float32, the updated `cache` (see `init_cache`; None without
         one) and the MoE routing statistics (None for a dense model).
 
         V is the true vocabulary: with a padded one (`cfg.padded_vocab_size`) the padding
-        columns are dropped, which gathers the logits over the vocab split first.
+        columns are dropped, which gathers the logits over the vocab split first. `layers`
+        as in `hidden`.
         """
         x_BTM, new_cache, stats = self.hidden(
-            tokens_BT, segment_ids=segment_ids, positions=positions, cache=cache, packed=packed
+            tokens_BT,
+            segment_ids=segment_ids,
+            positions=positions,
+            cache=cache,
+            packed=packed,
+            layers=layers,
         )
         logits_BTV = drop_vocab_padding(self._logits(x_BTM), self.cfg.vocab_size)
         return LmOutput(logits_BTV, new_cache, stats)
@@ -217,39 +254,27 @@ class DecoderLM(nnx.Module):
         loss_mask_BT=None,
         chunk_size: int = 0,
         packed=True,
+        layers=None,
     ) -> NllSum:
         """The next-token NLL summed over the positions that count, their count, and the MoE
         routing statistics: what training differentiates (sums add over micro-batches and
         devices before the one division by the count).
 
         `loss_mask_BT` (chat / instruction data): only positions whose target token is
-        marked count. `chunk_size` as in `token_nll`. Under a pipeline strategy with
-        `pipeline_schedule=1f1b` the sum comes from the pipeline itself, which runs the final
-        norm, the LM head and the loss inside its loop and computes the gradient as it goes
-        (zoo/layers/pipeline_1f1b.py); every other configuration sums `token_nll`.
+        marked count. `chunk_size` as in `token_nll`, `layers` as in `hidden`.
         """
-        if self._runs_1f1b():
-            targets_BT, mask_BT = loss.target_mask(tokens_BT, segment_ids)
-            if loss_mask_BT is not None:
-                mask_BT = loss.answer_mask(mask_BT, loss_mask_BT)
-            x_BTM = self._embed(tokens_BT, positions)
-            segments = Segments.self_attention(segment_ids, positions, packed=packed)
-            total = pipeline_1f1b.nll_sum(self, x_BTM, segments, targets_BT, mask_BT, chunk_size)
-            return NllSum(total, jnp.sum(mask_BT), None)
         nll_BT, mask_BT, stats = self.token_nll(
             tokens_BT,
             segment_ids=segment_ids,
             positions=positions,
             chunk_size=chunk_size,
             packed=packed,
+            layers=layers,
         )
         if loss_mask_BT is not None:
             mask_BT = loss.answer_mask(mask_BT, loss_mask_BT)
             nll_BT = jnp.where(mask_BT, nll_BT, 0.0)
         return NllSum(jnp.sum(nll_BT), jnp.sum(mask_BT), stats)
-
-    def _runs_1f1b(self) -> bool:
-        return self.sharding.stage_axis is not None and self.cfg.pipeline_schedule == "1f1b"
 
     def token_nll(
         self,
@@ -259,6 +284,7 @@ class DecoderLM(nnx.Module):
         positions,
         chunk_size: int = 0,
         packed=True,
+        layers=None,
     ) -> TokenNll:
         """Next-token NLL in float32 per position, which positions count, and the MoE routing
         statistics (None for a dense model).
@@ -266,10 +292,10 @@ class DecoderLM(nnx.Module):
         `chunk_size` > 0 fuses the LM head with the loss over chunks of about that many
         tokens per device (zoo/lm_head_loss.py), so full `[B, T, V]` logits never exist, in
         the forward or the backward pass; 0 computes the full logits first
-        (`zoo.loss.token_nll`).
+        (`zoo.loss.token_nll`). `layers` as in `hidden`.
         """
         x_BTM, _, stats = self.hidden(
-            tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed
+            tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed, layers=layers
         )
         if not chunk_size:
             nll_BT, mask_BT = loss.token_nll(self._logits(x_BTM), tokens_BT, segment_ids)
@@ -280,9 +306,13 @@ class DecoderLM(nnx.Module):
                 nll_BT = chunked_token_nll(x_BTM, weight, targets_BT, mask_BT, head, chunk_size)
         return TokenNll(nll_BT, mask_BT, stats)
 
-    def hidden(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True):
+    def hidden(self, tokens_BT, *, segment_ids, positions, cache=None, packed=True, layers=None):
         """(final-normed hidden states x_BTM, updated cache or None, MoeStats or None): the
-        model up to its LM head."""
+        model up to its LM head.
+
+        `layers(x_BTM, segments) -> x_BTM`, when given, runs the layer stack in place of the
+        model's own loop (a pipeline schedule: zoo/pipelined.py); no cache, no router
+        statistics then."""
         cfg = self.cfg
         # Context parallelism: rows run in load-balanced chunk order inside the model
         # (zoo/layers/attention/context_parallel.py); the residual goes back before the LM head.
@@ -306,7 +336,7 @@ class DecoderLM(nnx.Module):
                 context_parallel.to_balanced(a, cp_axis)
                 for a in (tokens_BT, segment_ids, positions)
             )
-        x_BTM = self._embed(tokens_BT, positions)
+        x_BTM = self.embed_tokens(tokens_BT, positions)
 
         # `packed=False` states one document per row from index 0, then padding: attention
         # backends that take sequence lengths (cuDNN) then need no document mask.
@@ -319,8 +349,13 @@ class DecoderLM(nnx.Module):
             kv_ctx = (kv_segment_ids, kv_positions, cache.index)
 
         windows, freqs_LR = self._layer_tables()
-        if self.sharding.stage_axis is not None:
-            x_BTM, (new_kv, stats) = self._run_pipelined(x_BTM, segments, windows, freqs_LR, cache)
+        if layers is not None:
+            if cache is not None:
+                raise UsageError(
+                    "KV-cache decoding (generation) does not run under a pipeline strategy; "
+                    "generate with one without a `stage` axis, e.g. --sharding_strategy=fsdp"
+                )
+            x_BTM, (new_kv, stats) = layers(x_BTM, segments), (None, None)
         else:
             run = self._run_scanned if cfg.scan_layers else self._run_unscanned
             x_BTM, (new_kv, stats) = run(x_BTM, segments, windows, freqs_LR, cache, kv_ctx)
@@ -335,7 +370,7 @@ class DecoderLM(nnx.Module):
         new_cache = KVCache(k_LBSKD, v_LBSKD, *kv_ctx[:2], cache.index + tokens_BT.shape[1])
         return x_BTM, new_cache, stats
 
-    def _embed(self, tokens_BT, positions):
+    def embed_tokens(self, tokens_BT, positions):
         """The token (and learned position) embeddings, scaled where the family scales them."""
         cfg = self.cfg
         with jax.named_scope("embed"):
@@ -398,26 +433,86 @@ class DecoderLM(nnx.Module):
         # (a list) are cast here too: inside a rematerialised block each Einsum's own cast
         # runs again in the backward pass (llama3_1b compiled for H100: 0.4 GB per layer).
         matmul_ndim = 3 if self.cfg.scan_layers else 2
+        return nnx.merge(graphdef, _to_compute_dtype(params, dtype, matmul_ndim), rest)
 
-        def cast(x):
-            if x.ndim >= matmul_ndim and x.dtype == jnp.float32:
-                return x.astype(dtype)
-            return x
+    # -- the stage contract (zoo/layers/stage.py): what a pipeline schedule runs -----------
 
-        return nnx.merge(graphdef, jax.tree.map(cast, params), rest)
+    def layer_stack(self, *, packed: bool = True, seq_len: int | None = None) -> Stack:
+        """The stacked layers as a schedule runs them: one block on one micro-batch, its
+        weights (the parameters, in their dtype, split over the stage axis), its window and
+        rope table, the remat policy. `seq_len` (the rows' T) decides whether the attention
+        backend runs a shard_map of its own (then the schedule's cannot check varying
+        axes)."""
+        cfg = self.cfg
+        windows, freqs_LR = self._layer_tables()
+        uniform_window = len(set(windows)) == 1
+        static_window = (windows[0] or None) if uniform_window else None
+        graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
 
-    def _run_pipelined(self, x_BTM, segments, windows, freqs_LR, cache):
-        """The layer stack split into stages over the strategy's stage axis."""
-        if cache is not None:
-            raise UsageError(
-                "KV-cache decoding (generation) does not run under a pipeline strategy; "
-                "generate with one without a `stage` axis, e.g. --sharding_strategy=fsdp"
-            )
-        pp = pipeline.plan_for(self.cfg, self.sharding, jax.sharding.get_abstract_mesh())
-        # Matmul weights cast to the compute dtype once, before the loop (as the scan does).
-        blocks = self._compute_dtype_blocks()
-        stage_axis = self.sharding.stage_axis
-        return pipeline.run(blocks, self.cfg, pp, x_BTM, segments, windows, freqs_LR, stage_axis)
+        def layer(w, x_BTM, rows: Rows, consts: LayerConsts):
+            block = nnx.merge(graphdef, *w)
+            seg = Segments.self_attention(rows.ids, rows.positions, packed=packed)
+            window = static_window if uniform_window else consts.window
+            with quant.unquantized_residuals():
+                x_BTM, _ = block(x_BTM, seg, window=window, inv_freq_R=consts.inv_freq, kv=None)
+            return x_BTM
+
+        def cast(w):
+            params, rest = w
+            return _to_compute_dtype(params, cfg.compute_dtype, 2), rest
+
+        policy = None
+        if cfg.remat != "none":
+            device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+            if device is not None:
+                remat.check_platform(cfg.remat, device.platform)
+            policy = remat.policy(cfg.remat)
+        consts = LayerConsts(np.asarray(windows, np.int32), np.asarray(freqs_LR))
+        check_vma = self._attention_keeps_layout(seq_len or cfg.max_seq_len)
+        return Stack(layer, cast, (params, rest), consts, policy, check_vma)
+
+    def _attention_keeps_layout(self, seq_len: int) -> bool:
+        """Whether the attention backend this config runs keeps its layout (no shard_map of
+        its own with the varying-axes check off); False too when it cannot tell."""
+        cfg = self.cfg
+        call = CallInfo(
+            dtype=jnp.dtype(cfg.compute_dtype),
+            head_dim=cfg.head_dim,
+            q_len=seq_len,
+            kv_len=seq_len,
+            platform=compile_platform(),
+            interpret=cfg.attention_interpret,
+        )
+        try:
+            return backend(resolve_implementation(cfg.attention_impl, call)).keeps_layout
+        except ValueError:
+            return False
+
+    def loss_head(self, *, chunk_size: int = 0, manual_axis: str | None = None) -> LossHead:
+        """The final norm, the LM head and the next-token NLL summed over `rows.mask`, as a
+        function of their parameters, for a schedule that runs them inside a shard_map manual
+        over `manual_axis` (their row layouts then leave it out). `chunk_size` > 0 fuses the
+        head with the loss over chunks (zoo/lm_head_loss.py)."""
+        norm_def, norm_state = nnx.split(self.final_norm)
+        head_w, _ = self._head()
+        sharding = self.sharding
+        _, head = self._head(out_spec=_without_axis(sharding.lm_head.out, manual_axis))
+        norm_out = _without_axis(sharding.final_norm.out, manual_axis)
+
+        def nll(params, y_BTM, rows: Rows):
+            norm_state, head_w = params
+            h_BTM = nnx.merge(norm_def, norm_state)(y_BTM, out_sharding=norm_out)
+            with jax.named_scope("lm_head_loss"):
+                if chunk_size:
+                    nll_BT = chunked_token_nll(
+                        h_BTM, head_w, rows.targets, rows.mask, head, chunk_size
+                    )
+                else:
+                    logits = head.logits(h_BTM, head_w)
+                    nll_BT = jnp.where(rows.mask, chunk_nll(logits, rows.targets), 0.0)
+                return jnp.sum(nll_BT)
+
+        return LossHead((norm_state, head_w), nll)
 
     def _scan_unroll(self) -> int:
         """Layers per scan iteration: the config's, or for 0 (auto) all of them when this
@@ -488,3 +583,14 @@ class DecoderLM(nnx.Module):
             positions=jnp.zeros((batch_size, S), jnp.int32, out_sharding=tokens_spec),
             index=jnp.zeros((), jnp.int32),
         )
+
+
+def _without_axis(spec, axis: str | None) -> P:
+    """`spec` with `axis` taken out of its first (rows) entry: the layout inside a shard_map
+    manual over `axis`."""
+    if axis is None:
+        return spec
+    entries = list(tuple(spec))
+    rest = tuple(a for a in axes_of(entries[0]) if a != axis)
+    entries[0] = rest[0] if len(rest) == 1 else (rest or None)
+    return P(*entries)

@@ -186,7 +186,7 @@ def _maker(eq, shape, sharding, config, dtype):
 
 def add_lora(model, config: LoraConfig, rngs: nnx.Rngs) -> list[str]:
     """Attach adapters to `config.targets` in every block of `model`, under the active mesh.
-    Returns the adapted paths. ValueError (one line) when a target names no module of this
+    Returns the adapted paths. UsageError (one line) when a target names no module of this
     model (e.g. 'gate' on GPT-2, whose MLP has none)."""
     if config.dropout and model.sharding.stage_axis is not None:
         # The pipeline runs each layer from a copy of its weights (zoo/layers/pipeline.py)

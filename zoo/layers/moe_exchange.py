@@ -52,7 +52,7 @@ def override_ragged_all_to_all(fn, packet_rows: int = 0):
 
 def resolve_exchange(name: str, platform: str) -> str:
     """'auto' -> 'ragged' where XLA lowers ragged_all_to_all (TPU, GPU), else 'padded'.
-    An explicit 'ragged' where it cannot lower raises ValueError (one line)."""
+    An explicit 'ragged' where it cannot lower raises UsageError (one line)."""
     if name not in EXCHANGES:
         raise UsageError(f"moe_exchange={name!r}; valid: {', '.join(EXCHANGES)}")
     lowers = platform != "cpu" or _RAGGED["override"] is not None

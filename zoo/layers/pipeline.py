@@ -71,15 +71,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.errors import UsageError
 from shardings.specs import axes_of, normalize
-from zoo.layers import quant, remat
-from zoo.layers.attention import Segments
 from zoo.layers.pipeline_schedules import resolve_schedule
+from zoo.layers.stage import Rows, Stack
 
 # The name a layer's weight slice carries, so that the remat around a layer recomputes it (a
 # dynamic slice of weights already resident) instead of keeping one slice per iteration for
@@ -139,7 +137,7 @@ class PipelinePlan(NamedTuple):
 def plan(
     num_layers: int, stages: int, microbatches: int, repeats: int, schedule: str = "auto"
 ) -> PipelinePlan:
-    """The schedule for these sizes (`microbatches` 0: one per stage), or ValueError with
+    """The schedule for these sizes (`microbatches` 0: one per stage), or UsageError with
     one line saying what would be valid."""
     mb = microbatches or stages
     if repeats < 1:
@@ -178,7 +176,7 @@ def check_batch(batch_size: int, pp: PipelinePlan, data_shards: int) -> None:
 
 def plan_for(cfg, sharding, mesh) -> PipelinePlan | None:
     """The schedule `cfg` runs on `mesh` under a strategy's `sharding` (an LmSharding), or
-    None when the strategy has no stage axis. ValueError (one line) for sizes it cannot run."""
+    None when the strategy has no stage axis. UsageError (one line) for sizes it cannot run."""
     axis = sharding.stage_axis
     if axis is None:
         return None
@@ -359,75 +357,66 @@ def unmicrobatch(a, stage_axis: str):
     )
 
 
-def layer_tables(cfg, windows, freqs_LR, pp: PipelinePlan, stage_axis: str):
-    """(windows_SRL, freqs_SRLR): the per-layer attention windows and rope tables in schedule
-    order, `[S, R, Lc(, ...)]` laid out over `stage` (stage s, repeat r reads row (s, r))."""
+def stage_tables(consts, pp: PipelinePlan, stage_axis: str):
+    """A `Stack`'s per-layer constants `[L, ...]` in schedule order, `[S, R, Lc, ...]` laid
+    out over `stage` (stage s, repeat r reads row (s, r))."""
     S, R, Lc = pp.stages, pp.repeats, pp.layers_per_chunk
-    order = chunk_order(cfg.num_layers, S, R)
-    # Laid out over `stage` before the shard_map: jax >= 0.12 refuses an input whose layout
-    # differs from its in_spec rather than resharding it.
-    windows_SRL = jax.sharding.reshard(
-        jnp.asarray(np.asarray(windows, np.int32)[order].reshape(S, R, Lc)), P(stage_axis)
-    )
-    freqs_SRLR = jax.sharding.reshard(
-        jnp.asarray(np.asarray(freqs_LR)[order].reshape(S, R, Lc, -1)), P(stage_axis)
-    )
-    return windows_SRL, freqs_SRLR
+    order = chunk_order(S * R * Lc, S, R)
+
+    def table(c):
+        c = np.asarray(c)
+        # Laid out over `stage` before the shard_map: jax >= 0.12 refuses an input whose
+        # layout differs from its in_spec rather than resharding it.
+        return jax.sharding.reshard(jnp.asarray(c[order].reshape(S, R, Lc, *c.shape[1:])), split)
+
+    split = P(stage_axis)
+    return jax.tree.map(table, consts)
 
 
-def stage_policy(cfg, mesh):
-    """The remat policy each layer of a stage runs under: the model's, or for remat 'none'
-    one that saves everything but the layer's weight slice (`_STAGE_WEIGHTS`)."""
-    device = getattr(mesh, "abstract_device", None)
-    if cfg.remat != "none" and device is not None:
-        remat.check_platform(cfg.remat, device.platform)
-    if cfg.remat != "none":
-        return remat.policy(cfg.remat)
+def layer_policy(stack: Stack):
+    """The remat policy each layer of a stage runs under: the model's, or for "save
+    everything" (None) everything but the layer's weight slice (`_STAGE_WEIGHTS`)."""
+    if stack.policy is not None:
+        return stack.policy
     return jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
 
 
-def block_call_fn(graphdef, windows):
-    """`call(w, x, seg_m, window, inv_freq_R)`: one layer, `nnx.merge(graphdef, w)`, on one
-    micro-batch; `window` is ignored when every layer's is the same (then static, as the
-    attention backends that need a static window want it)."""
-    uniform_window = len(set(windows)) == 1
-    static_window = (windows[0] or None) if uniform_window else None
-
-    def call(w, x, seg_m, window, inv_freq_R):
-        block = nnx.merge(graphdef, w)
-        win = static_window if uniform_window else window
-        x, _ = block(x, seg_m, window=win, inv_freq_R=inv_freq_R, kv=None)
-        return x
-
-    return call
+def _named(tree):
+    return jax.tree.map(lambda a: checkpoint_name(a, _STAGE_WEIGHTS), tree)
 
 
-def stage_work_fn(cfg, graphdef, policy, windows):
-    """`stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR)`: repeat r's Lc layers of
-    this stage on one micro-batch, inside the pipeline's shard_map.
+def layer_weights(stack: Stack, weights_RL, r, j, valid):
+    """Layer (r, j)'s weights as the layer computes with them: sliced from the stage's
+    (loop-invariant) stack, zero in a bubble iteration (`valid` False), cast by the model.
+    Each step is named, so the remat around the layer recomputes it (a slice of weights
+    already resident) instead of keeping one per iteration. The zero makes a bubble's share
+    of the weight gradient a select, so a bubble's non-finite values never reach it."""
 
-    Each layer's weights are sliced from the stage's (loop-invariant) stack inside the
-    layer's own checkpoint, under the model's remat policy, which never saves them: so the
-    backward pass re-slices them rather than keeping a copy of the stage's weights per
-    iteration (9 copies, 7 GiB a device, for 8B on 2 stages with Mb = 8). The block runs
-    without its own remat inside, which would recompute it twice."""
-    call = block_call_fn(graphdef, windows)
+    def take(w):
+        w = checkpoint_name(w[r, j], _STAGE_WEIGHTS)
+        return checkpoint_name(jnp.where(valid, w, jnp.zeros_like(w)), _STAGE_WEIGHTS)
 
-    def stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR):
-        @functools.partial(jax.checkpoint, policy=policy)
-        def layer(weights_RL, x, j):
-            def take(w):
-                return checkpoint_name(w[r, j], _STAGE_WEIGHTS)
+    return _named(stack.cast(jax.tree.map(take, weights_RL)))
 
-            w = jax.tree.map(take, weights_RL)
-            return call(w, x, seg_m, windows_RL[r, j], freqs_RLR[r, j])
 
-        Lc = jax.tree.leaves(weights_RL)[0].shape[1]
-        with quant.unquantized_residuals():
-            x, _ = jax.lax.scan(lambda x, j: (layer(weights_RL, x, j), None), x, jnp.arange(Lc))
-        return x
+def run_layers(stack: Stack, policy, weights_RL, consts_RL, x, rows: Rows, r, valid):
+    """Repeat r's Lc layers of this stage on one micro-batch, inside the pipeline's
+    shard_map. A bubble iteration (`valid` False) runs on zeros.
 
-    return stage_work
+    Each layer's weights are sliced from the stage's stack inside the layer's own checkpoint,
+    under the model's remat policy, which never saves them: so the backward pass re-slices
+    them rather than keeping a copy of the stage's weights per iteration (9 copies, 7 GiB a
+    device, for 8B on 2 stages with Mb = 8)."""
+
+    @functools.partial(jax.checkpoint, policy=policy)
+    def layer(weights_RL, x, j):
+        w = layer_weights(stack, weights_RL, r, j, valid)
+        return stack.layer(w, x, rows, jax.tree.map(lambda c: c[r, j], consts_RL))
+
+    x = jnp.where(valid, x, jnp.zeros_like(x))
+    Lc = jax.tree.leaves(weights_RL)[0].shape[1]
+    x, _ = jax.lax.scan(lambda x, j: (layer(weights_RL, x, j), None), x, jnp.arange(Lc))
+    return x
 
 
 def to_stage_0(a, stage_axis: str, S: int):
@@ -449,102 +438,116 @@ def from_stage_0(buf, s, stage_axis: str, S: int):
     return out
 
 
-def run(
-    blocks, cfg, pp: PipelinePlan, x_BTM, segments: Segments, windows, freqs_LR, stage_axis: str
-):
-    """The layer stack `blocks` (a DecoderLM's stacked blocks, matmul weights already in the
-    compute dtype) of a model configured by `cfg` as the pipeline `pp` over `stage_axis`;
-    returns (x_BTM, (None, None)) as `DecoderLM._run_scanned` does (no cache, no router
-    stats). `x_BTM` and the returned rows are split over (batch axes, stage), as the
-    strategy's `batch` rule says for everything outside the layer stack."""
-    graphdef, weights = nnx.split(blocks)
-    x_BTM = run_stack(cfg, pp, stage_axis, graphdef, weights, x_BTM, segments, windows, freqs_LR)
-    return x_BTM, (None, None)
+def varying(tree, axis: str):
+    """`tree`, made of constants (the same on every stage), typed as varying over `axis`: a
+    scan carry's start must type as its body's result does under the varying-axes check
+    (without the check, unchanged)."""
+    return jax.lax.pcast(tree, axis, to="varying")
 
 
-def run_stack(
-    cfg,
-    pp: PipelinePlan,
-    stage_axis: str,
-    graphdef,
-    weights,
-    x_BTM,
-    segments: Segments,
-    windows,
-    freqs_LR,
-):
-    """The forward pipeline (GPipe / circular) `pp` over `stage_axis` of the stacked blocks
-    `nnx.merge(graphdef, weights)` on `x_BTM` (rows split over (batch axes, stage)); the same
-    rows out. Under `pipeline_schedule=1f1b` this is the forward alone (evaluation, logits)."""
+def at(buf, i):
+    """Entry i of every array of `buf` (a pytree of `[n, ...]` arrays)."""
+    return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False), buf)
+
+
+def pick(pred, a, b):
+    """`a` where `pred`, else `b`, leaf by leaf (pytrees of one structure)."""
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+class Hop(NamedTuple):
+    """What one stage hands the next after an iteration: a micro-batch's activations and the
+    rows that travel with them."""
+
+    x: jax.Array
+    rows: Rows
+
+
+class _Carry(NamedTuple):
+    """The forward loop's carry."""
+
+    outputs: jax.Array  # stage 0's Mb micro-batches: the inputs, then each one's result
+    arrived: Hop  # what the previous stage sent at the last iteration
+
+
+def schedule_weights(stack: Stack, weights, s, stage_axis: str, pp: PipelinePlan):
+    """This stage's stored weights `[R*Lc, ...]` (the checkpoint's order) -> `[R, Lc, ...]`
+    in the schedule's, in their own dtype. The circular schedule's chunk moves carry the
+    model's compute dtype (`stack.cast`), and their values come back exact in the weights'
+    dtype, so the gradient sums of the loop stay in the weights' dtype."""
+    R, Lc = pp.repeats, pp.layers_per_chunk
+    if R == 1:
+        return jax.tree.map(lambda w: w.reshape(1, Lc, *w.shape[1:]), weights)
+    reorder = reorder_rounds(pp.stages, R)
+    moving = jax.vmap(stack.cast)(weights)
+    moved = jax.tree.map(lambda w: _schedule_chunks(w, s, stage_axis, reorder, R, Lc), moving)
+    return jax.tree.map(lambda m, w: m.astype(w.dtype), moved, weights)
+
+
+def _iteration_fn(stack, pp, stage_axis, s, weights_RL, consts_RL, feed: Hop):
+    """One iteration t of the forward loop on stage s: item k = t - s (micro-batch k mod Mb,
+    repeat k // Mb) when 0 <= k < Mb*R, else a bubble; the result goes on to the next stage,
+    and stage 0 files what the last stage sent under its micro-batch."""
+    S, Mb, R = pp.stages, pp.microbatches, pp.repeats
+    ring = [(i, (i + 1) % S) for i in range(S)]
+    policy = layer_policy(stack)
+
+    def iteration(carry: _Carry, t):
+        k = t - s
+        m, r = k % Mb, jnp.clip(k // Mb, 0, R - 1)
+        valid = (k >= 0) & (k < Mb * R)
+        # Stage 0 reads its buffer (the inputs, or repeat r-1's result); the others what
+        # arrived.
+        mine = pick(s == 0, Hop(at(carry.outputs, m), at(feed.rows, m)), carry.arrived)
+        y = run_layers(stack, policy, weights_RL, consts_RL, mine.x, mine.rows, r, valid)
+        arrived = jax.lax.ppermute(Hop(y, mine.rows), stage_axis, ring)
+        # Stage 0 receives the last stage's result of item t - (S-1).
+        k_last = t - (S - 1)
+        done = (s == 0) & (k_last >= 0) & (k_last < Mb * R)
+        slot = k_last % Mb
+        kept = jnp.where(done, arrived.x, at(carry.outputs, slot))
+        outputs = jax.lax.dynamic_update_index_in_dim(carry.outputs, kept, slot, 0)
+        return _Carry(outputs, arrived), None
+
+    return iteration
+
+
+def run_stack(stack: Stack, pp: PipelinePlan, stage_axis: str, x_BTM, rows: Rows):
+    """The forward pipeline (GPipe / circular) `pp` over `stage_axis` of `stack` on `x_BTM`
+    and its `rows` (rows split over (batch axes, stage), as the strategy's `batch` rule says
+    for everything outside the layer stack); the same rows out. Under
+    `pipeline_schedule=1f1b` this is the forward alone (evaluation, logits)."""
     mesh = jax.sharding.get_abstract_mesh()
-    S, Mb, R, Lc = pp.stages, pp.microbatches, pp.repeats, pp.layers_per_chunk
+    S, Mb = pp.stages, pp.microbatches
     check_batch(
         x_BTM.shape[0], pp, data_shards(jax.typeof(x_BTM).sharding.spec[0], stage_axis, mesh)
     )
-    windows_SRL, freqs_SRLR = layer_tables(cfg, windows, freqs_LR, pp, stage_axis)
-    reorder = reorder_rounds(S, R)
-
     # [Mb, B/Mb, ...], Mb over `stage`: stage s holds micro-batches s*n .. (s+1)*n - 1.
-    # Self-attention: the keys' ids and positions are the queries'.
-    inputs = microbatch(x_BTM, Mb, stage_axis)
-    ids = microbatch(segments.q_ids_BT, Mb, stage_axis)
-    pos = microbatch(segments.q_positions_BT, Mb, stage_axis)
-    stage_work = stage_work_fn(cfg, graphdef, stage_policy(cfg, mesh), windows)
-    ring = [(s, (s + 1) % S) for s in range(S)]
+    inputs = Hop(
+        microbatch(x_BTM, Mb, stage_axis),
+        jax.tree.map(lambda a: microbatch(a, Mb, stage_axis), rows),
+    )
+    tables = stage_tables(stack.consts, pp, stage_axis)
 
-    def local(weights, inputs, ids, pos, windows_SRL, freqs_SRLR):
+    def local(weights, inputs: Hop, tables):
         s = jax.lax.axis_index(stage_axis)
-        # Local weights [R*Lc, ...] in storage order -> [R, Lc, ...] in the schedule's; local
-        # tables [1, R, Lc] -> [R, Lc].
-        weights_RL = jax.tree.map(
-            lambda w: _schedule_chunks(w, s, stage_axis, reorder, R, Lc), weights
-        )
-        windows_RL, freqs_RLR = windows_SRL[0], freqs_SRLR[0]
-
-        # Stage 0 feeds the pipeline. Only stage 0's buffers are read.
-        buf0, ids_buf, pos_buf = (to_stage_0(a, stage_axis, S) for a in (inputs, ids, pos))
-
-        def iteration(carry, t):
-            buf, state = carry
-            k = t - s  # this stage's work item
-            m, r = k % Mb, jnp.clip(k // Mb, 0, R - 1)
-
-            def mine(b, st):
-                return jnp.where(s == 0, jax.lax.dynamic_index_in_dim(b, m, 0, False), st)
-
-            x, ids_m, pos_m = mine(buf, state[0]), mine(ids_buf, state[1]), mine(pos_buf, state[2])
-            seg_m = Segments.self_attention(ids_m, pos_m, packed=segments.packed)
-            y = stage_work(weights_RL, x, seg_m, r, windows_RL, freqs_RLR)
-            # Hand on to the next stage, the micro-batch's ids and positions with it; stage
-            # 0 receives the last stage's result of item t - (S-1) and files it under its
-            # micro-batch.
-            received = jax.lax.ppermute((y, ids_m, pos_m), stage_axis, ring)
-            k_last = t - (S - 1)
-            done = (s == 0) & (k_last >= 0) & (k_last < Mb * R)
-            slot = k_last % Mb
-            old = jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
-            buf = jax.lax.dynamic_update_index_in_dim(
-                buf, jnp.where(done, received[0], old), slot, 0
-            )
-            return (buf, received), None
-
-        state0 = (jnp.zeros_like(buf0[0]), jnp.zeros_like(ids_buf[0]), jnp.zeros_like(pos_buf[0]))
-        (buf, _), _ = jax.lax.scan(iteration, (buf0, state0), jnp.arange(pp.iterations))
+        weights_RL = schedule_weights(stack, weights, s, stage_axis, pp)
+        consts_RL = jax.tree.map(lambda c: c[0], tables)  # [1, R, Lc, ...] -> [R, Lc, ...]
+        # Stage 0 feeds the pipeline; only its buffers are read.
+        feed = jax.tree.map(lambda a: to_stage_0(a, stage_axis, S), inputs)
+        iteration = _iteration_fn(stack, pp, stage_axis, s, weights_RL, consts_RL, feed)
+        # zeros_like keeps the varying type of what it copies.
+        start = _Carry(feed.x, jax.tree.map(jnp.zeros_like, at(feed, 0)))
+        carry, _ = jax.lax.scan(iteration, start, jnp.arange(pp.iterations))
         # Stage 0 holds the outputs; each stage gets back the rows it brought in.
-        return from_stage_0(buf, s, stage_axis, S)
+        return from_stage_0(carry.outputs, s, stage_axis, S)
 
-    w_specs = jax.tree.map(lambda w: P(stage_axis), weights)
     split = P(stage_axis)
-    # Every input and output varies over `stage` (in_specs and out_specs name it), so the
-    # varying-axes types check nothing here; without them the attention kernels that open
-    # their own shard_map with check_vma=False (splash, cuDNN: attention/layout.py) nest
-    # inside, whose transposes return cotangents typed invariant over `stage` that a
-    # checked outer shard_map refuses ("Expected cotangent type ...{V:stage} but got ...").
     out = jax.shard_map(
         local,
-        in_specs=(w_specs, split, split, split, split, split),
+        in_specs=(split, split, split),
         out_specs=split,
         axis_names={stage_axis},
-        check_vma=False,
-    )(weights, inputs, ids, pos, windows_SRL, freqs_SRLR)
+        check_vma=stack.check_vma,
+    )(stack.weights, inputs, tables)
     return unmicrobatch(out, stage_axis)

@@ -12,7 +12,7 @@ SCHEDULES = ("auto", "gpipe", "circular", "1f1b")
 
 def resolve_schedule(schedule: str, repeats: int) -> str:
     """`pipeline_schedule` checked against `pipeline_repeats` ("auto": gpipe for 1, circular
-    for more), or ValueError with one line saying what would be valid."""
+    for more), or UsageError with one line saying what would be valid."""
     if schedule not in SCHEDULES:
         raise UsageError(f"pipeline_schedule={schedule!r}; valid: {', '.join(SCHEDULES)}")
     if schedule == "auto":

@@ -111,7 +111,7 @@ def runs_on(name: str, platform: str) -> bool:
 
 
 def check_platform(name: str, platform: str) -> None:
-    """Raise a one-line ValueError when `platform` cannot run policy `name`."""
+    """Raise a one-line UsageError when `platform` cannot run policy `name`."""
     if not runs_on(name, platform):
         here = ", ".join(n for n in POLICIES if runs_on(n, platform))
         raise UsageError(

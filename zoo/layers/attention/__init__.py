@@ -3,8 +3,9 @@
 | module              | concern                                                           |
 |---------------------|-------------------------------------------------------------------|
 | `layer`             | `Attention`, the NNX module: projections, RoPE, norms, the call   |
-| `dispatch`          | `attention()`: picks the backend for a call, falls back to xla    |
+| `dispatch`          | `attention()`: runs a call on the named backend, or `auto`'s pick |
 | `registry`          | backends by name, `auto`, `check_implementation` for entry points |
+| `choices`           | what each call site ran on and why (`recording`), the refusal error |
 | `layout`            | the shard_map layout fix for kernels that drop sharding types     |
 | `xla`, `splash`, `cudnn` | the backends (each registers itself on import)               |
 | `mask`              | `Segments` and the segment / position / window mask rule          |

@@ -33,9 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.errors import UsageError
 from shardings.mesh import compile_platform
 from shardings.specs import normalize
 from zoo.layers.attention import dispatch, ring
+from zoo.layers.attention.choices import Choice, describe_call, record
 from zoo.layers.attention.layout import reshard_to
 from zoo.layers.attention.mask import Segments
 
@@ -65,7 +67,7 @@ def balanced_order(seq_len: int, context: int) -> np.ndarray:
 
 def check_seq_len(seq_len: int, context: int) -> None:
     if seq_len % (2 * context):
-        raise ValueError(
+        raise UsageError(
             f"sequence length {seq_len} is split over mesh axis context={context} in 2x{context} "
             f"load-balanced chunks; use a sequence length that is a multiple of {2 * context}"
         )
@@ -150,11 +152,20 @@ def attention(
     `balanced`: the rows are in balanced chunk order (the model's; the ring's splash blocks
     need it)."""
     if method not in ("all_gather", "ring"):
-        raise ValueError(f"context_parallel={method!r}; valid: all_gather, ring")
+        raise UsageError(f"context_parallel={method!r}; valid: all_gather, ring")
     kernel = "xla"
     if method == "ring":
         c = jax.sharding.get_abstract_mesh().shape[axis]
-        kernel, reason = ring.block_kernel(
+        segments = Segments.self_attention(segment_ids_BT, positions_BT)
+        what = describe_call(
+            q_BTND,
+            k_BTKD,
+            segments,
+            causal=True,
+            sliding_window=sliding_window,
+            site=f"context-parallel ring over {axis}={c}",
+        )
+        kernel, why = ring.block_kernel(
             implementation,
             dtype=q_BTND.dtype,
             head_dim=q_BTND.shape[-1],
@@ -163,9 +174,9 @@ def attention(
             balanced=balanced,
             platform=compile_platform(),
             interpret=interpret,
+            call=what,
         )
-        if reason is not None:
-            dispatch.log_fallback(implementation, reason, explicit=implementation != "auto")
+        record(Choice(what, implementation, kernel, why))
     q_spec, kv_spec = _live_spec(q_BTND), _live_spec(k_BTKD)
     tok_spec = P(q_spec[0], q_spec[1])
     static_window = sliding_window is None or isinstance(sliding_window, int | np.integer)
@@ -184,8 +195,8 @@ def attention(
                 interpret=interpret,
             )
         gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
-        # Each device's T/c queries against all T keys: T != S, so index-masking kernels
-        # (splash, cuDNN) hand these calls to xla (the dispatcher logs why once).
+        # Each device's T/c queries against all T keys: T != S, which index-masking kernels
+        # (splash, cuDNN) cannot express: `auto` runs these calls on xla.
         return dispatch.attention(
             q,
             gather(k),
@@ -196,6 +207,7 @@ def attention(
             causal=True,
             sliding_window=sliding_window if static_window else window[0],
             implementation=implementation,
+            site=f"context-parallel all_gather block over {axis}",
         )
 
     args = [q_BTND, k_BTKD, v_BTKD, segment_ids_BT, positions_BT]

@@ -19,16 +19,16 @@ Backends, in a registry (`register_backend`, `override_backend`):
 (else the dispatcher runs it per device inside shard_map, `per_shard`), whether it keeps
 documents of packed rows apart, whether it needs T == S (index-based masks: a KV-cache decode
 step has T != S) and whether it needs a window known at trace time (a per-layer window of
-stacked layers is traced). A call a backend cannot express goes to xla, and the reason is
-logged once (a warning when the backend was named explicitly). A backend named explicitly
-that cannot run at all here (platform, dtype, head dim, length) raises ValueError saying why,
-at trace time, before any compile; `check_implementation` asks the same question up front.
+stacked layers is traced).
+
+Only `auto` chooses: it runs a call its platform's backend cannot express (or cannot run at
+all: dtype, head dim, length) on xla. A backend named explicitly is a promise: a call it
+cannot express or run raises `UsageError` at trace time, before any compile, naming the
+backend, the call and why. Every call's choice is reported to `choices` (run_info.json
+records them); `check_implementation` asks the platform question up front.
 """
 
 from __future__ import annotations
-
-import logging
-import warnings
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -37,12 +37,17 @@ from shardings.mesh import compile_platform
 
 # The backends register themselves on import.
 from zoo.layers.attention import cudnn, splash, xla  # noqa: F401
+from zoo.layers.attention.choices import NAMED, Choice, describe_call, record, refusal
 from zoo.layers.attention.layout import explicit_axes, per_shard, reshard_to
 from zoo.layers.attention.mask import Segments, is_static
-from zoo.layers.attention.registry import _BACKENDS, CallInfo, resolve_implementation
-
-_log = logging.getLogger(__name__)
-_LOGGED: set[tuple[str, str]] = set()
+from zoo.layers.attention.registry import (
+    _AUTO,
+    _BACKENDS,
+    CallInfo,
+    _why_unavailable,
+    auto_choice,
+    named_backend,
+)
 
 
 def attention(
@@ -57,6 +62,7 @@ def attention(
     sliding_window: int | jax.Array | None = None,
     implementation: str = "xla",
     interpret: bool = False,
+    site: str | None = None,
 ) -> jax.Array:
     """Softmax attention of q over k/v under the segment/position mask; out_BTND, q's dtype.
 
@@ -65,6 +71,8 @@ def attention(
       value of layers stacked under nnx.scan; a value <= 0 means no window.
     out_sharding: the declared layout of the output (None: q's layout).
     interpret: let Pallas backends run in interpret mode (on CPU; tests and debugging).
+    site: what kind of call this is, for the record and errors (default: self-attention when
+      queries and keys share their segment ids, else attention).
     """
     _check_shapes(q_BTND, k_BSKD, v_BSKD, segments)
     call = CallInfo(
@@ -75,19 +83,21 @@ def attention(
         platform=compile_platform(),
         interpret=interpret,
     )
-    # What this call asks that a backend's masks cannot say (a decode step, a traced window,
-    # packed rows for a lengths-only backend) is checked before whether the backend can run
-    # here at all: a decode step of a splash model goes to xla rather than fail on its T.
-    name = implementation if implementation in _BACKENDS else None
-    if name is None:
-        name = resolve_implementation(implementation, call)
-    reason = _cannot_express(_BACKENDS[name], q_BTND, k_BSKD, segments, sliding_window)
-    if reason is None:
-        name = resolve_implementation(implementation, call)
-        reason = _cannot_express(_BACKENDS[name], q_BTND, k_BSKD, segments, sliding_window)
-    if reason is not None:
-        _log_once(name, reason, explicit=implementation != "auto")
-        name = "xla"
+    what = describe_call(
+        q_BTND, k_BSKD, segments, causal=causal, sliding_window=sliding_window, site=site
+    )
+    if implementation == "auto":
+        name, why = _auto(call, q_BTND, k_BSKD, segments, sliding_window)
+    else:
+        backend = named_backend(implementation)
+        # What the call asks that the masks cannot say comes first: it is the reason that
+        # holds on every platform.
+        reason = _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window)
+        reason = reason or _why_unavailable(backend, call)
+        if reason is not None:
+            raise refusal(implementation, what, reason)
+        name, why = implementation, NAMED
+    record(Choice(what, implementation, name, why))
     backend = _BACKENDS[name]
 
     options = dict(scale=scale, causal=causal, interpret=interpret)
@@ -119,8 +129,8 @@ def _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window) -> str | 
         )
     if backend.equal_lengths and q_BTND.shape[1] != k_BSKD.shape[1]:
         return (
-            "masks by index and needs T == S (a KV-cache decode step has "
-            f"T={q_BTND.shape[1]}, S={k_BSKD.shape[1]})"
+            f"masks by index and needs T == S (query t and key t at one position), got "
+            f"T={q_BTND.shape[1]}, S={k_BSKD.shape[1]}"
         )
     if backend.static_window and not is_static(sliding_window):
         return (
@@ -130,19 +140,17 @@ def _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window) -> str | 
     return None
 
 
-def log_fallback(name: str, reason: str, *, explicit: bool) -> None:
-    """Say once that `name` {reason} and the call runs on xla (a warning when named)."""
-    _log_once(name, reason, explicit=explicit)
-
-
-def _log_once(name: str, reason: str, *, explicit: bool) -> None:
-    if (name, reason) in _LOGGED:
-        return
-    _LOGGED.add((name, reason))
-    message = f"attention implementation {name!r} {reason}; this call runs on 'xla'"
-    if explicit:
-        warnings.warn(message, stacklevel=3)
-    _log.warning(message)
+def _auto(call: CallInfo, q_BTND, k_BSKD, segments, sliding_window) -> tuple[str, str]:
+    """(backend, why): the platform's flash backend where it can express and run this call,
+    else xla. What the call asks that the backend's masks cannot say (a decode step, a traced
+    window) is the reason given before whether it can run here at all: a decode step of a TPU
+    model is 'needs T == S', not 'needs lengths that are multiples of 128'."""
+    pick = _AUTO.get(call.platform)
+    if pick in _BACKENDS:
+        reason = _cannot_express(_BACKENDS[pick], q_BTND, k_BSKD, segments, sliding_window)
+        if reason is not None:
+            return "xla", f"auto: {pick} {reason}"
+    return auto_choice(call)
 
 
 def _check_shapes(q, k, v, segments: Segments) -> None:

@@ -88,6 +88,7 @@ class Attention(nnx.Module):
             sliding_window=window,
             implementation=self.implementation,
             interpret=self.interpret,
+            site=None if kv is None else "attention over a KV cache",
         )
         return self._out(out_BTND), kv
 

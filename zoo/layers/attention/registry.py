@@ -3,7 +3,8 @@
 Backends register here (`register_backend`; the xla, splash and cudnn modules do so on
 import), tests swap one in for a block (`override_backend`), and entry points ask up front
 whether a backend named in a config can run on a platform (`check_implementation`). `auto`
-is splash on TPU, cudnn on GPU, xla elsewhere.
+is splash on TPU, cudnn on GPU, xla elsewhere. A backend asked for by name is a promise: where
+it cannot run, `UsageError` says why; it is never swapped for another.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from nnx_zoo.errors import UsageError
 
 # What `auto` runs on each platform (where it can; else xla).
 _AUTO = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}
@@ -108,6 +111,11 @@ def override_backend(name: str, fn: BackendFn, **flags) -> Iterator[AttentionBac
             _BACKENDS[name] = previous
 
 
+def backend(name: str) -> AttentionBackend:
+    """The registered backend `name` (KeyError for one that is not)."""
+    return _BACKENDS[name]
+
+
 def backend_names() -> tuple[str, ...]:
     return tuple(sorted(_BACKENDS))
 
@@ -116,23 +124,35 @@ def _why_unavailable(backend: AttentionBackend, call: CallInfo) -> str | None:
     return None if backend.unavailable is None else backend.unavailable(call)
 
 
+def auto_choice(call: CallInfo) -> tuple[str, str]:
+    """(backend, why) `auto` runs a call on by what it is known to ask (dtype, head dim,
+    lengths, platform): the platform's flash backend where it can run, else xla."""
+    pick = _AUTO.get(call.platform)
+    if pick is None or pick not in _BACKENDS:
+        return "xla", f"auto: no flash backend for {call.platform}"
+    reason = _why_unavailable(_BACKENDS[pick], dataclasses.replace(call, auto=True))
+    if reason is not None:
+        return "xla", f"auto: {pick} {reason}"
+    return pick, f"auto: {pick} on {call.platform}"
+
+
+def named_backend(name: str) -> AttentionBackend:
+    """The backend registered as `name`; UsageError naming the valid ones when none is."""
+    if name not in _BACKENDS:
+        valid = ", ".join((*backend_names(), "auto"))
+        raise UsageError(f"unknown attention implementation {name!r}; valid: {valid}")
+    return _BACKENDS[name]
+
+
 def resolve_implementation(name: str, call: CallInfo) -> str:
     """The registered backend that `name` runs on; pure, so every platform's branch is
     testable on CPU. 'auto': the platform's flash backend where it can run this call, else
-    'xla'. A backend asked for by name that cannot run here raises ValueError saying why."""
+    'xla'. A backend asked for by name that cannot run here raises UsageError saying why."""
     if name == "auto":
-        pick = _AUTO.get(call.platform)
-        backend = _BACKENDS.get(pick) if pick else None
-        auto_call = dataclasses.replace(call, auto=True)
-        if backend is not None and _why_unavailable(backend, auto_call) is None:
-            return pick
-        return "xla"
-    if name not in _BACKENDS:
-        valid = ", ".join((*backend_names(), "auto"))
-        raise ValueError(f"unknown attention implementation {name!r}; valid: {valid}")
-    reason = _why_unavailable(_BACKENDS[name], call)
+        return auto_choice(call)[0]
+    reason = _why_unavailable(named_backend(name), call)
     if reason is not None:
-        raise ValueError(f"attention implementation {name!r} {reason}; use 'xla' or 'auto'")
+        raise UsageError(f"attention implementation {name!r} {reason}; use 'xla' or 'auto'")
     return name
 
 
@@ -147,7 +167,7 @@ def check_implementation(
 ) -> str:
     """For entry points, before building anything: the backend `name` will run for a model
     of this dtype / head dim / sequence length on `platform` (default: this process's), or
-    ValueError with one line saying why it cannot and what would."""
+    UsageError with one line saying why it cannot and what would."""
     call = CallInfo(
         dtype=jnp.dtype(dtype),
         head_dim=head_dim,

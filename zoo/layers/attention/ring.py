@@ -33,7 +33,8 @@ XLA blocks' logits are [QUERY_CHUNK, S] at a time (all_gather's: [T, c S] at onc
 Blocks are computed by einsums (`XlaBlocks`, every platform) or, on TPU, by the splash kernel
 (ring_splash.py: index masks, so only in the load-balanced order, without a window). cuDNN
 does not apply: its public call returns no log-sum-exp to combine blocks by and takes none
-into its backward, so on GPU the blocks are XLA's (`block_kernel` says why, once).
+into its backward, so on GPU `auto` runs the blocks on XLA (and records why), and a named
+`cudnn` is an error (`block_kernel`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zoo.layers.attention.choices import NAMED, refusal
 from zoo.layers.attention.mask import Segments, attention_mask, is_static
-from zoo.layers.attention.registry import CallInfo, resolve_implementation
+from zoo.layers.attention.registry import CallInfo, _why_unavailable, auto_choice, named_backend
 
 # As the xla backend: finite, so a block where a query sees nothing gives a finite
 # log-sum-exp (about this value), whose weight in the combination is then exp(-huge) = 0.
@@ -89,30 +91,47 @@ def block_kernel(
     balanced: bool,
     platform: str,
     interpret: bool,
-) -> tuple[str, str | None]:
-    """('splash' | 'xla', why not the backend asked for, or None): the kernel of the ring's
-    blocks of `block_len` local tokens. An explicit backend that cannot run on this platform
-    at all raises ValueError, as the dispatcher does."""
+    call: str,
+) -> tuple[str, str]:
+    """('splash' | 'xla', why): the kernel of the ring's blocks of `block_len` local tokens.
+    `auto` chooses; a backend named explicitly that cannot run the blocks raises UsageError
+    naming `call` (the ring's call site), as the dispatcher does."""
     # The ring's smallest splash call is half a block.
     half = block_len // 2
-    call = CallInfo(dtype, head_dim, half, half, platform, interpret)
-    name = resolve_implementation(implementation, call)
+    info = CallInfo(dtype, head_dim, half, half, platform, interpret)
+    if implementation == "auto":
+        name, why = auto_choice(info)
+    else:
+        reason = _why_unavailable(named_backend(implementation), info)
+        if reason is not None:
+            raise refusal(implementation, call, reason)
+        name, why = implementation, NAMED
+    reason = _no_ring_form(name, sliding_window, balanced)
+    if reason is None:
+        return name, why
+    if implementation != "auto":
+        raise refusal(implementation, call, reason)
+    return "xla", f"auto: {name} {reason}"
+
+
+def _no_ring_form(name: str, sliding_window, balanced: bool) -> str | None:
+    """Why backend `name` cannot compute the ring's blocks, or None."""
     if name == "cudnn":
-        return "xla", (
+        return (
             "has no ring form: cuDNN's public call gives no log-sum-exp to combine K/V blocks "
             "by, and its backward takes none"
         )
     if name != "splash":
-        return "xla", None
+        return None
     from zoo.layers.attention import ring_splash
 
     if not (sliding_window is None or (is_static(sliding_window) and sliding_window <= 0)):
-        return "xla", "runs the ring's blocks by index masks, which cannot say a sliding window"
+        return "runs the ring's blocks by index masks, which cannot say a sliding window"
     if not balanced:
-        return "xla", "runs the ring's blocks by index masks, which need the balanced order"
+        return "runs the ring's blocks by index masks, which need the balanced order"
     if not ring_splash.available():
-        return "xla", "cannot take the ring's log-sum-exp into its backward in this jax version"
-    return "splash", None
+        return "cannot take the ring's log-sum-exp into its backward in this jax version"
+    return None
 
 
 def _make_ring(c: int, axis: str, blocks):

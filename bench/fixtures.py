@@ -1,10 +1,39 @@
-"""Shared by the lm-eval backend tests: a small BPE tokenizer trained on the example tasks'
-text, and a tiny random Llama saved as a Hugging Face directory with it."""
+"""Fixtures the benches and the tests share (the benches import no test module): the small
+run shapes, packed rows' segment ids and positions, a small BPE tokenizer trained on the
+example tasks' text, and a tiny random Llama saved as a Hugging Face directory with it."""
 
 from __future__ import annotations
 
 import json
 import os
+
+import numpy as np
+
+# A model and batch small enough for a run in seconds on CPU (the tests' SMALL_RUN adds the
+# optimizer to it).
+SMALL_SHAPES = {
+    "model.hidden_dim": 64,
+    "model.num_layers": 2,
+    "model.head_dim": 8,
+    "model.ffn_dim": 128,
+    "data.seq_len": 64,
+    "data.global_batch_size": 16,
+}
+
+
+def packed_rows(doc_lengths_per_row, T):
+    """segment ids (1-based, 0 = padding) and positions (restart per document) for rows."""
+    seg = np.zeros((len(doc_lengths_per_row), T), np.int32)
+    pos = np.zeros_like(seg)
+    for b, lengths in enumerate(doc_lengths_per_row):
+        start = 0
+        for i, n in enumerate(lengths):
+            seg[b, start : start + n] = i + 1
+            pos[b, start : start + n] = np.arange(n)
+            start += n
+        assert start <= T
+    return seg, pos
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The example tasks (package data).

@@ -1,11 +1,12 @@
-"""One token per row of a batch whose rows carry their own sampling settings.
+"""The one sampler: one token per row of a batch whose rows carry their own settings.
 
-The decode slots of the engine hold unrelated requests: one greedy, one at temperature 0.7
-with top_p 0.9, one with top_k 40. Each row's settings are arrays here ([B] each), so one
-compiled step serves every mix. The order of the filters is `zoo.generate`'s (and
-transformers'): temperature, then top-k, then the nucleus. Values are picked out of the
-batch-split rows with masked sums, not gathers (a gather from a `B/data` array needs an
-output layout under explicit sharding).
+`zoo.generate` (and so `eval_main --prompt` and lm-eval's generation) and the server's decode
+slots (`nnx_zoo/serving/slots.py`) all draw here, so a seeded request gives the same text from
+either. The server's slots hold unrelated requests: one greedy, one at temperature 0.7 with
+top_p 0.9, one with top_k 40. Each row's settings are arrays here ([B] each), so one compiled
+step serves every mix. The order of the filters is transformers': temperature, then top-k,
+then the nucleus. Values are picked out of the batch-split rows with masked sums, not gathers
+(a gather from a `B/data` array needs an output layout under explicit sharding).
 
 Randomness is keyed by the request, never by the batch: row b draws with
 `fold_in(key(seed_b), position_b)`, the position the drawn token will take in its sequence.
@@ -19,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class SamplingRows(NamedTuple):
@@ -37,9 +39,10 @@ def pick(x_BV, i_B):
 
 
 def nucleus(logits_BV, top_p_B):
-    """`zoo.generate.nucleus` with a top_p per row: -inf outside each row's nucleus (the
-    most likely tokens whose probabilities first reach top_p; a tie at the edge keeps every
-    tied token), as transformers' TopPLogitsWarper."""
+    """-inf outside each row's nucleus: the most likely tokens whose probabilities first
+    reach that row's top_p in total (at least one). As transformers' TopPLogitsWarper,
+    applied after temperature and top-k: a token stays when the mass of the tokens more likely
+    than it is below top_p (a tie at the edge keeps every tied token)."""
     sorted_BV = jnp.sort(logits_BV, axis=-1, descending=True)
     probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
     above_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # the mass ranked above each token
@@ -73,3 +76,21 @@ def sample(logits_BV, rows: SamplingRows, position_B):
 
     # An all-greedy batch (the common case of tools and evals) skips the sort over V.
     return jax.lax.cond(jnp.any(sampled_B), draw, lambda: greedy_B)
+
+
+def rows(
+    batch: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> SamplingRows:
+    """The same settings for `batch` rows (numpy; lay them out as the batch is); row r draws
+    with seed + r, as choice r of a seeded server request does."""
+    return SamplingRows(
+        np.full((batch,), temperature, np.float32),
+        np.full((batch,), 0 if top_k is None else top_k, np.int32),
+        np.full((batch,), 1.0 if top_p is None else top_p, np.float32),
+        ((seed + np.arange(batch)) % 2**32).astype(np.uint32),
+    )

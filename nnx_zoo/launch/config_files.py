@@ -1,4 +1,6 @@
-"""Where a `--config` value points: a file as given, or a config that ships inside this package.
+"""Where a `--config` value points: a file as given, or a config that ships in the `configs`
+package (found by its path, not imported: `configs` imports the run config's dataclasses from
+`nnx_zoo.training`, and launch stays below it).
 
 The docs say `--config=configs/tiny.py`, which names a file only from the checkout's root. An
 installed package (`pip install nnx-zoo`, then `zoo-train` from any directory) carries the
@@ -12,7 +14,10 @@ from __future__ import annotations
 import os
 import re
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# configs/ sits beside the nnx_zoo package at the top level (checkout and wheel alike).
+PACKAGE_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs"
+)
 
 
 def names() -> list[str]:
