@@ -32,6 +32,7 @@ for _name in ("gcsfs", "s3fs"):  # found, not imported: gcsfs reads its variable
 import _entry  # noqa: E402
 import _object_stores as stores  # noqa: E402
 from _train_helpers import (  # noqa: E402
+    ROOT,
     SMALL_SHAPES,
     assert_same_history,
     cli_flags,
@@ -304,3 +305,14 @@ def test_a_store_in_a_bucket_trains_as_the_same_store_on_disk(servers, tmp_path,
     assert sum(loss is not None for loss, _ in from_bucket) == DATA_RUN["training.steps"]
     assert from_bucket == from_disk
     assert os.listdir(tmp_path / "shard-cache")  # read through this host's copies
+
+
+def test_a_profiled_run_in_a_bucket_keeps_its_trace_there(servers):
+    workdir = f"gs://{stores.BUCKET}/profiled"
+    flags = cli_flags({**DATA_RUN, "training.steps": 3, "logging.profile_steps": "2:3"})
+    result = run_train_main([f"--workdir={workdir}", *flags])
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = storage.walk_files(storage.join(workdir, "profile"))
+    assert "train_step.hlo.txt" in files
+    assert any(f.endswith(".xplane.pb") for f in files), files
+    assert not os.path.exists(os.path.join(ROOT, "gs:"))  # nothing under a local ./gs:/
