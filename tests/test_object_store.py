@@ -47,7 +47,7 @@ from nnx_zoo.training.metrics import read_metrics  # noqa: E402
 
 STEPS = 20
 EVERY = 4
-LOCK_TTL_S = 4
+LOCK_TTL_S = 10  # long enough that a busy 2-core host still renews in time
 ARGS = [
     "--config=configs/tiny.py",
     *cli_flags(SMALL_SHAPES),
@@ -264,7 +264,7 @@ def test_an_unreachable_endpoint_is_one_line_and_exit_2(servers):
 
 DATA_RUN = {
     **SMALL_SHAPES,
-    "training.steps": 4,
+    "training.steps": 3,
     "optimizer.warmup_steps": 0,
     "training.eval_every": 0,
     "training.eval_batches": 1,
@@ -276,43 +276,47 @@ DATA_RUN = {
 }
 
 
-def test_a_store_in_a_bucket_trains_as_the_same_store_on_disk(servers, tmp_path, monkeypatch):
+def _losses(workdir: str, source: str, **more) -> list:
+    flags = cli_flags({**DATA_RUN, "data.source": source, "data.tokenizer": "byte", **more})
+    result = run_train_main([f"--workdir={workdir}", *flags])
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(storage.join(workdir, "metrics.jsonl"))
+    return [(r.get("loss"), r.get("val_loss")) for r in records]
+
+
+def test_data_in_a_bucket_trains_as_the_same_data_on_disk(servers, tmp_path, monkeypatch):
+    """A token store (zoo-data --out=gs://, and a local store uploaded to s3://) and a JSONL
+    file in a bucket give the losses of the same data on disk; a run on a bucket workdir
+    with a profile keeps its trace there."""
+    monkeypatch.setenv("NNX_ZOO_DATA_CACHE", str(tmp_path / "data-cache"))
     corpus = tmp_path / "corpus.jsonl"
     with open(corpus, "w", encoding="utf-8") as f:
         for i in range(200):
             f.write(json.dumps({"text": f"document {i}: " + "lorem ipsum " * (i % 23 + 1)}) + "\n")
     local = str(tmp_path / "tokens")
-    made = _entry.run_main(
-        "data_main",
-        [f"--source={corpus}", "--tokenizer=byte", f"--out={local}", "--shard_bytes=4000"],
-    )
+    store_args = [f"--source={corpus}", "--tokenizer=byte", "--shard_bytes=4000"]
+    made = _entry.run_main("data_main", [*store_args, f"--out={local}"])
     assert made.returncode == 0, made.stderr[-3000:]
-    shards = [n for n in os.listdir(local) if n.endswith(".arrayrecord")]
-    assert len(shards) > 2  # rows come from several shards, each copied when first read
-    url = f"s3://{stores.BUCKET}/tokens/"
-    storage.upload_tree(local, url)
-    monkeypatch.setenv("NNX_ZOO_SHARD_CACHE", str(tmp_path / "shard-cache"))
+    assert len([n for n in os.listdir(local) if n.endswith(".arrayrecord")]) > 2
+    on_gcs = f"gs://{stores.BUCKET}/tokens"
+    made = _entry.run_main("data_main", [*store_args, f"--out={on_gcs}"])
+    assert made.returncode == 0, made.stderr[-3000:]
+    with open(os.path.join(local, "index.json")) as f:
+        assert json.loads(storage.read_bytes(storage.join(on_gcs, "index.json"))) == json.load(f)
+    on_s3 = f"s3://{stores.BUCKET}/tokens/"
+    storage.upload_tree(local, on_s3)
 
-    def losses(source, name):
-        workdir = str(tmp_path / name)
-        flags = cli_flags({**DATA_RUN, "data.source": source, "data.tokenizer": "byte"})
-        result = run_train_main([f"--workdir={workdir}", *flags])
-        assert result.returncode == 0, result.stderr[-3000:]
-        records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-        return [(r.get("loss"), r.get("val_loss")) for r in records]
+    from_disk = _losses(str(tmp_path / "store-disk"), local)
+    assert sum(loss is not None for loss, _ in from_disk) == DATA_RUN["training.steps"]
+    assert _losses(str(tmp_path / "store-s3"), on_s3) == from_disk
 
-    from_disk, from_bucket = losses(local, "from-disk"), losses(url, "from-bucket")
-    assert sum(loss is not None for loss, _ in from_bucket) == DATA_RUN["training.steps"]
-    assert from_bucket == from_disk
-    assert os.listdir(tmp_path / "shard-cache")  # read through this host's copies
-
-
-def test_a_profiled_run_in_a_bucket_keeps_its_trace_there(servers):
-    workdir = f"gs://{stores.BUCKET}/profiled"
-    flags = cli_flags({**DATA_RUN, "training.steps": 3, "logging.profile_steps": "2:3"})
-    result = run_train_main([f"--workdir={workdir}", *flags])
-    assert result.returncode == 0, result.stderr[-3000:]
-    files = storage.walk_files(storage.join(workdir, "profile"))
+    text_url = f"s3://{stores.BUCKET}/text/corpus.jsonl"
+    storage.write_bytes(text_url, corpus.read_bytes())
+    text_disk = _losses(str(tmp_path / "text-disk"), str(corpus))
+    profiled = f"gs://{stores.BUCKET}/profiled"
+    assert _losses(profiled, text_url, **{"logging.profile_steps": "2:3"}) == text_disk
+    assert os.listdir(tmp_path / "data-cache")  # read through this host's copies
+    files = storage.walk_files(storage.join(profiled, "profile"))
     assert "train_step.hlo.txt" in files
     assert any(f.endswith(".xplane.pb") for f in files), files
     assert not os.path.exists(os.path.join(ROOT, "gs:"))  # nothing under a local ./gs:/

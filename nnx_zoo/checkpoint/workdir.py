@@ -20,7 +20,6 @@ import os
 import socket
 import tempfile
 import time
-import uuid
 
 from nnx_zoo.checkpoint.object_lock import ObjectStoreLock
 from nnx_zoo.errors import UsageError
@@ -57,7 +56,7 @@ def check_writable(workdir: str, flag: str = "--workdir", *, keep: bool = True) 
     # A flag reads `--workdir=DIR`; a description reads `the checkpoint directory DIR`.
     name = f"{flag}={workdir}" if flag.startswith("--") else f"{flag} {workdir}"
     if storage.is_url(workdir):
-        _check_writable_url(workdir, name)
+        storage.check_writable(workdir)
         return
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UsageError(f"{name} is a file, not a directory")
@@ -72,19 +71,6 @@ def check_writable(workdir: str, flag: str = "--workdir", *, keep: bool = True) 
     except OSError as e:
         reason = e.strerror or errno.errorcode.get(e.errno, str(e))
         raise UsageError(f"{name} cannot be written ({reason})") from None
-
-
-def _check_writable_url(url: str, name: str) -> None:
-    """Write and delete one object under `url`: a missing bucket, a denied write or an
-    unreachable endpoint is found now, in one line, before any work."""
-    probe = storage.join(url, f".write-test-{uuid.uuid4().hex}")
-    try:
-        storage.write_bytes(probe, b"")
-        storage.remove(probe)
-    except UsageError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- any failure of the store: the URL and its message
-        raise storage.error(url, e, "be written").with_traceback(None) from None
 
 
 class WorkdirLock:

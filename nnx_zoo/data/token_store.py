@@ -34,7 +34,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 import threading
 
 import numpy as np
@@ -200,33 +199,6 @@ def _load_npy(path: str) -> np.ndarray:
     return np.load(path)
 
 
-# A store in a bucket: ArrayRecord's reader opens local files only, so each shard is copied
-# whole to this host's disk the first time a process reads one of its documents, and read
-# from there (as from a local store) by that process, its Grain workers and any later run on
-# the host. A process copies only the shards that hold its own rows.
-SHARD_CACHE_ENV = "NNX_ZOO_SHARD_CACHE"
-
-
-def _cached(url: str) -> str:
-    root = os.environ.get(SHARD_CACHE_ENV) or os.path.join(
-        tempfile.gettempdir(), "nnx-zoo-shard-cache"
-    )
-    # The object's URL and size name the copy: a store written again under the same URL gets
-    # new copies (its shards' sizes differ, or index.json's fingerprint does).
-    size = storage.size(url)
-    name = hashlib.sha256(f"{url}:{size}".encode()).hexdigest()[:24] + ".arrayrecord"
-    local = os.path.join(root, name)
-    if os.path.isfile(local) and os.path.getsize(local) == size:
-        return local
-    os.makedirs(root, exist_ok=True)
-    partial = f"{local}.{os.getpid()}.{threading.get_ident()}.partial"
-    with open(partial, "wb") as out, storage.open_read(url) as f:
-        while chunk := f.read(16 * 2**20):
-            out.write(chunk)
-    os.replace(partial, local)  # whole or absent, whichever worker finishes first
-    return local
-
-
 class TokenStore:
     """A store's documents by number: lengths in memory (4 bytes each), records read on demand.
     Pickles without its open files (Grain's worker processes reopen them)."""
@@ -268,7 +240,8 @@ class TokenStore:
 
                     file = storage.join(self.path, self.index["shards"][shard]["file"])
                     if storage.is_url(file):
-                        file = _cached(file)
+                        # ArrayRecord's reader opens local files only: the shard, copied once.
+                        file = storage.local_copy(file)
                     reader = self._readers[shard] = ArrayRecordReader(file, _READ_OPTIONS)
         return reader
 

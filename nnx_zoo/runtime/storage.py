@@ -22,8 +22,11 @@ a message, not an errno.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
+import tempfile
+import threading
 
 from nnx_zoo.errors import UsageError
 
@@ -314,3 +317,45 @@ def download_tree(url: str, local_dir: str) -> None:
         target = os.path.join(local_dir, *rel.split("/"))
         os.makedirs(os.path.dirname(target), exist_ok=True)
         fs.get_file(f"{base}/{rel}", target)
+
+
+# Data read by libraries that open local files only (ArrayRecord's reader, the text index's
+# scans): each object is copied whole to this host's disk the first time a process needs it,
+# and read from there by that process, its Grain workers and later runs on the host.
+DATA_CACHE_ENV = "NNX_ZOO_DATA_CACHE"
+
+
+def local_copy(url: str) -> str:
+    """A local file with `url`'s bytes, under $NNX_ZOO_DATA_CACHE (default
+    $TMPDIR/nnx-zoo-data-cache), named by the URL and the object's size (an object written
+    again under the same URL with another size gets a new copy) and keeping its file name."""
+    root = os.environ.get(DATA_CACHE_ENV) or os.path.join(
+        tempfile.gettempdir(), "nnx-zoo-data-cache"
+    )
+    object_size = size(url)
+    digest = hashlib.sha256(f"{url}:{object_size}".encode()).hexdigest()[:24]
+    local = os.path.join(root, digest, basename(url))
+    if os.path.isfile(local) and os.path.getsize(local) == object_size:
+        return local
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    partial = f"{local}.{os.getpid()}.{threading.get_ident()}.partial"
+    with open(partial, "wb") as out, open_read(url) as f:
+        while chunk := f.read(16 * 2**20):
+            out.write(chunk)
+    os.replace(partial, local)  # whole or absent, whichever worker finishes first
+    return local
+
+
+def check_writable(url: str) -> None:
+    """Write and delete one object under `url`: a missing bucket, a denied write or an
+    unreachable endpoint is found now, in one line (UsageError), before any work."""
+    import uuid
+
+    probe = join(url, f".write-test-{uuid.uuid4().hex}")
+    try:
+        write_bytes(probe, b"")
+        remove(probe)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- any failure of the store: the URL and its message
+        raise error(url, e, "be written") from None
