@@ -435,7 +435,7 @@ class WandbWriter:
             config=dict(config or {}),
             # A resumed run's record (memory, platform) may differ from the first one's.
             allow_val_change=True,
-            # W&B writes its files with POSIX calls: beside a bucket workdir, in $TMPDIR.
+            # W&B writes its files with POSIX calls: for a bucket workdir, its default (./wandb).
             dir=None if os.environ.get("WANDB_DIR") or storage.is_url(workdir) else workdir,
         )
         self.run_id = run_id
