@@ -91,24 +91,22 @@ def step_time_with_and_without_checksums(step_dir: str, steps: int = 40) -> tupl
 def compare_stores(args, model, optimizer, it, mesh) -> None:
     """Save (until `wait()` returns: on disk with its checksums) and restore of the same state
     on each store of --stores: local disk, and the S3 / GCS servers the tests use
-    (tests/_object_stores.py), started here on this host. Best of --repeats."""
+    (bench/object_stores.py), started here on this host. Best of --repeats."""
     import contextlib
-    import sys
     import tempfile
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import _object_stores
+    from bench import object_stores
 
     stores = args.stores.split(",")
     with contextlib.ExitStack() as stack:
         if set(stores) - {"local"}:
             logs = stack.enter_context(tempfile.TemporaryDirectory())
-            stack.enter_context(_object_stores.started(logs))
+            stack.enter_context(object_stores.started(logs))
         for store in stores:
             workdir = (
                 os.path.join(args.workdir, "store")
                 if store == "local"
-                else f"{store}://{_object_stores.BUCKET}/bench"
+                else f"{store}://{object_stores.BUCKET}/bench"
             )
             ckpt = Checkpointer(workdir, save_every=1, keep=1, run_info={})
             saves, restores = [], []

@@ -1,5 +1,5 @@
 """Runs whose workdir is a bucket: gs:// and s3://, against real protocol servers started here
-(tests/_object_stores.py: moto's S3 server, fake-gcs-server), reached through the same
+(bench/object_stores.py: moto's S3 server, fake-gcs-server), reached through the same
 libraries and variables as the clouds.
 
 One chain per store (module-scoped, shared by the checks): train_main as a process on
@@ -30,7 +30,6 @@ for _name in ("gcsfs", "s3fs"):  # found, not imported: gcsfs reads its variable
         pytest.skip(f"{_name} (the cloud extra) is not installed", allow_module_level=True)
 
 import _entry  # noqa: E402
-import _object_stores as stores  # noqa: E402
 from _train_helpers import (  # noqa: E402
     ROOT,
     SMALL_SHAPES,
@@ -40,6 +39,7 @@ from _train_helpers import (  # noqa: E402
     start_train_main,
 )
 
+from bench import object_stores as stores  # noqa: E402
 from nnx_zoo.checkpoint.object_lock import TTL_ENV  # noqa: E402
 from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps  # noqa: E402
 from nnx_zoo.runtime import storage  # noqa: E402

