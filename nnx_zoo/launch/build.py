@@ -140,6 +140,7 @@ def build_optimizer(run: RunConfig):
         weight_decay=o.weight_decay,
         clip_grad_norm=o.clip_grad_norm,
         decay_norms_and_embeddings=o.decay_norms_and_embeddings,
+        muon=o.muon_options(),
     )
 
 
