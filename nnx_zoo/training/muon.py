@@ -280,3 +280,21 @@ def muon(
         },
         labels,
     )
+
+
+def newton_schulz_flops(params: Any, steps: int) -> int:
+    """FLOPs of one step's iterations over every hidden matrix of `params` (arrays or
+    ShapeDtypeStructs), all devices together: per R x C matrix (R <= C) and iteration,
+    X X^T (2 R^2 C), A A (2 R^3) and B X (2 R^2 C). The planner's forecast, which counts
+    the model's FLOPs from its config, does not include them."""
+    total = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dims = dimension_numbers(path)
+        if dims is None:
+            continue
+        batch, rows, cols = _axes(x, dims)
+        r = math.prod(x.shape[i] for i in rows)
+        c = math.prod(x.shape[i] for i in cols)
+        r, c = min(r, c), max(r, c)
+        total += math.prod(x.shape[i] for i in batch) * steps * (4 * r * r * c + 2 * r**3)
+    return total
