@@ -232,9 +232,7 @@ class OptimizerSection:
         if not 0 <= self.muon_momentum < 1:
             _fail("optimizer", "muon_momentum", self.muon_momentum, "must be in [0, 1)")
         if self.muon_consistent_rms < 0:
-            _fail(
-                "optimizer", "muon_consistent_rms", self.muon_consistent_rms, "must be >= 0"
-            )
+            _fail("optimizer", "muon_consistent_rms", self.muon_consistent_rms, "must be >= 0")
         _positive("optimizer", self, "learning_rate", "micro_batches", "eps", "decay_steps")
         _positive("optimizer", self, "muon_ns_steps")
         if self.warmup_steps < 0:
