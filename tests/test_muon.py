@@ -4,14 +4,16 @@ partition of parameters; under fsdp, fsdp_tp and fsdp_ep ten training steps equa
 Tolerances: float32. The sharded gradients are summed in another order than one device's
 (see test_strategies_equal_one_device.py), and Newton-Schulz's first steps multiply a
 perturbation of the momentum's small singular values by up to ~3.4 each, hence 1e-4 relative
-on the ten-step losses and parameters, as the issue asks. Against optax on one device the
-arithmetic is the same up to einsum vs matmul and the order of a few scalar products: 1e-5.
+on the ten-step losses and parameters, as the issue asks (1.8e-5 measured under fsdp_tp).
+Against optax on one device the arithmetic is the same up to einsum vs matmul and the order
+of a few scalar products: 2e-5 (3e-6 measured).
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -19,7 +21,7 @@ from _train_helpers import run_config
 from flax import nnx
 from model_utils import host_params, load_params, one_device_mesh, packed_batch, put_batch
 
-from nnx_zoo.launch.build import build_optimizer
+from nnx_zoo.launch.build import build
 from nnx_zoo.training import muon
 from nnx_zoo.training.optim import make_optimizer
 from shardings import get_strategy
@@ -125,11 +127,11 @@ def test_partition_is_the_hidden_matrices():
     with jax.set_mesh(one_device_mesh()):
         model = create_model(MODELS["moe"], get_strategy("dp"), rngs=nnx.Rngs(0))
     # As optax sees the parameters at init: nnx.Param variables, paths ending in 'value'.
-    flat = jax.tree_util.tree_flatten_with_path(muon.labels(nnx.state(model, nnx.Param)))[0]
+    matrices, rest = muon._split(nnx.state(model, nnx.Param))
     labels = {}
-    for path, label in flat:
-        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        labels["/".join(n for n in names if n != "value")] = label
+    for label, half in (("muon", matrices), ("adam", rest)):
+        for path, _ in jax.tree_util.tree_flatten_with_path(half)[0]:
+            labels["/".join(k.key for k in path)] = label
     assert {name for name, label in labels.items() if label == "muon"} == MUON_PARAMS
     # The router, norms, embedding and head are AdamW's.
     assert labels["blocks/moe/router/weight"] == labels["lm_head/weight"] == "adam"
@@ -167,7 +169,7 @@ def test_one_device_equals_optax_contrib_muon(one_device):
     for key, cfg in MODELS.items():
         ours = one_device[key]
         reference = _train(cfg, "dp", mesh, _optax_tx(), init_params=ours[1])
-        _assert_close(ours, reference, rtol=1e-5)
+        _assert_close(ours, reference, rtol=2e-5)
         # Muon moved the matrices (the comparison is not of two unchanged models).
         assert not np.allclose(
             ours[2]["blocks/attention/q/weight"], ours[1]["blocks/attention/q/weight"]
@@ -215,10 +217,16 @@ def test_ns_layout(mesh, shape, batch, spec, want):
     assert tuple(got) == (*want, *[None] * (len(shape) - len(want)))
 
 
-def test_run_config_builds_muon():
-    run = run_config({"optimizer.name": "muon"})
-    tx, _ = build_optimizer(run)
-    state = tx.init(
-        {"blocks": {"mlp": {"up": {"weight": jnp.zeros((2, 4, 8))}}}, "embed": jnp.zeros((3, 4))}
-    )
-    assert "muon" in repr(state) and "MuonState" in repr(state)
+def test_abstract_build_and_state_bytes():
+    """The planner's path: the run config's optimizer.name=muon built abstractly
+    (`nnx.eval_shape`, train_main's fsdp_tp mesh); its optimizer state is one moment per
+    hidden-matrix element where AdamW keeps two."""
+    sizes = {}
+    for name in ("adamw", "muon"):
+        built = build(run_config({"optimizer.name": name}), abstract=True)
+        leaves = jax.tree.leaves(nnx.state(built.optimizer.opt_state))
+        sizes[name] = sum(math.prod(x.shape) for x in leaves if x.ndim)
+        matrices, _ = muon._split(nnx.state(built.model, nnx.Param))
+    matrix_elements = sum(math.prod(x.shape) for x in jax.tree.leaves(matrices))
+    # Muon's state adds its three Newton-Schulz coefficients.
+    assert sizes["muon"] == sizes["adamw"] - matrix_elements + len(muon.NS_COEFFS)

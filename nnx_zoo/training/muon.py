@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,13 +105,6 @@ def dimension_numbers_tree(params: Any) -> Any:
     """`params` with each leaf replaced by its `dimension_numbers` (None: AdamW), the form
     `optax.contrib.muon(muon_weight_dimension_numbers=...)` takes."""
     return jax.tree_util.tree_map_with_path(dimension_numbers, params)
-
-
-def labels(params: Any) -> Any:
-    """'muon' or 'adam' per leaf of `params`."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: "adam" if dimension_numbers(p) is None else "muon", params
-    )
 
 
 def _axes(x: jax.Array, dims: MuonDimensionNumbers):
@@ -246,6 +239,64 @@ def scale_by_shape(consistent_rms: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
+class PartitionState(NamedTuple):
+    muon: Any  # the Muon chain's state over the hidden matrices
+    adam: Any  # AdamW's over the rest
+
+
+def _group_paths(tree: Any):
+    """(names, is a hidden matrix) for each leaf of `tree`, in its flattening order."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    named = [(_names(path), leaf) for path, leaf in flat]
+    return named, treedef
+
+
+def _split(tree: Any) -> tuple[dict, dict]:
+    """(hidden matrices, the rest): two nested dicts of `tree`'s leaves under their path's
+    names, so each half's own transformation sees the paths (the weight-decay mask, the
+    dimension numbers) and holds state for its own leaves only."""
+    groups: tuple[dict, dict] = ({}, {})
+    named, _ = _group_paths(tree)
+    for names, leaf in named:
+        node = groups[dimension_numbers(names) is None]
+        for name in names[:-1]:
+            node = node.setdefault(name, {})
+        node[names[-1]] = leaf
+    return groups
+
+
+def _merge(like: Any, matrices: dict, rest: dict) -> Any:
+    """`like`'s structure with each leaf taken from the half `_split` put it in."""
+    named, treedef = _group_paths(like)
+    leaves = []
+    for names, _ in named:
+        node = rest if dimension_numbers(names) is None else matrices
+        for name in names:
+            node = node[name]
+        leaves.append(node)
+    return treedef.unflatten(leaves)
+
+
+def partition(matrices_tx, rest_tx) -> optax.GradientTransformation:
+    """`matrices_tx` on the hidden matrices, `rest_tx` on the rest (`optax.partition` with
+    `labels`, whose masked states hold an `optax.MaskedNode` wherever a leaf belongs to the
+    other half: flax 0.12.8's `nnx.eval_shape`, which builds the abstract optimizer the
+    planner compiles, fails on those)."""
+
+    def init(params):
+        matrices, rest = _split(params)
+        return PartitionState(matrices_tx.init(matrices), rest_tx.init(rest))
+
+    def update(updates, state, params=None):
+        matrices, rest = _split(updates)
+        p_matrices, p_rest = _split(params) if params is not None else (None, None)
+        u_matrices, s_matrices = matrices_tx.update(matrices, state.muon, p_matrices)
+        u_rest, s_rest = rest_tx.update(rest, state.adam, p_rest)
+        return _merge(updates, u_matrices, u_rest), PartitionState(s_matrices, s_rest)
+
+    return optax.GradientTransformation(init, update)
+
+
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     options: MuonOptions,
@@ -260,25 +311,22 @@ def muon(
     learning rate and weight decay for both (as `optax.contrib.muon` with
     `adam_weight_decay=weight_decay` and `muon_weight_dimension_numbers=dimension_numbers_tree`,
     plus a weight-decay mask on the AdamW side)."""
-    return optax.partition(
-        {
-            "muon": optax.chain(
-                scale_by_muon(options, eps),
-                scale_by_shape(options.consistent_rms),
-                optax.add_decayed_weights(weight_decay),
-                optax.scale_by_learning_rate(learning_rate),
-            ),
-            "adam": optax.adamw(
-                learning_rate=learning_rate,
-                b1=b1,
-                b2=b2,
-                eps=eps,
-                weight_decay=weight_decay,
-                mask=adam_weight_decay_mask,
-                nesterov=True,
-            ),
-        },
-        labels,
+    return partition(
+        optax.chain(
+            scale_by_muon(options, eps),
+            scale_by_shape(options.consistent_rms),
+            optax.add_decayed_weights(weight_decay),
+            optax.scale_by_learning_rate(learning_rate),
+        ),
+        optax.adamw(
+            learning_rate=learning_rate,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            weight_decay=weight_decay,
+            mask=adam_weight_decay_mask,
+            nesterov=True,
+        ),
     )
 
 
