@@ -12,6 +12,7 @@ of a few scalar products: 2e-5 (3e-6 measured).
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -21,6 +22,7 @@ from _train_helpers import run_config
 from flax import nnx
 from model_utils import host_params, load_params, one_device_mesh, packed_batch, put_batch
 
+from nnx_zoo.errors import UsageError
 from nnx_zoo.launch.build import build
 from nnx_zoo.training import muon
 from nnx_zoo.training.optim import make_optimizer
@@ -230,3 +232,16 @@ def test_abstract_build_and_state_bytes():
     matrix_elements = sum(math.prod(x.shape) for x in jax.tree.leaves(matrices))
     # Muon's state adds its three Newton-Schulz coefficients.
     assert sizes["muon"] == sizes["adamw"] - matrix_elements + len(muon.NS_COEFFS)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"optimizer.name": "sgd"}, "config optimizer.name='sgd': valid: adamw, muon"),
+        ({"optimizer.name": "muon", "lora.rank": 4}, "use optimizer.name=adamw with LoRA"),
+        ({"optimizer.muon_ns_steps": 0}, "config optimizer.muon_ns_steps=0: must be > 0"),
+    ],
+)
+def test_config_mistakes_are_one_line(overrides, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        run_config(overrides)
