@@ -69,17 +69,16 @@ SERVE = cli.define_flags(
 
 def _request():
     from nnx_zoo.checkpoint.workdir import expand
-    from nnx_zoo.evaluation.run import EvalRequest
+    from nnx_zoo.evaluation.model import LoadRequest
     from nnx_zoo.serving.load import ServeRequest
 
     if bool(LOAD.workdir.value) == bool(LOAD.hf_checkpoint.value):
         cli.usage_error("give one of --workdir (a run directory) or --hf_checkpoint (an HF dir)")
     hf = LOAD.hf_dir()
-    load = EvalRequest(
+    load = LoadRequest(
         workdir=hf or expand(LOAD.workdir.value),
         hf_checkpoint=hf,
         step=LOAD.step.value,
-        evaluate=False,
         overrides=LOAD.overrides(),
     )
     return ServeRequest(

@@ -9,15 +9,45 @@ import os
 import jax
 from flax import nnx
 
-from nnx_zoo.checkpoint.restore import restore_params
+from nnx_zoo.checkpoint.restore import read_meta, restore_params
+from nnx_zoo.data.tokenizers import make_tokenizer
 from nnx_zoo.errors import UsageError
-from nnx_zoo.evaluation.settings import EvalSettings, run_config
+from nnx_zoo.evaluation.settings import EvalSettings, from_run_info, run_config
 from nnx_zoo.launch.build import check_attention, check_positions
 from nnx_zoo.training import finetune
 from shardings import get_strategy
 from zoo import abstract_model, create_model, from_pretrained, plan_model
 from zoo.hf_io import read_config
 from zoo.registry import config_types
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    """Which model to load and how to lay it out: what eval_main, its --tasks and serve_main
+    ask for alike."""
+
+    workdir: str | None  # a run directory (None with hf_checkpoint)
+    hf_checkpoint: str | None = None
+    step: int | None = None
+    # Runtime choices over the run's record (None keeps the recorded one); see from_run_info.
+    overrides: dict = dataclasses.field(default_factory=dict)
+
+
+def load(request: LoadRequest):
+    """(settings, tokenizer, model, mesh, step): the request's model on its strategy's mesh,
+    from the run's checkpoint or the Hugging Face directory."""
+    run_info, step = None, request.step
+    if request.hf_checkpoint is None:
+        step, meta = read_meta(request.workdir, request.step)
+        run_info = meta.get("run_info") or {}
+    settings = from_run_info(run_info, hf_checkpoint=request.hf_checkpoint, **request.overrides)
+    tokenizer = make_tokenizer(settings.tokenizer)
+    if request.hf_checkpoint is not None:
+        explicit_length = request.overrides.get("seq_len") is not None
+        model, mesh, settings = load_from_hf(request.hf_checkpoint, settings, explicit_length)
+    else:
+        model, mesh, step = load_from_checkpoint(request.workdir, run_info, settings, step)
+    return settings, tokenizer, model, mesh, step
 
 
 def model_config_from_run_info(run_info: dict):

@@ -12,13 +12,11 @@ import os
 
 import jax
 
-from nnx_zoo.checkpoint.restore import read_meta
 from nnx_zoo.checkpoint.workdir import check_writable_everywhere
-from nnx_zoo.data.tokenizers import make_tokenizer
 from nnx_zoo.errors import UsageError
 from nnx_zoo.evaluation import metrics as eval_metrics
 from nnx_zoo.evaluation import model as eval_model
-from nnx_zoo.evaluation.settings import EvalSettings, from_run_info
+from nnx_zoo.evaluation.settings import EvalSettings
 from nnx_zoo.runtime.console import warn
 from nnx_zoo.runtime.files import write_json_atomic
 from zoo.generate import check_can_generate
@@ -92,24 +90,13 @@ def evaluate(request: EvalRequest) -> EvalResult:
 
 
 def load(request: EvalRequest):
-    """(settings, tokenizer, model, mesh, step): the request's model on its strategy's mesh,
-    from the run's checkpoint or the Hugging Face directory (also used by --tasks)."""
-    run_info, step = None, request.step
-    if request.hf_checkpoint is None:
-        step, meta = read_meta(request.workdir, request.step)
-        run_info = meta.get("run_info") or {}
-    settings = from_run_info(run_info, hf_checkpoint=request.hf_checkpoint, **request.overrides)
-    tokenizer = make_tokenizer(settings.tokenizer)
-    if request.hf_checkpoint is not None:
-        explicit_length = request.overrides.get("seq_len") is not None
-        model, mesh, settings = eval_model.load_from_hf(
-            request.hf_checkpoint, settings, explicit_length
+    """(settings, tokenizer, model, mesh, step): `eval_model.load` of the request's model
+    (also used by --tasks)."""
+    return eval_model.load(
+        eval_model.LoadRequest(
+            request.workdir, request.hf_checkpoint, request.step, request.overrides
         )
-    else:
-        model, mesh, step = eval_model.load_from_checkpoint(
-            request.workdir, run_info, settings, step
-        )
-    return settings, tokenizer, model, mesh, step
+    )
 
 
 def _generate(model, mesh, tokenizer, gen: Generation) -> tuple[str, int]:

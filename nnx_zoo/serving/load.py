@@ -14,7 +14,7 @@ import jax
 
 from nnx_zoo.data.chat import ChatTemplate
 from nnx_zoo.errors import UsageError
-from nnx_zoo.evaluation.run import EvalRequest, load
+from nnx_zoo.evaluation.model import LoadRequest, load
 from nnx_zoo.serving.engine import Engine
 from nnx_zoo.serving.slots import Slots
 from zoo.generate import check_can_generate
@@ -28,7 +28,7 @@ DEFAULT_MAX_SEQ_LEN = 2048
 
 @dataclasses.dataclass(frozen=True)
 class ServeRequest:
-    load: EvalRequest  # the model: eval_main's request (workdir / hf_checkpoint / step / ...)
+    load: LoadRequest  # the model: which checkpoint, and its layout here
     max_batch: int = 8
     max_seq_len: int | None = None  # None: min(the model's max_seq_len, DEFAULT_MAX_SEQ_LEN)
     max_queue: int = 64
