@@ -206,7 +206,7 @@ class DataSection:
 class OptimizerSection:
     # adamw | muon: Muon on the blocks' projection matrices, optax's Nesterov AdamW on the
     # rest (embeddings, head, norms, biases, router), both at learning_rate and weight_decay.
-    # nnx_zoo/training/muon.py, docs/training.md#muon
+    # nnx_zoo/training/muon.py, docs/muon.md
     name: str = "adamw"
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_ns_steps: int = 5  # Newton-Schulz iterations per step
