@@ -143,6 +143,7 @@ def build_optimizer(run: RunConfig):
         schedule=o.schedule,
         decay_fraction=o.decay_fraction,
         decay_shape=o.decay_shape,
+        muon=o.muon_options(),
     )
 
 

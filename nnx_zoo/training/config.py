@@ -27,6 +27,7 @@ SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "
 DATA_FORMATS = ("text", "chat", "prompt_completion")  # nnx_zoo/data/chat.py's FORMATS
 CHAT_OVERFLOW = ("drop", "truncate_left", "error")  # nnx_zoo/data/chat.py's OVERFLOW
 DEFAULT_SOURCE = "default"  # nnx_zoo/data/sources.py's DEFAULT_SOURCE
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _fail(section: str, field: str, value: Any, why: str) -> None:
@@ -204,6 +205,15 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
+    # adamw | muon: Muon on the blocks' projection matrices, optax's Nesterov AdamW on the
+    # rest (embeddings, head, norms, biases, router), both at learning_rate and weight_decay.
+    # nnx_zoo/training/muon.py, docs/muon.md
+    name: str = "adamw"
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per step
+    # Muon's updates scaled to this RMS x sqrt(max(rows, cols)), so AdamW's learning rate
+    # carries over (Liu et al. 2025); 0: scaled by sqrt(max(1, cols / rows)) (Jordan).
+    muon_consistent_rms: float = 0.2
     learning_rate: float = 3e-4  # peak rate, reached after warmup
     warmup_steps: int = 0  # linear warmup from 0
     # cosine | wsd (warmup, stable at the peak, decay over the last decay_fraction) |
@@ -224,7 +234,14 @@ class OptimizerSection:
 
     def __post_init__(self):
         _finite("optimizer", self)
+        if self.name not in OPTIMIZERS:
+            _fail("optimizer", "name", self.name, f"valid: {', '.join(OPTIMIZERS)}")
+        if not 0 <= self.muon_momentum < 1:
+            _fail("optimizer", "muon_momentum", self.muon_momentum, "must be in [0, 1)")
+        if self.muon_consistent_rms < 0:
+            _fail("optimizer", "muon_consistent_rms", self.muon_consistent_rms, "must be >= 0")
         _positive("optimizer", self, "learning_rate", "micro_batches", "eps", "decay_steps")
+        _positive("optimizer", self, "muon_ns_steps")
         if self.warmup_steps < 0:
             _fail("optimizer", "warmup_steps", self.warmup_steps, "must be >= 0")
         if self.schedule not in SCHEDULES:
@@ -247,6 +264,14 @@ class OptimizerSection:
                 self.end_learning_rate_ratio,
                 "must be in [0, 1]",
             )
+
+    def muon_options(self):
+        """Muon's settings (a `training.muon.MuonOptions`) when `name` is muon; None: AdamW."""
+        if self.name != "muon":
+            return None
+        from nnx_zoo.training.muon import MuonOptions
+
+        return MuonOptions(self.muon_momentum, self.muon_ns_steps, self.muon_consistent_rms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,6 +461,14 @@ class RunConfig:
     eval: EvalSection = EvalSection()
 
     def __post_init__(self):
+        if self.optimizer.name == "muon" and self.lora.enabled:
+            _fail(
+                "optimizer",
+                "name",
+                "muon",
+                "Muon trains the base model's matrices, and with lora.rank set only the "
+                "adapters train; use optimizer.name=adamw with LoRA",
+            )
         k = self.optimizer.micro_batches
         if self.data.global_batch_size % k:
             _fail(

@@ -20,6 +20,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.errors import UsageError
+from nnx_zoo.training import muon as muon_lib
+from nnx_zoo.training.muon import MuonOptions
 from nnx_zoo.training.schedules import make_schedule
 from shardings.specs import normalize
 
@@ -91,6 +93,7 @@ def make_optimizer(
     schedule: str = "cosine",
     decay_fraction: float = 0.2,
     decay_shape: str = "linear",
+    muon: MuonOptions | None = None,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with a linear warmup then `schedule`'s decay, after clipping by global norm.
 
@@ -107,6 +110,8 @@ def make_optimizer(
       clip_grad_norm: clip the gradients' global norm to this; None or <= 0 turns it off.
       decay_norms_and_embeddings: False (default) masks weight decay off as `decays` says;
         True decays every parameter.
+      muon: Muon's settings: Muon on the blocks' hidden matrices and Nesterov AdamW on the
+        rest (nnx_zoo/training/muon.py), both at this schedule and weight decay; None: AdamW.
 
     Returns:
       (tx, schedule): the optax transformation and the step -> learning-rate function (for
@@ -129,6 +134,16 @@ def make_optimizer(
         weight_decay=weight_decay,
         mask=None if decay_norms_and_embeddings else weight_decay_mask,
     )
+    if muon is not None:  # the same settings, AdamW's for what is not a hidden matrix
+        adamw = muon_lib.muon(
+            schedule,
+            muon,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            weight_decay=weight_decay,
+            adam_weight_decay_mask=None if decay_norms_and_embeddings else weight_decay_mask,
+        )
     if clip_grad_norm is None or clip_grad_norm <= 0:
         return adamw, schedule
     # Clip first: Adam normalises per coordinate, so clipping after it would do little.
