@@ -364,13 +364,14 @@ def test_every_float_field_refuses_non_finite_values():
     assert floats >= 10  # learning rate, betas, eps, ..., peak_tflops, lora alpha / dropout
 
 
-def test_object_store_workdirs_are_refused_not_made_local():
-    # Before: gs://bucket/run became ./gs:/bucket/run, a local directory.
-    result = run_train_main(["--workdir=gs://bucket/run"])
-    _one_line_exit_2(result, "object-store URLs are not supported as a run directory")
-    assert not os.path.exists(os.path.join(ROOT, "gs:"))
-    result = _run(EVAL_MAIN, ["--workdir=gs://bucket/run"])
-    _one_line_exit_2(result, "object-store URLs are not supported")
+def test_urls_of_other_stores_are_refused_not_made_local():
+    # Before: gs://bucket/run became ./gs:/bucket/run, a local directory. gs:// and s3:// are
+    # run directories now (tests/test_object_store.py); any other scheme is one line.
+    result = run_train_main(["--workdir=hdfs://bucket/run"])
+    _one_line_exit_2(result, "the only URLs a run directory may be are gs://BUCKET/")
+    assert not os.path.exists(os.path.join(ROOT, "hdfs:"))
+    result = _run(EVAL_MAIN, ["--workdir=hdfs://bucket/run"])
+    _one_line_exit_2(result, "the only URLs a run directory may be are gs://BUCKET/")
 
 
 def test_plan_for_cpu_devices_needs_no_xla_flags():

@@ -44,8 +44,9 @@ from jax.sharding import PartitionSpec as P
 from model_utils import host_params, one_device_mesh, packed_batch, put_batch
 
 from shardings import STRATEGIES, get_strategy
-from zoo import create_model, get_config
+from zoo import create_model, get_config, pipelined
 from zoo.build import model_class
+from zoo.layers import pipeline
 from zoo.loss import lm_loss
 
 CASES = [
@@ -91,6 +92,10 @@ def _logits(model, batch, groups: tuple[tuple[int, ...], ...] | None):
         tokens, segments = take(batch["tokens"], rows), take(batch["segment_ids"], rows)
         return model(tokens, segment_ids=segments, positions=take(batch["positions"], rows))
 
+    pp = pipeline.plan_for(model.cfg, model.sharding, jax.sharding.get_abstract_mesh())
+    if pp is not None:  # the schedule cuts its own micro-batches (zoo/pipelined.py)
+        tokens, segments, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
+        return pipelined.logits(model, pp, tokens, segment_ids=segments, positions=positions)
     if groups is None:
         tokens, segments, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
         return model(tokens, segment_ids=segments, positions=positions)

@@ -100,17 +100,25 @@ def test_each_process_reads_only_its_rows(store, monkeypatch):
     """1, 2 and 4 processes: the same global batches, and each process reads its rows alone
     (disjoint; together those of one process)."""
     read: dict[int, list[int]] = {}
-    original = rows._ReadRow.__call__
+    mine: set[int] = set()  # readers made by this test (another test's prefetch may still run)
+    original, original_init = rows._ReadRow.__call__, rows._ReadRow.__init__
+
+    def made(self, layout):
+        original_init(self, layout)
+        mine.add(id(self))
 
     def counting(self, row):
-        read.setdefault(id(self), []).append(int(row))
+        if id(self) in mine:
+            read.setdefault(id(self), []).append(int(row))
         return original(self, row)
 
+    monkeypatch.setattr(rows._ReadRow, "__init__", made)
     monkeypatch.setattr(rows._ReadRow, "__call__", counting)
     steps = 12
     reference = None
     for n in (1, 2, 4):
         read.clear()
+        mine.clear()
         iterators = _processes(store, n, num_batches=steps)
         batches = [_global(iterators) for _ in range(steps)]
         if reference is None:

@@ -1,7 +1,16 @@
 """The model zoo: families built from zoo/layers/, sharded by the strategies in shardings/."""
 
 # Each family package registers itself on import (zoo/registry.py); this is the one list.
-from zoo import gemma3, gpt2, llama, mistral, mixtral, qwen3, qwen3_moe  # noqa: F401
+from zoo import (  # noqa: F401
+    gemma3,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    pipelined,  # noqa: F401 -- registers the plain call's pipeline runner
+    qwen3,
+    qwen3_moe,
+)
 from zoo.build import abstract_model, create_model, get_config
 from zoo.hf_io import from_pretrained, save_pretrained
 from zoo.layers.config import DecoderConfig

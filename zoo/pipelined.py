@@ -6,17 +6,18 @@ stack and its end (zoo/layers/stage.py), and this module hands them to GPipe / c
 (zoo/layers/pipeline.py) or 1F1B (zoo/layers/pipeline_1f1b.py). With `pp` None every
 function here is the model's own method.
 
-Called without a schedule, a model under a pipeline strategy still computes the same
-numbers: its own loop over the stage-split layer stack, which gathers each layer's weights
-rather than pipelining them.
+A plain `model(...)` under a pipeline strategy runs the forward schedule too: this module
+registers it with the contract (zoo/layers/stage.py's default runner), which the model asks,
+so the model imports no schedule.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from zoo import loss
-from zoo.layers import pipeline, pipeline_1f1b
+from zoo.layers import pipeline, pipeline_1f1b, stage
 from zoo.layers.decoder import LmOutput, NllSum, TokenNll
 from zoo.layers.pipeline import PipelinePlan
 from zoo.layers.stage import Rows
@@ -115,3 +116,13 @@ def nll_sum(
         Rows(segment_ids, positions, targets_BT, mask_BT),
     )
     return NllSum(total, jnp.sum(mask_BT), None)
+
+
+def _plain_call_layers(model):
+    """A plain `model(...)` under a pipeline strategy runs the forward schedule of the plan
+    its layout gives on the current mesh (zoo/layers/stage.py's default runner)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return layers(model, pipeline.plan_for(model.cfg, model.sharding, mesh))
+
+
+stage.register_default_runner(_plain_call_layers)

@@ -23,7 +23,7 @@ from nnx_zoo.errors import UsageError
 from shardings.mesh import check_batch, compile_platform
 from shardings.specs import BlockSharding, LmSharding, axes_of
 from zoo import loss
-from zoo.layers import kv_cache, quant, remat, rope
+from zoo.layers import kv_cache, quant, remat, rope, stage
 from zoo.layers.attention import Attention, CallInfo, Segments, context_parallel
 from zoo.layers.attention.registry import backend, resolve_implementation
 from zoo.layers.basic import Einsum, Embed, Norm
@@ -125,7 +125,7 @@ class Block(nnx.Module):
 def _needs_trace(sharding: LmSharding) -> bool:
     """A layout whose model runs shard_map regions (context-parallel attention), which an
     eager call cannot enter."""
-    return context_parallel.seq_axis(sharding.tokens) is not None
+    return context_parallel.seq_axis(sharding.tokens) is not None or sharding.stage_axis is not None
 
 
 @nnx.jit(static_argnames=("packed",))
@@ -349,6 +349,8 @@ class DecoderLM(nnx.Module):
             kv_ctx = (kv_segment_ids, kv_positions, cache.index)
 
         windows, freqs_LR = self._layer_tables()
+        if layers is None and cache is None and self.sharding.stage_axis is not None:
+            layers = stage.default_layers(self)  # a plain call: the forward schedule
         if layers is not None:
             if cache is not None:
                 raise UsageError(

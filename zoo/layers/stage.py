@@ -64,3 +64,19 @@ class LossHead(NamedTuple):
     # micro-batch's last-layer activations `y`, inside the schedule's shard_map (manual over
     # the stage axis, so its layouts leave that axis out of the rows).
     loss: Callable[[Any, jax.Array, Rows], jax.Array]
+
+
+# Who runs a pipeline-layout model's stack when its caller names no schedule (a plain
+# `model(...)`): zoo/pipelined.py registers its forward schedule here when imported, so the
+# model asks the contract, not a schedule module, and imports none.
+_DEFAULT_RUNNER: list[Callable[[Any], Any]] = []
+
+
+def register_default_runner(runner: Callable[[Any], Any]) -> None:
+    """`runner(model) -> layers(x_BTM, segments) | None`, for models under a stage axis."""
+    _DEFAULT_RUNNER[:] = [runner]
+
+
+def default_layers(model):
+    """The registered runner's `layers` for `model`, or None (the model's own loop)."""
+    return _DEFAULT_RUNNER[0](model) if _DEFAULT_RUNNER else None
