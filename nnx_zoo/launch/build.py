@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.errors import UsageError
-from nnx_zoo.training import finetune, optim
+from nnx_zoo.training import finetune, optim, preference
 from nnx_zoo.training.config import ModelSection, RunConfig
 from nnx_zoo.training.loop import Trainer
 from nnx_zoo.training.step_memory import abstract_batch
@@ -297,6 +297,9 @@ def build(
             model, optimizer = adapted(from_pretrained(init_from, plan))
         else:
             model, optimizer = adapted(create_model(plan, rngs=nnx.Rngs(seed)))
+    objective = preference.Objective.from_training(run.training)
+    # DPO's reference without LoRA: the starting weights, copied before any step or restore.
+    needs_copy = objective is not None and objective.needs_reference
     trainer = Trainer(
         model,
         optimizer,
@@ -305,9 +308,13 @@ def build(
         loss_chunk_size=run.training.loss_chunk_size,
         wrt=finetune.trainable(model),
         pipeline=plan.pipeline,
+        objective=objective,
+        reference=preference.frozen_copy(model) if needs_copy else None,
     )
     if abstract:
         trainer.state = on_mesh(trainer.state, plan.mesh)
+        if trainer.ref_state is not None:
+            trainer.ref_state = on_mesh(trainer.ref_state, plan.mesh)
     return Run(
         config=run,
         plan=plan,
