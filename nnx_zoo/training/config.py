@@ -271,7 +271,7 @@ class TrainingSection:
     dpo_label_smoothing: float = 0.0  # cDPO: the share of pairs assumed mislabelled, [0, 0.5)
     orpo_beta: float = 0.1  # ORPO's lambda: the odds-ratio term's weight beside the NLL
     simpo_beta: float = 2.0  # SimPO's beta: the scale of the length-normalized reward
-    simpo_gamma_beta_ratio: float = 0.5  # SimPO's target margin gamma, over beta
+    simpo_gamma: float = 1.0  # SimPO's target reward margin gamma (TRL CPOConfig.simpo_gamma)
 
     def __post_init__(self):
         _finite("training", self)

@@ -16,8 +16,8 @@ and each metric is its mean over pairs.
 
   dpo    -(1-eps) log sigmoid(z) - eps log sigmoid(-z), z = beta ((pc - rc) - (pr - rr)):
          p the policy's summed logps, r the reference's; rewards beta (p - r).
-  simpo  the same with z = beta ((pc/nc - pr/nr) - gamma/beta): length-normalized logps (n
-         answer tokens), no reference; rewards beta p/n. TRL: CPOTrainer(loss_type='simpo',
+  simpo  the same with z = beta (pc/nc - pr/nr) - gamma: length-normalized logps (n answer
+         tokens), no reference; rewards beta p/n. TRL: CPOTrainer(loss_type='simpo',
          cpo_alpha=0).
   orpo   NLL of the chosen sequences (prompt and answer, token mean) - lambda mean
          log sigmoid(log odds(pc/nc) - log odds(pr/nr)); rewards lambda p/n. With
@@ -62,7 +62,7 @@ class Objective:
     dpo_label_smoothing: float = 0.0
     orpo_beta: float = 0.1
     simpo_beta: float = 2.0
-    simpo_gamma_beta_ratio: float = 0.5
+    simpo_gamma: float = 1.0
 
     @classmethod
     def from_training(cls, training) -> Objective | None:
@@ -188,7 +188,7 @@ def objective_sums(objective: Objective, policy: PairLogps, reference: PairLogps
     elif objective.name == "simpo":
         beta = objective.simpo_beta
         logp_c, logp_r = pc / nc, pr / nr
-        z = beta * ((logp_c - logp_r) - objective.simpo_gamma_beta_ratio)
+        z = beta * (logp_c - logp_r) - objective.simpo_gamma
         losses = _sigmoid_loss(z, 0.0)
         reward_c, reward_r = beta * logp_c, beta * logp_r
         total = jnp.sum(jnp.where(end, losses, 0.0))
