@@ -71,7 +71,10 @@ class Run:
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """One step's global batch as shapes in the batch layout."""
         data = self.config.data
-        return abstract_batch(self.mesh, self.batch_spec, data.global_batch_size, data.seq_len)
+        batch = abstract_batch(self.mesh, self.batch_spec, data.global_batch_size, data.seq_len)
+        if data.format != "text":  # records' batches carry which tokens are answers
+            batch["loss_mask"] = batch["tokens"]
+        return batch
 
     def compile(self):
         """(compiled train step, seconds): lowered on the run's state and a batch of the
