@@ -119,3 +119,21 @@ def test_lora_reference_is_the_base_with_adapters_off():
     assert float(adapters_off[1][1]["rewards/margins"]) != 0.0
     for got, want in zip(jax.tree.leaves(adapters_off), jax.tree.leaves(base_copy), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_1f1b_exits_2_naming_why(source, tmp_path):
+    result = run_train_main(
+        [
+            "--config=configs/tiny.py",
+            f"--workdir={tmp_path}",
+            "--sharding_strategy=fsdp_pp",
+            *cli_flags(RUN),
+            f"--config.data.source={source}",
+            "--config.data.format=preference",
+            "--config.training.objective=dpo",
+            "--config.model.pipeline_schedule=1f1b",
+        ]
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot run under model.pipeline_schedule=1f1b" in lines[0]

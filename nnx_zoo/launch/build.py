@@ -301,6 +301,13 @@ def build(
         else:
             model, optimizer = adapted(create_model(plan, rngs=nnx.Rngs(seed)))
     objective = preference.Objective.from_training(run.training)
+    if objective is not None and plan.pipeline is not None and plan.pipeline.schedule == "1f1b":
+        raise UsageError(
+            f"training.objective={objective.name} cannot run under "
+            "model.pipeline_schedule=1f1b: 1F1B computes the loss inside its loop as one sum "
+            "over tokens, and a preference loss needs each sequence's log probability; set "
+            "model.pipeline_schedule=gpipe (or circular)"
+        )
     # DPO's reference without LoRA: the starting weights, copied before any step or restore.
     needs_copy = objective is not None and objective.needs_reference
     trainer = Trainer(
