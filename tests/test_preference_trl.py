@@ -153,7 +153,11 @@ DIFFERENCES = {
 }
 
 
-def _assert_close(ours, theirs, keys):
+def _assert_close(ours, theirs, keys, what: str):
+    # One line per metric (`pytest -s`): docs/preference.md's table of the differences.
+    for key in keys:
+        rel = abs(ours[key] - theirs[key]) / max(abs(theirs[key]), 1e-30)
+        print(f"vs TRL | {what} | {key} | {theirs[key]:.6g} | {rel:.1e}")
     for key in keys:
         # A margin (of rewards, of log odds) is a difference: relative to its terms.
         terms = DIFFERENCES.get(key)
@@ -174,7 +178,7 @@ def test_dpo_equals_trl_dpo_trainer(dirs, tmp_path, kind):
     ours = _ours(dirs, records, tmp_path, Objective("dpo", dpo_beta=BETA))
     # Not a degenerate case: the reference differs from the policy.
     assert min(abs(theirs["rewards/chosen"]), abs(theirs["rewards/rejected"])) > 1e-3
-    _assert_close(ours, theirs, TRL_METRICS)
+    _assert_close(ours, theirs, TRL_METRICS, f"dpo ({kind})")
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +215,7 @@ def test_simpo_equals_trl_cpo_simpo(dirs, tmp_path, trl_logps):
     losses, reward_c, reward_r = cpo.CPOTrainer.cpo_loss(trainer, chosen, rejected)
     theirs = _reward_metrics(reward_c, reward_r, chosen, rejected, losses.mean())
     ours = _ours(dirs, PAIRS, tmp_path, Objective("simpo", simpo_beta=beta, simpo_gamma=gamma))
-    _assert_close(ours, theirs, TRL_METRICS)
+    _assert_close(ours, theirs, TRL_METRICS, "simpo")
 
 
 def test_orpo_equals_trl_orpo(dirs, tmp_path, trl_logps):
@@ -227,7 +231,8 @@ def test_orpo_equals_trl_orpo(dirs, tmp_path, trl_logps):
     theirs = _reward_metrics(reward_c, reward_r, chosen, rejected, nll - losses.mean())
     theirs.update(nll_loss=float(nll), log_odds_ratio=float(ratio), log_odds_chosen=float(log_odds))
     ours = _ours(dirs, PAIRS, tmp_path, Objective("orpo", orpo_beta=BETA))
-    _assert_close(ours, theirs, (*TRL_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"))
+    keys = (*TRL_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+    _assert_close(ours, theirs, keys, "orpo")
 
 
 def _reward_metrics(reward_c, reward_r, chosen, rejected, loss) -> dict:
