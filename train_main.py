@@ -93,7 +93,10 @@ def _train() -> int:
                 watch.describe = session.saved_note(workdir, run.checkpoint.enabled)
             # Checked writable (checkpoints/ too), no history to overwrite, held until exit.
             lock = hold(workdir, checkpoints=run.checkpoint.enabled)
-            prepared = session.prepare(run, workdir, init_from=init_from)
+            eval_tasks = None
+            if run.eval.tasks:  # lm-eval tasks inside training (evaluation imports launch)
+                from nnx_zoo.evaluation.in_loop import make as eval_tasks
+            prepared = session.prepare(run, workdir, init_from=init_from, eval_tasks=eval_tasks)
             session.resume(prepared)
         except UsageError as e:
             peers.leave()

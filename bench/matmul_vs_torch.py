@@ -82,7 +82,7 @@ def main() -> None:
         return
     backends = ["xla", "xla+flags", "torch"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2", ZOO_XLA_CPU_DEFAULTS="1")
+    env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2", ZOO_XLA_CPU_FLAGS="1")
     results = {b: [] for b in backends}
     for r in range(args.rounds):
         order = backends[r % 3 :] + backends[: r % 3]

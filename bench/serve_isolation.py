@@ -57,9 +57,6 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--phases", default=",".join(PHASES))
     args = parser.parse_args()
-    from nnx_zoo.runtime.host import import_jax_quietly
-
-    import_jax_quietly()
     server = None
     if args.url:
         url, model, pid = args.url, args.model, args.pid

@@ -21,9 +21,9 @@ steps (both) come before round 1 and are reported apart. The 1-minute load avera
 before every round: this machine's other users slow both stacks, and a figure is only worth
 its load.
 
-JAX runs with the project's CPU flags (nnx_zoo/runtime/xla_cpu.py) and, as train_main does,
-huge pages for the host allocator where the host allows them (nnx_zoo/runtime/cpu_memory.py);
-ZOO_XLA_CPU_DEFAULTS=0 drops both.
+JAX runs as train_main does: with the project's XLA CPU flags when ZOO_XLA_CPU_FLAGS=1 asks for
+them (nnx_zoo/runtime/xla_cpu.py), and with huge pages for the host allocator when
+ZOO_HUGE_PAGES=1 asks for them and the host allows them (nnx_zoo/runtime/cpu_memory.py).
 """
 
 from __future__ import annotations
@@ -236,14 +236,14 @@ class Worker:
         self.process = ctx.Process(
             target=_worker, args=(stack_name, checkpoint, tokens, child, perturb), daemon=True
         )
-        # The project's processes run with huge pages for the host allocator where that helps
-        # (nnx_zoo/runtime/cpu_memory.py: train_main and eval_main restart with it); torch's as a
-        # user starts it. A spawned worker takes the environment it is started with.
+        # With ZOO_HUGE_PAGES=1 the project's processes run with huge pages for the host
+        # allocator (nnx_zoo/runtime/cpu_memory.py: the entry points restart with them); torch's
+        # as a user starts it. A spawned worker takes the environment it is started with.
         saved = dict(os.environ)
         if stack_name == "jax":
             from nnx_zoo.runtime.cpu_memory import huge_page_environ
 
-            os.environ.update(huge_page_environ(os.environ) or {})
+            os.environ.update(huge_page_environ(os.environ)[0] or {})
         try:
             self.process.start()
         finally:
@@ -406,7 +406,7 @@ def main() -> None:
     print(repr(set_cpu_flags(dict(os.environ))), flush=True)
     from nnx_zoo.runtime.cpu_memory import huge_page_environ
 
-    huge = huge_page_environ(os.environ)
+    huge, _ = huge_page_environ(os.environ)
     print(
         "GLIBC_TUNABLES for the project: "
         + repr(huge["GLIBC_TUNABLES"] if huge else os.environ.get("GLIBC_TUNABLES", "")),

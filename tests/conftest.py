@@ -45,9 +45,9 @@ if _DECIDED not in os.environ:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     os.environ[_DECIDED] = flags
 os.environ["JAX_PLATFORMS"] = "cpu"
-# The XLA CPU flags every entry point starts with (nnx_zoo/runtime/xla_cpu.py): a run in this
-# process (tests/_entry.py) then compiles the program a train_main process compiles, and the
-# two agree bit for bit where a test compares them.
+# The XLA CPU flags an entry point starts with (nnx_zoo/runtime/xla_cpu.py: none unless
+# ZOO_XLA_CPU_FLAGS=1): a run in this process (tests/_entry.py) then compiles the program a
+# train_main process compiles, and the two agree bit for bit where a test compares them.
 set_cpu_flags()
 # Tests that compile for TPU targets load libtpu; pytest workers and other processes on the
 # same host may hold it too, and compiling without running is safe to share.

@@ -51,6 +51,9 @@ def test_the_platform_is_jaxs_and_its_line_names_it():
     assert found.line() == LINE
     several = host.Platform("0.10.2", "tpu", "TPU v5p", 16, 4)
     assert several.line() == "jax 0.10.2 on tpu: 16 x TPU v5p devices in 4 processes"
+    assert host.Platform("0.10.2", "gpu", "NVIDIA H100 80GB HBM3", 1, 1).line() == (
+        "jax 0.10.2 on gpu: 1 x NVIDIA H100 80GB HBM3 device"
+    )
 
 
 def test_an_accelerator_asked_for_and_not_started_is_a_usage_error():

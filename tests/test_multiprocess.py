@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 
+import jax
 import numpy as np
 import portpicker
 import pytest
@@ -138,6 +139,9 @@ def _two_processes(
     assert "2 processes" in outputs[0][0] and "done:" in outputs[0][0]
     assert "Config: " in outputs[0][0]
     assert "Config: " not in outputs[1][0] and "done:" not in outputs[1][0]
+    # The first line names the platform JAX chose, every process's devices (process 0 only).
+    first = f"jax {jax.__version__} on cpu: 8 x cpu devices in 2 processes"
+    assert outputs[0][0].splitlines()[0] == first and first not in outputs[1][0]
     with open(os.path.join(workdir, "run_info.json")) as f:
         info = json.load(f)
     assert info["mesh_shape"] == CASES[strategy][0]

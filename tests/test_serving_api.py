@@ -131,7 +131,7 @@ def server(workdir, tmp_path_factory):
         proc.kill()
         log.seek(0)
         pytest.fail(f"the server did not start: {lines!r}\n{log.read()[-3000:]}")
-    assert lines[0].startswith("jax ") and " on cpu: 1 x cpu devices" in lines[0], lines
+    assert lines[0].startswith("jax ") and lines[0].endswith(" on cpu: 1 x cpu device\n"), lines
     assert found.group(1) == NAME  # the workdir's name by default
     server = Server(proc, found.group(2), log)
     # Before any test's request (the tests run in any order).
@@ -140,6 +140,14 @@ def server(workdir, tmp_path_factory):
     proc.terminate()
     assert proc.wait(timeout=60) == 0 or proc.returncode == -15
     log.close()
+
+
+def _generated(stdout: str, prompt: str) -> str:
+    """What eval_main --prompt generated: it prints the platform line, then prompt + text."""
+    platform, printed = stdout.split("\n", 1)
+    assert platform.startswith("jax ") and " on cpu: " in platform, stdout
+    assert printed.startswith(prompt), stdout
+    return printed[len(prompt) : -1]
 
 
 def _complete(server, prompt, **kwargs):
@@ -185,7 +193,7 @@ def test_greedy_equals_eval_main_streamed_and_not(server, workdir):
             ]
         )
         assert result.returncode == 0, result.stderr[-2000:]
-        want = result.stdout[len(prompt) : -1]  # eval_main prints prompt + generation
+        want = _generated(result.stdout, prompt)
         response = _complete(server, prompt)
         choice = response.choices[0]
         assert choice.text == want
@@ -214,7 +222,7 @@ def test_a_seeded_sample_is_the_same_text_from_eval_main_and_the_server(server, 
         ]
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    want = result.stdout[len(prompt) : -1]
+    want = _generated(result.stdout, prompt)
     greedy = _complete(server, prompt).choices[0].text
     sampled = _complete(server, prompt, temperature=0.9, seed=seed, extra_body={"top_k": 50})
     assert sampled.choices[0].text == want
@@ -317,14 +325,14 @@ def raw(fields: str) -> str:
         ({**GOOD, "model": "gpt-4"}, "model", "does not exist"),
         ({**GOOD, "prompt": "x" * (MAX_SEQ_LEN - 1)}, "prompt", "maximum context length"),
         ({**GOOD, "max_tokens": MAX_SEQ_LEN}, "prompt", "maximum context length"),
-        ({**GOOD, "max_tokens": 0}, "max_tokens", "must be >= 1"),
+        ({**GOOD, "max_tokens": 0}, "max_tokens", "must be >= 1 (0 only with echo"),
         ({**GOOD, "temperature": -0.5}, "temperature", "finite number >= 0"),
         (raw(', "temperature": NaN'), "temperature", "finite"),
         (raw(', "temperature": Infinity'), "temperature", "finite"),
         ({**GOOD, "top_p": 0}, "top_p", "in (0, 1]"),
         ({**GOOD, "top_p": 1.5}, "top_p", "in (0, 1]"),
         ({**GOOD, "n": 0}, "n", "n=0"),
-        ({**GOOD, "logprobs": 3}, "logprobs", "not supported"),
+        ({**GOOD, "logprobs": 21}, "logprobs", "must be in [0, 20]"),
         ({**GOOD, "prompt": ""}, "prompt", "empty"),
         ({**GOOD, "prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
         ({"model": NAME}, "prompt", "missing required field"),
@@ -343,7 +351,7 @@ def raw(fields: str) -> str:
         "top-p-0",
         "top-p-above-1",
         "n-0",
-        "logprobs",
+        "logprobs-above-20",
         "empty-prompt",
         "token-outside-vocab",
         "no-prompt",

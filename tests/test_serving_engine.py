@@ -239,7 +239,9 @@ def test_a_failed_prefill_fails_the_requests_in_the_cache_not_those_still_to_pre
     alone = [_ids(engine.generate([p], max_tokens=NEW, ignore_eos=True))[0] for p in SHORT]
     compile_prefill = engine.slots.compile_prefill
     fail = FailOnce(at=2)
-    monkeypatch.setattr(engine.slots, "compile_prefill", lambda b: fail.wrap(compile_prefill(b)))
+    monkeypatch.setattr(
+        engine.slots, "compile_prefill", lambda b, score=False: fail.wrap(compile_prefill(b, score))
+    )
     jobs, finals = _submit(engine, SHORT)
     events = [final.get(timeout=120) for final in finals]
     assert [e.finish_reason for e in events] == ["error", "error", "length"]

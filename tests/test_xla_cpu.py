@@ -1,5 +1,6 @@
-"""The CPU flags the entry points add: only where the running XLA takes them (probed once per
-jaxlib, the answer cached), after the user's, and XLA takes ours."""
+"""The XLA CPU flags the entry points add: only when asked (ZOO_XLA_CPU_FLAGS=1), only where the
+running XLA takes them (probed once per jaxlib, the answer cached), after the user's, and XLA
+takes ours."""
 
 import json
 import os
@@ -9,10 +10,11 @@ import sys
 import pytest
 
 from nnx_zoo.runtime import xla_cpu
-from nnx_zoo.runtime.xla_cpu import CPU_FLAGS, DISABLE_ENV, cpu_flags, set_cpu_flags, xla_takes
+from nnx_zoo.runtime.xla_cpu import CPU_FLAGS, ENABLE_ENV, cpu_flags, set_cpu_flags, xla_takes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = [f"--{name}={value}" for name, value, _ in CPU_FLAGS]
+ASKED = {ENABLE_ENV: "1"}
 
 
 @pytest.fixture
@@ -23,7 +25,7 @@ def cache_home(tmp_path, monkeypatch):
 
 
 def test_flags_are_added_after_the_users(cache_home):
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", **ASKED}
     assert set_cpu_flags(env).split() == ["--xla_force_host_platform_device_count=8", *OURS]
     assert env["XLA_FLAGS"].split()[1:] == OURS
 
@@ -35,10 +37,13 @@ def test_a_flag_the_user_set_is_kept(cache_home):
     assert not any(f.startswith(f"--{name}=") and f != f"--{name}=eltwise" for f in flags.split())
 
 
-def test_the_defaults_can_be_turned_off(cache_home):
-    env = {"XLA_FLAGS": "--a=1", DISABLE_ENV: "0"}
-    assert set_cpu_flags(env) == "--a=1"
-    assert set_cpu_flags({}) == " ".join(OURS)
+def test_nothing_is_added_unless_asked(cache_home):
+    # Before: every entry point added the experimental flag, unasked.
+    for env in ({"XLA_FLAGS": "--a=1"}, {"XLA_FLAGS": "--a=1", ENABLE_ENV: "0"}):
+        assert set_cpu_flags(env) == "--a=1" and env["XLA_FLAGS"] == "--a=1"
+    env = {}
+    assert set_cpu_flags(env) == "" and env == {}
+    assert set_cpu_flags(dict(ASKED)) == " ".join(OURS)
 
 
 def test_a_flag_this_xla_does_not_know_is_not_added(cache_home, monkeypatch):
@@ -46,7 +51,7 @@ def test_a_flag_this_xla_does_not_know_is_not_added(cache_home, monkeypatch):
     # abort every command at start-up ("Unknown flag in XLA_FLAGS").
     unknown = ("xla_cpu_no_such_flag_anywhere", "dot", "a flag no XLA has")
     monkeypatch.setattr(xla_cpu, "CPU_FLAGS", (unknown, *CPU_FLAGS))
-    env = {"XLA_FLAGS": "--a=1"}
+    env = {"XLA_FLAGS": "--a=1", **ASKED}
     assert set_cpu_flags(env).split() == ["--a=1", *OURS]
     # Probed once each, then the cache answers (no subprocess): keyed by the jaxlib version.
     with open(cache_home / "nnx_zoo" / "xla_flags.json") as f:
@@ -62,7 +67,7 @@ def test_a_flag_this_xla_does_not_know_is_not_added(cache_home, monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", no_probe)
     assert not xla_takes("--xla_cpu_no_such_flag_anywhere=dot")
-    assert set_cpu_flags({}) == " ".join(OURS)
+    assert set_cpu_flags(dict(ASKED)) == " ".join(OURS)
 
 
 CHILD = """
@@ -84,7 +89,7 @@ print("error_ok", err < 1e-4)
 
 def test_xla_accepts_the_flags_and_the_dot_stays_right(cache_home):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", **ASKED)
     out = subprocess.run(
         [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300
     )

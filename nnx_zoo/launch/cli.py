@@ -30,13 +30,13 @@ DEFAULT_CONFIG = os.path.join(_CONFIGS_DIR, "tiny.py")
 
 def preamble(*, huge_pages: bool = True, cpu_flags: bool = True, cpu_only: bool = False) -> None:
     """Before jax is imported, in an entry point's own process: XLA's C++ logs at WARNING and
-    up (TF_CPP_MIN_LOG_LEVEL, unless set), our XLA CPU flags where the running XLA takes them
-    (nnx_zoo/runtime/xla_cpu.py), huge pages when the user asks (ZOO_HUGE_PAGES=1,
-    nnx_zoo/runtime/cpu_memory.py), and (`cpu_only`: plan_main, explain_main, data_main,
-    which compile for abstract targets or none) the CPU backend unless JAX_PLATFORMS says
-    otherwise, so a plan never takes the accelerator a run is using. The platform is JAX's
-    choice otherwise (nnx_zoo/runtime/host.py); what the native libraries still print at
-    start-up: docs/performance.md, "Start-up"."""
+    up (TF_CPP_MIN_LOG_LEVEL, unless set); our XLA CPU flags (ZOO_XLA_CPU_FLAGS=1,
+    nnx_zoo/runtime/xla_cpu.py) and huge pages (ZOO_HUGE_PAGES=1,
+    nnx_zoo/runtime/cpu_memory.py) when the user asks for them; and (`cpu_only`: plan_main,
+    explain_main, data_main, which compile for abstract targets or none) the CPU backend
+    unless JAX_PLATFORMS says otherwise, so a plan never takes the accelerator a run is
+    using. The platform is JAX's choice otherwise (nnx_zoo/runtime/host.py); what the native
+    libraries still print at start-up: docs/performance.md, "Start-up"."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if cpu_only:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -53,7 +53,7 @@ def preamble(*, huge_pages: bool = True, cpu_flags: bool = True, cpu_only: bool 
     if cpu_flags:
         from nnx_zoo.runtime.xla_cpu import set_cpu_flags
 
-        set_cpu_flags()  # a flag already in XLA_FLAGS wins
+        set_cpu_flags()  # ZOO_XLA_CPU_FLAGS=1 only; a flag already in XLA_FLAGS wins
 
 
 def simulate_cpu_devices(flag: str, count_of=lambda value: value, default=None) -> None:

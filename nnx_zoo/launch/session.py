@@ -29,7 +29,7 @@ from nnx_zoo.training import finetune, flops
 from nnx_zoo.training.config import RunConfig
 from nnx_zoo.training.loop import LoopOptions
 from nnx_zoo.training.loop import run as run_loop
-from nnx_zoo.training.metrics import MetricsWriter
+from nnx_zoo.training.metrics import MetricsWriter, WandbWriter, Writers, require_wandb
 from nnx_zoo.training.profile import StepProfiler, parse_steps
 from nnx_zoo.training.step_memory import step_memory
 from zoo.layers.attention import choices as attention_choices
@@ -50,6 +50,8 @@ class TrainSession:
     # (step, RunConfig) of the workdir's newest checkpoint, read once by `prepare`; None
     # when there is none (or checkpoints are off).
     saved: tuple[int, RunConfig] | None = None
+    # The run's eval.tasks as model -> scores (nnx_zoo/evaluation/in_loop.py), or None.
+    downstream: Callable | None = None
 
     @property
     def preempted(self) -> bool:
@@ -61,8 +63,21 @@ class TrainSession:
         return self.built.config
 
 
-def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> TrainSession:
-    """Mesh, data, model, optimizer and step for `run` in `workdir`."""
+def prepare(
+    run: RunConfig,
+    workdir: str,
+    *,
+    init_from: str | None = None,
+    eval_tasks: Callable | None = None,
+) -> TrainSession:
+    """Mesh, data, model, optimizer and step for `run` in `workdir`. `eval_tasks`: what makes
+    the run's in-loop eval tasks, `(run, strategy name, mesh, tokenizer) -> (model -> scores)`
+    (nnx_zoo/evaluation/in_loop.py's `make`, which train_main passes: launch may not import
+    evaluation); needed when the config sets eval.tasks."""
+    if run.eval.tasks and eval_tasks is None:
+        raise TypeError("config eval.tasks is set: prepare() needs eval_tasks (in_loop.make)")
+    if run.logging.wandb_project:
+        require_wandb()  # before anything is built or written
     notes = []
     saved = resume_rules.saved_run(workdir) if run.checkpoint.enabled else None
     if saved is not None:
@@ -73,6 +88,9 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
     plan = plan_run(run, init_from=init_from)
     # The data before the model: a bad source or tokenizer fails before any initialisation.
     run_data = build_data(run, plan.mesh, plan.strategy.batch_spec())
+    downstream = None
+    if run.eval.tasks:  # its tasks checked before the model is built
+        downstream = eval_tasks(run, plan.strategy.name, plan.mesh, run_data.tokenizer)
     built = build(run, plan=plan, init_from=init_from)
     tokenizer = run_data.tokenizer
     if built.model_cfg.vocab_size < tokenizer.vocab_size:
@@ -92,7 +110,9 @@ def prepare(run: RunConfig, workdir: str, *, init_from: str | None = None) -> Tr
         "platform": host.platform().record(),
         "attention": trace_attention(built),
     }
-    return TrainSession(built, run_data, workdir, info, notes + run_data.notes, saved=saved)
+    return TrainSession(
+        built, run_data, workdir, info, notes + run_data.notes, saved=saved, downstream=downstream
+    )
 
 
 def trace_attention(built: Run) -> dict:
@@ -238,6 +258,8 @@ def _loop_options(session: TrainSession) -> LoopOptions:
         ),
         on_phase=peers.note,
         source_names=session.data.source_names,
+        downstream=session.downstream,
+        downstream_every=run.eval.every,
     )
 
 
@@ -274,33 +296,59 @@ def train(session: TrainSession) -> list[dict]:
             tensorboard=run.logging.tensorboard,
             loss_curve=run.logging.loss_curve,
         )
+        tracker = None
         try:
             batches = session.data.train_batches
             if start_step < total:
                 first = next(batches)
                 _compile(session, first)
                 batches = itertools.chain([first], batches)
+                # After the compile: run_info (the W&B config) then holds the step's memory.
+                tracker = _tracker(session)
             records = run_loop(
                 built.trainer,
                 options,
                 train_batches=batches,
                 make_val_batches=session.data.make_val_batches,
                 learning_rate=lambda s: built.schedule(s),
-                writer=writer,
+                writer=Writers(writer, tracker) if tracker is not None else writer,
                 checkpointer=ckpt,
                 train_iter=session.data.train_iter,
                 watcher=watcher,
                 start_step=start_step,
             )
+        except BaseException:
+            if tracker is not None:
+                tracker.close(exit_code=1)  # the W&B run marked failed
+            raise
         finally:
             session.data.close()
             writer.finalize()
+            if tracker is not None:
+                tracker.close()
             if ckpt is not None:
                 ckpt.close()
             if watcher is not None:
                 watcher.close()
     _summarise(session, records)
     return records
+
+
+def _tracker(session: TrainSession) -> WandbWriter | None:
+    """The W&B run of logging.wandb_project (process 0 logs), or None without one."""
+    logging = session.run.logging
+    if not logging.wandb_project:
+        return None
+    return WandbWriter(
+        session.workdir,
+        jax.process_index() == 0,
+        project=logging.wandb_project,
+        entity=logging.wandb_entity,
+        name=logging.wandb_run_name,
+        tags=logging.wandb_tag_list(),
+        config=session.info,
+        resume_step=session.start_step,
+    )
 
 
 def _summarise(session: TrainSession, records: list[dict]) -> None:

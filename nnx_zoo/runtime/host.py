@@ -45,9 +45,10 @@ class Platform:
     def line(self) -> str:
         """The first line of a run, e.g. 'jax 0.10.2 on cpu: 8 x cpu devices'."""
         processes = f" in {self.process_count} processes" if self.process_count > 1 else ""
+        plural = "s" if self.device_count != 1 else ""
         return (
             f"jax {self.jax} on {self.backend}: {self.device_count} x {self.device_kind} "
-            f"devices{processes}"
+            f"device{plural}{processes}"
         )
 
     def record(self) -> dict:

@@ -1,16 +1,16 @@
-"""XLA CPU flags for processes this project starts (train_main, eval_main, the benches).
+"""XLA CPU flags for processes this project starts (train_main, eval_main, the benches), when
+the user asks for them: `ZOO_XLA_CPU_FLAGS=1`.
 
 XLA's default CPU dot kernel is Eigen's; `--xla_cpu_experimental_ynn_fusion_type=dot` sends
-float32 dots to YNNPACK kernels instead. The flag is experimental: XLA aborts the process on
-a flag it does not know, so a rename in a later XLA would break every command at start-up.
-It is therefore added only where the running XLA takes it: `xla_takes` starts a CPU client
-with the flag in a subprocess once per jaxlib version and keeps the answer in
-`$XDG_CACHE_HOME/nnx_zoo/xla_flags.json` (else `~/.cache/...`). What it buys, measured:
-docs/performance.md, "XLA CPU flags and huge pages".
+float32 dots to YNNPACK kernels instead. Measured on the recent development hosts it buys
+nothing or loses (docs/performance.md, "XLA CPU flags and huge pages"), so no process gets it
+unasked. The flag is experimental: XLA aborts the process on a flag it does not know, so it
+is added only where the running XLA takes it: `xla_takes` starts a CPU client with the flag
+in a subprocess once per jaxlib version and keeps the answer in
+`$XDG_CACHE_HOME/nnx_zoo/xla_flags.json` (else `~/.cache/...`).
 
 Call `set_cpu_flags()` before the first JAX computation (XLA reads XLA_FLAGS when the CPU
-client starts). A flag the user already put in XLA_FLAGS wins over ours, and
-ZOO_XLA_CPU_DEFAULTS=0 adds none of them (to compare against XLA's own defaults).
+client starts). A flag the user already put in XLA_FLAGS wins over ours.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ CPU_FLAGS = (
     ),
 )
 
-DISABLE_ENV = "ZOO_XLA_CPU_DEFAULTS"
+ENABLE_ENV = "ZOO_XLA_CPU_FLAGS"
 _CACHE_FILE = "xla_flags.json"
 # A CPU client started with the flag: XLA parses XLA_FLAGS then, and aborts on one it does not
 # know. JAX_PLATFORMS=cpu: only that client, whatever accelerators the host has.
@@ -75,7 +75,7 @@ def xla_takes(flag: str) -> bool:
 
 
 def cpu_flags(xla_flags: str) -> str:
-    """`xla_flags` with our defaults appended for every flag it does not already set and the
+    """`xla_flags` with our flags appended for every flag it does not already set and the
     running XLA takes."""
     given = {part.lstrip("-").split("=", 1)[0] for part in xla_flags.split()}
     added = [
@@ -87,9 +87,10 @@ def cpu_flags(xla_flags: str) -> str:
 
 
 def set_cpu_flags(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Add our CPU defaults to environ['XLA_FLAGS'] (unless turned off); returns the value."""
+    """Add our CPU flags to environ['XLA_FLAGS'] when environ asks for them
+    (ZOO_XLA_CPU_FLAGS=1) and the running XLA takes them; returns the value."""
     current = environ.get("XLA_FLAGS", "")
-    if environ.get(DISABLE_ENV, "1") == "0":
+    if environ.get(ENABLE_ENV, "0") != "1":
         return current
     flags = cpu_flags(current)
     if flags != current:

@@ -33,7 +33,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from nnx_zoo.serving import protocol
+from nnx_zoo.serving import logprobs, protocol
 from nnx_zoo.serving.engine import Engine, EngineStoppedError
 from nnx_zoo.serving.protocol import ApiError, ChatRequest, CompletionRequest
 from nnx_zoo.serving.scheduler import Event, QueueFullError, Sampling
@@ -89,13 +89,30 @@ def create_app(
     def completion_jobs(raw: bytes, on_event):
         body = protocol.parse(raw, CompletionRequest)
         ask = protocol.check(body, served_model=served_model, capacity=capacity)
-        texts = protocol.prompts(body.prompt)
-        _check_fits(len(texts), ask.n, capacity)  # before tokenizing them all
-        prompts = [encode(p) if isinstance(p, str) else p for p in texts]
+        given = protocol.prompts(body.prompt)
+        _check_fits(len(given), ask.n, capacity)  # before tokenizing them all
+        prompts = [encode(p) if isinstance(p, str) else p for p in given]
         if not prompts or any(not p for p in prompts):
             raise ApiError("the prompt is empty", param="prompt")
         envelope = protocol.Envelope(served_model, chat=False)
-        return body, envelope, prompts, _jobs(engine, prompts, ask, envelope, on_event)
+        jobs = _jobs(engine, prompts, ask, envelope, on_event)
+
+        def finish(texts: list[str]):
+            """(texts, logprobs) of the choices: with echo, each prompt prepended (a string
+            as sent, token ids decoded)."""
+            echoed = [None] * len(jobs)
+            if ask.echo:
+                shown = [p if isinstance(p, str) else tokenizer.decode(p) for p in given]
+                echoed = [shown[i // ask.n] for i in range(len(jobs))]
+            lps = None
+            if ask.logprobs is not None:
+                lps = [
+                    logprobs.completion(job, text, prompt)
+                    for job, text, prompt in zip(jobs, texts, echoed, strict=True)
+                ]
+            return [(p or "") + t for p, t in zip(echoed, texts, strict=True)], lps
+
+        return body, envelope, prompts, jobs, finish
 
     def chat_jobs(raw: bytes, on_event):
         body = protocol.parse(raw, ChatRequest)
@@ -111,7 +128,14 @@ def create_app(
             raise ApiError(str(e), param="messages") from None
         prompts = [encode(text)]
         envelope = protocol.Envelope(served_model, chat=True)
-        return body, envelope, prompts, _jobs(engine, prompts, ask, envelope, on_event)
+        jobs = _jobs(engine, prompts, ask, envelope, on_event)
+
+        def finish(texts: list[str]):
+            if ask.logprobs is None:
+                return texts, None
+            return texts, [logprobs.chat(job, t) for job, t in zip(jobs, texts, strict=True)]
+
+        return body, envelope, prompts, jobs, finish
 
     async def serve(request: Request, make_jobs):
         raw = await _read_body(request, max_request_bytes)
@@ -119,8 +143,8 @@ def create_app(
         on_event = functools.partial(_bridge(request).put, events)
         # Parsing, the template and the tokenizer run beside the event loop (and, for a
         # tokenizer that lets go of the interpreter, beside the engine thread).
-        body, envelope, prompts, jobs = await asyncio.to_thread(make_jobs, raw, on_event)
-        return await _serve(engine, request, body, envelope, prompts, jobs, events)
+        made = await asyncio.to_thread(make_jobs, raw, on_event)
+        return await _serve(engine, request, *made, events)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -177,7 +201,9 @@ def _jobs(engine: Engine, prompts, ask, envelope, on_event) -> list:
             sampling = Sampling(ask.temperature, ask.top_k, ask.top_p, (seed + i) % 2**32)
             # No max_tokens (chat): as much as the context leaves (at least one token, so a
             # prompt that fills the context is refused as too long).
-            max_tokens = ask.max_tokens or max(limit - len(prompt), 1)
+            max_tokens = ask.max_tokens
+            if max_tokens is None:
+                max_tokens = max(limit - len(prompt), 1)
             try:
                 job = engine.job(
                     prompt,
@@ -185,6 +211,8 @@ def _jobs(engine: Engine, prompts, ask, envelope, on_event) -> list:
                     sampling=sampling,
                     stop=ask.stop,
                     ignore_eos=ask.ignore_eos,
+                    logprobs=ask.logprobs,
+                    echo=ask.echo,
                     on_event=functools.partial(on_event, p * ask.n + i),
                 )
             except ValueError as e:
@@ -193,7 +221,8 @@ def _jobs(engine: Engine, prompts, ask, envelope, on_event) -> list:
     return jobs
 
 
-async def _serve(engine: Engine, request: Request, body, envelope, prompts, jobs, events):
+async def _serve(engine: Engine, request: Request, body, envelope, prompts, jobs, finish, events):
+    """`finish(texts) -> (texts, logprobs)`: the choices' final texts and log-probabilities."""
     try:
         engine.submit(jobs)
     except QueueFullError as e:
@@ -219,7 +248,10 @@ async def _serve(engine: Engine, request: Request, body, envelope, prompts, jobs
         _cancel_unfinished(engine, jobs)
         watcher.cancel()
     completion_tokens = sum(job.stream.num_tokens for job in jobs)
-    return envelope.response(texts, reasons, protocol.usage(prompt_tokens, completion_tokens))
+    # (Tokens' texts are decoded here: off the event loop.)
+    texts, choice_logprobs = await asyncio.to_thread(finish, texts)
+    usage = protocol.usage(prompt_tokens, completion_tokens)
+    return envelope.response(texts, reasons, usage, choice_logprobs)
 
 
 class _Bridge:

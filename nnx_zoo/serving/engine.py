@@ -13,7 +13,10 @@ Each turn of the loop:
      turn, not the running requests' remaining tokens;
   3. runs one decode step for every slot, and sends each running job its next token.
 A job that finishes (EOS, a stop string, its max_tokens) gives its slot back in the turn it
-finishes, before the next admission. The thread sleeps while there is nothing to do.
+finishes, before the next admission. A job that asked for log-probabilities records each
+token's (`Job.token_logprobs`), and with echo its prompt's (`Job.prompt_logprobs`, from the
+prefill's `score` variant, run for a group when any of its jobs asks); an echo job with
+max_tokens 0 finishes at its prefill. The thread sleeps while there is nothing to do.
 
 Events go to each job's `on_event` from this thread; the HTTP layer forwards them to its
 event loop. Failures:
@@ -39,8 +42,8 @@ import time
 from collections.abc import Sequence
 
 from nnx_zoo.errors import UsageError
-from nnx_zoo.serving.scheduler import Event, Job, Sampling, Scheduler
-from nnx_zoo.serving.slots import CacheLostError, Slots
+from nnx_zoo.serving.scheduler import Event, Job, Sampling, Scheduler, TokenLogprob
+from nnx_zoo.serving.slots import MAX_LOGPROBS, CacheLostError, Drawn, PromptScores, Slots
 from nnx_zoo.serving.text import TextStream
 
 _log = logging.getLogger(__name__)
@@ -77,13 +80,20 @@ class Engine:
         sampling: Sampling,
         stop=(),
         ignore_eos: bool = False,
+        logprobs: int | None = None,
+        echo: bool = False,
         on_event,
     ) -> Job:
-        """A job for `submit` (checked: a prompt that fits, with room for max_tokens)."""
+        """A job for `submit` (checked: a prompt that fits, with room for max_tokens).
+        `logprobs` k: record each token's log-probability and its k most likely alternatives
+        (`Job.token_logprobs`); `echo`: the prompt's too (`Job.prompt_logprobs`), and then
+        max_tokens may be 0 (the prompt scored, nothing generated)."""
         if not prompt:
             raise UsageError("the prompt is empty")
-        if max_tokens < 1:
-            raise UsageError(f"max_tokens={max_tokens} must be >= 1")
+        if max_tokens < (0 if echo else 1):
+            raise UsageError(f"max_tokens={max_tokens} must be >= {0 if echo else 1}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise UsageError(f"logprobs={logprobs} must be in [0, {MAX_LOGPROBS}]")
         limit = self.slots.max_seq_len
         if len(prompt) + max_tokens > limit:
             raise UsageError(
@@ -96,7 +106,9 @@ class Engine:
             raise UsageError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         eos = None if ignore_eos else self.tokenizer.eos_id
         stream = TextStream(self.tokenizer, max_tokens=max_tokens, stop=stop, eos_id=eos)
-        return Job(list(prompt), sampling, stream, on_event)
+        job = Job(list(prompt), sampling, stream, on_event)
+        job.logprobs, job.echo = (0 if logprobs is None and echo else logprobs), echo
+        return job
 
     def submit(self, jobs: Sequence[Job]) -> None:
         """Queue `jobs` (one request: all or none). QueueFullError when they do not fit now;
@@ -171,6 +183,23 @@ class Engine:
         ignore_eos: bool = False,
     ) -> list[TextStream]:
         """Run `prompts` concurrently and wait for them all (tests, scripts)."""
+        jobs = self.run_jobs(
+            prompts, max_tokens=max_tokens, sampling=sampling, stop=stop, ignore_eos=ignore_eos
+        )
+        return [job.stream for job in jobs]
+
+    def run_jobs(
+        self,
+        prompts: Sequence[list[int]],
+        *,
+        max_tokens: int,
+        sampling: Sequence[Sampling] | Sampling = GREEDY,
+        stop=(),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        echo: bool = False,
+    ) -> list[Job]:
+        """`generate`, returning the finished jobs (their log-probabilities, when asked)."""
         if isinstance(sampling, Sampling):
             sampling = [sampling] * len(prompts)
         done: queue.SimpleQueue = queue.SimpleQueue()
@@ -182,6 +211,8 @@ class Engine:
                 sampling=settings,
                 stop=stop,
                 ignore_eos=ignore_eos,
+                logprobs=logprobs,
+                echo=echo,
                 on_event=None,
             )
             job.on_event = functools.partial(_put_last, done, job)
@@ -191,7 +222,7 @@ class Engine:
             job, event = done.get()
             if event.error:
                 raise RuntimeError(event.error)
-        return [job.stream for job in jobs]
+        return jobs
 
     # -- the engine thread ---------------------------------------------------------------
 
@@ -221,16 +252,26 @@ class Engine:
     def _prefill(self, jobs: list[Job]) -> None:
         columns = _sampling_columns([job.sampling for job in jobs])
         try:
-            first = self.slots.prefill([j.prompt for j in jobs], [j.slot for j in jobs], columns)
+            first, scores = self.slots.prefill(
+                [j.prompt for j in jobs],
+                [j.slot for j in jobs],
+                columns,
+                score=any(j.echo for j in jobs),
+            )
         except Exception as e:  # noqa: BLE001 -- fail these jobs, keep serving the rest
             self._device_failed(jobs, e)
             return
         with self._cond:
             self.prefills += 1
         now = time.perf_counter()
-        for job, token in zip(jobs, first, strict=True):
+        for row, job in enumerate(jobs):
             job.first_token = now
-            self._deliver(job, token)
+            if job.echo:
+                job.prompt_logprobs = _prompt_logprobs(job, scores, row)
+            if job.stream.max_tokens == 0:  # the prompt scored, nothing to generate
+                self._finish_empty(job)
+            else:
+                self._deliver(job, first, row)
 
     def _decode(self) -> None:
         with self._cond:
@@ -255,10 +296,18 @@ class Engine:
             self.peak_running = max(self.peak_running, len(running))
         for job in running:
             if not job.cancelled:
-                self._deliver(job, out[job.slot])
+                self._deliver(job, out, job.slot)
 
-    def _deliver(self, job: Job, token: int) -> None:
-        job.last_token = int(token)
+    def _deliver(self, job: Job, drawn: Drawn, row: int) -> None:
+        """Row `row` of `drawn` is `job`'s next token."""
+        token = int(drawn.token[row])
+        job.last_token = token
+        logprobs = ()
+        if job.logprobs is not None:
+            top = _pairs(drawn.top_ids[row], drawn.top_logprobs[row], job.logprobs)
+            entry = TokenLogprob(token, float(drawn.logprob[row]), top)
+            job.token_logprobs.append(entry)
+            logprobs = (entry,)
         try:
             delta = job.stream.add(token)
         except Exception as e:  # noqa: BLE001 -- this request's text (its decode): it alone fails
@@ -269,7 +318,14 @@ class Engine:
                 self.scheduler.release(job)
         # One event per token, its text possibly empty (held back, or a token with no text):
         # a streaming client sees every token arrive, which is what latency is measured by.
-        _send(job, Event(delta.text, delta.finish_reason, job.stream.num_tokens))
+        _send(job, Event(delta.text, delta.finish_reason, job.stream.num_tokens, None, logprobs))
+
+    def _finish_empty(self, job: Job) -> None:
+        """A job that asked for no tokens (echo with max_tokens 0): done at its prefill."""
+        delta = job.stream.close("length")
+        with self._cond:
+            self.scheduler.release(job)
+        _send(job, Event(delta.text, delta.finish_reason, 0))
 
     def _device_failed(self, jobs: list[Job], error: Exception) -> None:
         """A prefill or decode call of `jobs` failed. When it took the cache with it, every
@@ -321,6 +377,22 @@ def _send(job: Job, event: Event) -> None:
 def _put_last(done: queue.SimpleQueue, job: Job, event: Event) -> None:
     if event.finish_reason is not None:
         done.put((job, event))
+
+
+def _pairs(ids, logprobs, k: int) -> tuple[tuple[int, float], ...]:
+    """The first k (id, log-probability) pairs, as Python numbers."""
+    return tuple((int(i), float(lp)) for i, lp in zip(ids[:k], logprobs[:k], strict=True))
+
+
+def _prompt_logprobs(job: Job, scores: PromptScores, row: int) -> list[TokenLogprob]:
+    """One entry per prompt token: the first has no log-probability (nothing predicts it);
+    token t's is read at column t - 1, which predicts it."""
+    k, prompt = job.logprobs, job.prompt
+    out = [TokenLogprob(prompt[0], None, ())]
+    for t in range(1, len(prompt)):
+        top = _pairs(scores.top_ids[row, t - 1], scores.top_logprobs[row, t - 1], k)
+        out.append(TokenLogprob(prompt[t], float(scores.logprob[row, t - 1]), top))
+    return out
 
 
 def _sampling_columns(settings: Sequence[Sampling]):

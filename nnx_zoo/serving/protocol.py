@@ -7,8 +7,11 @@ tries each member of `str | list[str] | list[int] | list[list[int]]` over the wh
 order of magnitude slower for a long list of token ids than one pass of type checks, and
 holding the interpreter (so the engine thread too) all along (docs/serving.md, "Limits").
 
-Fields OpenAI defines that this server does not implement (log probabilities, echo,
-penalties, logit bias, suffix, best_of) are refused with a 400 when set to anything but
+Log probabilities: completions take OpenAI's legacy `logprobs: k` (an integer, 0 to
+`MAX_LOGPROBS`) and `echo` (the prompt scored and prepended; with `max_tokens: 0` nothing is
+generated); chat takes `logprobs: true` and `top_logprobs: k`. Neither is streamed yet: with
+`stream` they are a 400. Fields OpenAI defines that this server does not implement
+(penalties, logit bias, suffix, best_of) are refused with a 400 when set to anything but
 their no-op value, rather than silently ignored: a client relying on them would get wrong
 results. Fields no one defines are ignored, as OpenAI ignores them. Beyond OpenAI, `top_k`
 and `ignore_eos` (vLLM's names; with the `openai` client: `extra_body={...}`).
@@ -24,6 +27,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from nnx_zoo.serving.slots import MAX_LOGPROBS
 from nnx_zoo.serving.text import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # OpenAI's defaults: a completion is 16 tokens unless asked; sampling at temperature 1.
@@ -67,16 +71,17 @@ class _Sampled(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # Completions: the number of alternatives (an integer); chat: whether (a boolean).
+    logprobs: int | bool | None = None
     # Defined by OpenAI, not implemented here: refused unless at their no-op value.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
-    logprobs: int | bool | None = None
 
 
 class CompletionRequest(_Sampled):
     prompt: str | list  # a string, token ids, or a list of either: `prompts` checks which
-    echo: bool | None = None
+    echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -111,6 +116,8 @@ class Ask:
     stop: tuple[str, ...]
     n: int
     ignore_eos: bool
+    logprobs: int | None = None  # None: none; k: each token's and its k likeliest alternatives'
+    echo: bool = False  # completions: the prompt scored and prepended
 
 
 def parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
@@ -161,13 +168,17 @@ def check(request: _Sampled, *, served_model: str, capacity: int) -> Ask:
             code="model_not_found",
         )
     _refuse_unimplemented(request)
+    logprobs, echo = _logprobs(request)
     max_tokens = request.max_tokens
     if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
         max_tokens = request.max_completion_tokens
     elif isinstance(request, CompletionRequest) and max_tokens is None:
         max_tokens = COMPLETION_MAX_TOKENS
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(f"max_tokens={max_tokens} must be >= 1", param="max_tokens")
+    if max_tokens is not None and max_tokens < 1 and not (echo and max_tokens == 0):
+        raise ApiError(
+            f"max_tokens={max_tokens} must be >= 1 (0 only with echo: the prompt scored)",
+            param="max_tokens",
+        )
     temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
     if not math.isfinite(temperature) or temperature < 0:
         raise ApiError(
@@ -206,7 +217,39 @@ def check(request: _Sampled, *, served_model: str, capacity: int) -> Ask:
         stop=tuple(s for s in stop if s),
         n=request.n,
         ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        echo=echo,
     )
+
+
+def _logprobs(request: _Sampled) -> tuple[int | None, bool]:
+    """(alternatives per token, or None for no log-probabilities; echo), checked."""
+    value = request.logprobs
+    if isinstance(request, ChatRequest):
+        if value is not None and type(value) is not bool:
+            raise ApiError("logprobs must be true or false on chat completions", param="logprobs")
+        top = request.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(
+                f"top_logprobs={top} must be in [0, {MAX_LOGPROBS}]", param="top_logprobs"
+            )
+        if top and not value:
+            raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+        k, echo = (top or 0) if value else None, False
+    else:
+        if type(value) is bool:
+            raise ApiError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] on completions (the "
+                "number of alternatives per token), not a boolean",
+                param="logprobs",
+            )
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ApiError(f"logprobs={value} must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+        k, echo = value, bool(request.echo)
+    if request.stream and (k is not None or echo):
+        what = "echo" if echo else "logprobs"
+        raise ApiError(f"{what} is not supported with stream by this server", param=what)
+    return k, echo
 
 
 def _refuse_unimplemented(request: _Sampled) -> None:
@@ -214,10 +257,7 @@ def _refuse_unimplemented(request: _Sampled) -> None:
         "presence_penalty": (None, 0, 0.0),
         "frequency_penalty": (None, 0, 0.0),
         "logit_bias": (None, {}),
-        "logprobs": (None, False),
-        "echo": (None, False),
         "suffix": (None, ""),
-        "top_logprobs": (None, 0),
     }
     for name, allowed in no_op.items():
         value = getattr(request, name, None)
@@ -265,16 +305,18 @@ class Envelope:
         )
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def response(self, texts, reasons, usage) -> dict:
+    def response(self, texts, reasons, usage, logprobs=None) -> dict:
+        """`logprobs`: each choice's log-probabilities object (`serving.logprobs`), or None."""
         choices = []
-        for index, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
+        logprobs = logprobs or [None] * len(texts)
+        for index, (text, reason, lp) in enumerate(zip(texts, reasons, logprobs, strict=True)):
             if self.chat:
                 message = {"role": "assistant", "content": text}
                 choices.append(
-                    dict(index=index, message=message, logprobs=None, finish_reason=reason)
+                    dict(index=index, message=message, logprobs=lp, finish_reason=reason)
                 )
             else:
-                choices.append(dict(index=index, text=text, logprobs=None, finish_reason=reason))
+                choices.append(dict(index=index, text=text, logprobs=lp, finish_reason=reason))
         return {**self.head(False), "choices": choices, "usage": usage}
 
     def chunk(self, index: int, text: str | None, reason: str | None, *, role=False) -> dict:

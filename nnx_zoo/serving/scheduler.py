@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from nnx_zoo.errors import UsageError
 from nnx_zoo.serving.text import TextStream
@@ -32,6 +33,14 @@ class Sampling:
     seed: int = 0  # uint32
 
 
+class TokenLogprob(NamedTuple):
+    """One token's log-probability and its most likely alternatives (as many as asked)."""
+
+    token: int
+    logprob: float | None  # None: a prompt's first token (nothing predicts it)
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
 @dataclasses.dataclass(frozen=True)
 class Event:
     """What a sequence's consumer receives, from the engine thread."""
@@ -40,6 +49,8 @@ class Event:
     finish_reason: str | None  # None: more to come
     num_tokens: int  # generated so far
     error: str | None = None  # the engine failed this sequence (finish_reason is "error")
+    # The tokens this event adds, with their log-probabilities (a job that asked for them).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,6 +67,12 @@ class Job:
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     first_token: float | None = None  # when its prefill returned (it is in the KV cache)
     request: int = 0  # the submission it came in (the jobs of one request share it)
+    # Log-probabilities: None records none; k records each generated token's and its k most
+    # likely alternatives'.
+    logprobs: int | None = None
+    echo: bool = False  # score the prompt too (`prompt_logprobs`, with `logprobs` alternatives)
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo: one per prompt token
+    token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
     @property
     def finished(self) -> bool:

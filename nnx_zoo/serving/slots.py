@@ -32,8 +32,18 @@ The stacked layer weights are split into one array per layer once, at constructi
 one-token steps the scan's per-layer slice copy triples the traffic), and the weights are held
 once.
 
-`traces` counts how often each program was traced: one per bucket used and one decode, never
-one per request (the engine's tests check it).
+Log probabilities. Both programs return, with each token drawn, its log-probability and the
+`MAX_LOGPROBS` most likely tokens' (`Drawn`): log_softmax of the float32 logits the sampler
+draws from, before temperature, top-k or top-p (the model's own distribution, which is what
+OpenAI reports). A request slices the first k it asked for on the host, so no k compiles a
+program. A prompt to be scored (the API's `echo`) runs a prefill's second variant per bucket,
+`score`, which also runs the LM head over every prompt column and returns, at each one, the
+log-probability of the prompt's next token and the top `MAX_LOGPROBS` (`PromptScores`): the
+plain prefill computes the logits of the last column only, so a prompt no one scores pays
+nothing for it. The `score` programs compile on first use (warm-up compiles the plain ones).
+
+`traces` counts how often each program was traced: one per bucket used (and per variant) and
+one decode, never one per request (the engine's tests check it).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +62,30 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.errors import UsageError
 from zoo.generate import batch_multiple, layer_list, model_mesh
-from zoo.sampling import SamplingRows, sample
+from zoo.sampling import SamplingRows, pick, sample
 
 MIN_BUCKET = 16
+# The most alternatives per token a request may ask for (OpenAI's chat limit: top_logprobs
+# <= 20); the programs always compute this many, a request takes its first k.
+MAX_LOGPROBS = 20
+
+
+class Drawn(NamedTuple):
+    """Per row: the token drawn and the log-probabilities around it (numpy, host side)."""
+
+    token: np.ndarray  # int32 [N]
+    logprob: np.ndarray  # float32 [N]: log p(token)
+    top_ids: np.ndarray  # int32 [N, K]: the K most likely tokens, most likely first
+    top_logprobs: np.ndarray  # float32 [N, K]
+
+
+class PromptScores(NamedTuple):
+    """Per row, per prompt column t (up to the bucket): log p(prompt[t + 1] | prompt[: t + 1])
+    and the K most likely tokens at t. Columns from the prompt's last on are meaningless."""
+
+    logprob: np.ndarray  # float32 [N, P]
+    top_ids: np.ndarray  # int32 [N, P, K]
+    top_logprobs: np.ndarray  # float32 [N, P, K]
 
 
 class CacheLostError(RuntimeError):
@@ -107,7 +139,7 @@ class Slots:
                 self._graphdef, self._state = layer_list(model)
                 self.cache = _empty_cache(model, max_batch, max_seq_len, dtype)
         self._cache_shapes = jax.tree.map(_shape, self.cache)  # an empty cache is all zeros
-        self._prefill: dict[int, object] = {}
+        self._prefill: dict[tuple[int, bool], object] = {}
         self._decode = None
         self._steady: tuple = (None, None, None)  # (key, active_B, sampling_B) of `decode`
 
@@ -119,15 +151,18 @@ class Slots:
             raise ValueError(f"a prompt of {length} tokens does not fit {self.max_seq_len}")
         return next(b for b in self.buckets if b >= length)
 
-    def compile_prefill(self, bucket: int):
-        if bucket not in self._prefill:
-            fn = jax.jit(functools.partial(_prefill, self._graphdef, self.traces), donate_argnums=1)
+    def compile_prefill(self, bucket: int, score: bool = False):
+        """The prefill program of `bucket`; `score`: its variant that scores the prompt."""
+        if (bucket, score) not in self._prefill:
+            program = functools.partial(_prefill, self._graphdef, self.traces, score)
+            fn = jax.jit(program, donate_argnums=1)
             R, rows = self.rows, self._shapes_of_rows
             tokens = jax.ShapeDtypeStruct((R, bucket), jnp.int32, sharding=self._tokens)
             args = (*self._shapes(), tokens, rows(R, jnp.int32), rows(R, jnp.int32))
             with jax.set_mesh(self.mesh):
-                self._prefill[bucket] = fn.lower(*args, self._sampling_shapes(R)).compile()
-        return self._prefill[bucket]
+                compiled = fn.lower(*args, self._sampling_shapes(R)).compile()
+            self._prefill[bucket, score] = compiled
+        return self._prefill[bucket, score]
 
     def compile_decode(self):
         if self._decode is None:
@@ -152,10 +187,18 @@ class Slots:
 
     # -- running -----------------------------------------------------------------------
 
-    def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int], sampling):
+    def prefill(
+        self,
+        prompts: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        sampling,
+        *,
+        score: bool = False,
+    ) -> tuple[Drawn, PromptScores | None]:
         """Write each prompt into its slot (the slot's old request is gone) and return each
-        one's first token (int list). `sampling`: (temperature, top_k, top_p, seed) lists,
-        one entry per prompt. At most `self.rows` prompts, all of one bucket's length."""
+        one's first token (`Drawn`), and with `score` each prompt's `PromptScores`.
+        `sampling`: (temperature, top_k, top_p, seed) lists, one entry per prompt. At most
+        `self.rows` prompts, all of one bucket's length."""
         n = len(prompts)
         if not 1 <= n <= self.rows:
             raise ValueError(f"prefill takes 1 to {self.rows} prompts, not {n}")
@@ -169,16 +212,18 @@ class Slots:
         tokens = np.zeros((self.rows, bucket), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
-        program = self.compile_prefill(bucket)
+        program = self.compile_prefill(bucket, score)
         args = (
             self._put(tokens, self._tokens),
             *self._row_args(np.asarray(lengths, np.int32), np.asarray(slots, np.int32)),
             self._sampling(*sampling),
         )
-        return self._run(program, *args)[:n].tolist()
+        drawn, scores = self._run(program, *args)
+        drawn = Drawn(*(a[:n] for a in drawn))
+        return drawn, None if scores is None else PromptScores(*(a[:n] for a in scores))
 
-    def decode(self, tokens: Sequence[int], active: Sequence[bool], sampling):
-        """One token for every slot (int list of max_batch; a free slot's is meaningless).
+    def decode(self, tokens: Sequence[int], active: Sequence[bool], sampling) -> Drawn:
+        """One token for every slot (`Drawn` of max_batch rows; a free slot's is meaningless).
         `tokens`: each slot's last token; `sampling`: per-slot lists as in `prefill`."""
         program = self.compile_decode()
         # Which slots run, and how they sample, change only when a request joins or leaves:
@@ -189,15 +234,15 @@ class Slots:
             self._steady = (key, active_B, self._sampling(*sampling))
         _, active_B, sampling_B = self._steady
         tokens_B = self._put(np.asarray(tokens, np.int32), self._rows)
-        return self._run(program, tokens_B, active_B, sampling_B).tolist()
+        return Drawn(*self._run(program, tokens_B, active_B, sampling_B))
 
-    def _run(self, program, *args) -> np.ndarray:
-        """program(weights, cache, *args): the cache updated, its tokens on the host. A
+    def _run(self, program, *args):
+        """program(weights, cache, *args): the cache updated, its outputs on the host. A
         failure (at the call, or when its result is read: dispatch is asynchronous) loses
         the cache: `CacheLostError`, a fresh one in its place."""
         try:
             self.cache, out = program(self._state, self.cache, *args)
-            return np.asarray(out)
+            return jax.tree.map(np.asarray, out)
         except Exception as e:
             self.reset()
             raise CacheLostError(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}") from e
@@ -268,8 +313,29 @@ def _last_logits(model, x_BTM, last_B):
     return jax.sharding.reshard(logits_B1V[:, 0, :], P(model.sharding.tokens[0], None))
 
 
-def _prefill(graphdef, traces, state, cache, tokens_RP, length_R, slot_R, sampling):
-    traces["prefill", tokens_RP.shape[1]] += 1
+def _drawn(logits_BV, token_B):
+    """(token, log p(token), top ids, top log-probs) of float32 logits [B, V] (whole rows)."""
+    logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    top_BK, ids_BK = jax.lax.top_k(logprobs_BV, min(MAX_LOGPROBS, logprobs_BV.shape[-1]))
+    return token_B, pick(logprobs_BV, token_B), ids_BK.astype(jnp.int32), top_BK
+
+
+def _prompt_scores(model, x_RPM, tokens_RP):
+    """PromptScores of every column (as arrays): the LM head over all of them."""
+    logits_RPV = model.logits(x_RPM).astype(jnp.float32)
+    # Whole rows of the vocabulary, split over the batch as the tokens are: the top-k and the
+    # pick below run per row.
+    logits_RPV = jax.sharding.reshard(logits_RPV, P(model.sharding.tokens[0], None, None))
+    logprobs_RPV = jax.nn.log_softmax(logits_RPV, axis=-1)
+    next_RP = jnp.concatenate([tokens_RP[:, 1:], jnp.zeros_like(tokens_RP[:, :1])], axis=1)
+    vocab_RPV = jax.lax.broadcasted_iota(jnp.int32, logprobs_RPV.shape, 2)
+    picked_RP = jnp.sum(jnp.where(vocab_RPV == next_RP[..., None], logprobs_RPV, 0), axis=-1)
+    top_RPK, ids_RPK = jax.lax.top_k(logprobs_RPV, min(MAX_LOGPROBS, logprobs_RPV.shape[-1]))
+    return picked_RP, ids_RPK.astype(jnp.int32), top_RPK
+
+
+def _prefill(graphdef, traces, score, state, cache, tokens_RP, length_R, slot_R, sampling):
+    traces["score" if score else "prefill", tokens_RP.shape[1]] += 1
     model = nnx.merge(graphdef, state)
     R, bucket = tokens_RP.shape
     spec = model.sharding.tokens
@@ -280,7 +346,9 @@ def _prefill(graphdef, traces, state, cache, tokens_RP, length_R, slot_R, sampli
     x_RPM, fresh, _ = model.hidden(
         tokens_RP, segment_ids=segment_ids_RP, positions=columns_RP, cache=fresh
     )
-    first_R = sample(_last_logits(model, x_RPM, length_R - 1), sampling, length_R)
+    logits_RV = _last_logits(model, x_RPM, length_R - 1)
+    drawn = _drawn(logits_RV, sample(logits_RV, sampling, length_R))
+    scores = _prompt_scores(model, x_RPM, tokens_RP) if score else None
     S = cache.segment_ids.shape[1]
     tail = ((0, 0), (0, S - bucket))
 
@@ -297,7 +365,7 @@ def _prefill(graphdef, traces, state, cache, tokens_RP, length_R, slot_R, sampli
         positions=put(cache.positions, jnp.pad(columns_RP, tail)),
         index=put(cache.index, length_R),
     )
-    return cache, first_R
+    return cache, (drawn, scores)
 
 
 def _decode(graphdef, traces, state, cache, token_B, active_B, sampling):
@@ -314,5 +382,5 @@ def _decode(graphdef, traces, state, cache, token_B, active_B, sampling):
     )
     # A free slot's column stays put (its row is masked; a new request resets it).
     new = new._replace(index=jnp.where(active_B, index_B + 1, index_B))
-    next_B = sample(_last_logits(model, x_B1M, jnp.zeros_like(index_B)), sampling, index_B + 1)
-    return new, next_B
+    logits_BV = _last_logits(model, x_B1M, jnp.zeros_like(index_B))
+    return new, _drawn(logits_BV, sample(logits_BV, sampling, index_B + 1))

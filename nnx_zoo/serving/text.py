@@ -95,6 +95,12 @@ class TextStream:
             self._sent.append(delta)
         return Delta(delta, None)
 
+    def close(self, reason: str) -> Delta:
+        """Finish without another token (a request that asked for none)."""
+        if self.finish_reason is not None:
+            raise RuntimeError("close() after the sequence finished")
+        return self._finish("", reason)
+
     def _new_text(self, end: int, final: bool) -> str:
         """The text ids[:end] adds to what was decoded before; "" while it ends in the middle
         of a character (unless `final`: then as it is)."""

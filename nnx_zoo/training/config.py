@@ -22,7 +22,7 @@ from zoo.layers.quant import QUANTIZATIONS
 from zoo.layers.remat import POLICIES as REMAT_POLICIES
 from zoo.registry import PRESET_DIMS
 
-SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora")
+SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora", "eval")
 # nnx_zoo/data/chat.py's FORMATS, and preference pairs (nnx_zoo/data/preference.py)
 DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")
 # nnx_zoo/training/preference.py's OBJECTIVES, and sft (next-token loss)
@@ -324,6 +324,13 @@ class LoggingSection:
     # 'START:END': a jax.profiler trace of steps START..END-1 (metrics.jsonl's step numbers)
     # into <workdir>/profile, for TensorBoard's profile plugin / XProf; '' traces nothing.
     profile_steps: str = ""
+    # Weights & Biases (extra [wandb]; process 0 only): the project to log to ('' logs
+    # nothing there). The run's config and run_info are the W&B config; a resumed run goes on
+    # in the same W&B run (its id is kept in <workdir>/wandb_run.json). docs/training.md
+    wandb_project: str = ""
+    wandb_entity: str = ""  # the W&B team or user; '' is W&B's default entity
+    wandb_run_name: str = ""  # the W&B run's display name; '' is the workdir's basename
+    wandb_tags: str = ""  # comma-separated W&B tags
 
     def __post_init__(self):
         _finite("logging", self)
@@ -331,6 +338,12 @@ class LoggingSection:
         from nnx_zoo.training.profile import parse_steps
 
         parse_steps(self.profile_steps)  # one line naming the valid form
+        for name in ("wandb_entity", "wandb_run_name", "wandb_tags"):
+            if getattr(self, name) and not self.wandb_project:
+                _fail("logging", name, getattr(self, name), "needs logging.wandb_project")
+
+    def wandb_tag_list(self) -> list[str]:
+        return [t.strip() for t in self.wandb_tags.split(",") if t.strip()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,6 +371,38 @@ class LoraSection:
         return LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=targets)
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    # lm-evaluation-harness tasks run inside training (extra [eval]), comma-separated: the
+    # harness's names or local ones under include_path (zoo_facts, zoo_prose: the shipped
+    # examples). Scored on the run's own model, mesh and strategy, as eval_main --tasks
+    # scores the checkpoint of the same step. '' runs none.
+    tasks: str = ""
+    every: int = 0  # run them every N steps (and at the end); 0: only at the end
+    # Directory of local task YAML; lm_eval_tasks names the examples shipped with the package.
+    include_path: str = "lm_eval_tasks"
+    num_fewshot: int | None = None  # few-shot examples; None: each task's own
+    limit: float | None = None  # examples per task: N, or a fraction when < 1; None: all
+    seed: int = 0  # the draws of sampled generate_until tasks (eval_main's --seed)
+
+    def __post_init__(self):
+        _finite("eval", self)
+        if self.every < 0:
+            _fail("eval", "every", self.every, "must be >= 0 (0: only at the end)")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            _fail("eval", "num_fewshot", self.num_fewshot, "must be >= 0")
+        _positive("eval", self, "limit")
+        if self.tasks and not self.task_names():
+            _fail("eval", "tasks", self.tasks, "names no task; e.g. zoo_facts,zoo_prose")
+        if not self.tasks:
+            for name in ("every", "num_fewshot", "limit"):
+                if getattr(self, name):
+                    _fail("eval", name, getattr(self, name), "needs eval.tasks (the tasks to run)")
+
+    def task_names(self) -> list[str]:
+        return [t.strip() for t in self.tasks.split(",") if t.strip()]
+
+
 def defaults() -> dict[str, dict[str, tuple[Any, str]]]:
     """section -> field -> (default, its type as annotated): what configs.base_config() lays
     out, so every default is written once, here."""
@@ -380,6 +425,7 @@ _SECTION_TYPES = {
     "checkpoint": CheckpointSection,
     "logging": LoggingSection,
     "lora": LoraSection,
+    "eval": EvalSection,
 }
 
 
@@ -393,6 +439,7 @@ class RunConfig:
     checkpoint: CheckpointSection
     logging: LoggingSection
     lora: LoraSection = LoraSection()
+    eval: EvalSection = EvalSection()
 
     def __post_init__(self):
         pairs, objective = self.data.format == "preference", self.training.objective

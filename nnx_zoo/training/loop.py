@@ -321,6 +321,11 @@ class LoopOptions:
     # data.mixture's source names, in the order of the batches' source ids: each training
     # line gets `tokens/<name>`, the non-padding tokens of that source in the steps it covers.
     source_names: tuple[str, ...] = ()
+    # In-loop eval tasks (config `eval`): model -> scores, run every `downstream_every` steps
+    # (0: only at the end) on the model as it stands; their time is left out of the step
+    # timings, as validation's is, and logged as `lm_eval/eval_time`.
+    downstream: Callable[[Any], Mapping[str, float]] | None = None
+    downstream_every: int = 0
 
 
 def _fetch(metrics: dict[str, jax.Array]) -> dict:
@@ -469,6 +474,17 @@ class _Loop:
         if val_tokens and not math.isfinite(val_loss):
             raise DivergedError(self.step, f"val_loss is {val_loss}", self.saved_step)
 
+    def run_downstream(self) -> None:
+        run_tasks = self.options.downstream
+        if run_tasks is None:
+            return
+        self.phase(f"while running eval tasks at step {self.step}")
+        started = time.perf_counter()
+        model, _ = self.trainer.sync()  # the live parameters: no copy
+        scores = {**run_tasks(model), "lm_eval/eval_time": time.perf_counter() - started}
+        self.writer.write_scores(self.step, scores)
+        self.records.append({"step": self.step, **scores})
+
     def restart_interval(self, logged: bool, paused: float) -> None:
         # Validation and saving sit outside the timed intervals.
         if logged:
@@ -493,10 +509,10 @@ def run(
     """Train from `start_step` to `options.total_steps`; returns the logged records.
 
     `train_batches` yields global arrays; `train_iter` is the Grain iterator behind it, whose
-    state the checkpointer saves. `writer` is a training.metrics.MetricsWriter. The
-    checkpointer (nnx_zoo/checkpoint/manager.py: it alone decides which steps are due) and
-    the preemption watcher (nnx_zoo/runtime/preemption.py) may each be None; without a
-    checkpointer nothing is saved.
+    state the checkpointer saves. `writer` is a training.metrics.MetricsWriter (or its
+    `Writers`: it and a W&B run). The checkpointer (nnx_zoo/checkpoint/manager.py: it alone
+    decides which steps are due) and the preemption watcher (nnx_zoo/runtime/preemption.py)
+    may each be None; without a checkpointer nothing is saved.
     """
     loop = _Loop(trainer, options, writer, checkpointer, train_iter, start_step)
     total = options.total_steps
@@ -511,6 +527,9 @@ def run(
         paused = time.perf_counter()
         if options.eval_every and step % options.eval_every == 0 and not last:
             loop.validate(make_val_batches)
+        every = options.downstream_every
+        if every and step % every == 0 and not last:
+            loop.run_downstream()
         loop.save(force=False)
         if watcher is not None and not last and watcher.should_stop(step):
             loop.save(force=True)
@@ -521,6 +540,7 @@ def run(
         options.profiler.stop(loop.metrics)  # a range past the last step ends with the run
     if not preempted and loop.step > start_step:
         loop.validate(make_val_batches)
+        loop.run_downstream()
         loop.save(force=True)
     if checkpointer is not None:
         checkpointer.wait()

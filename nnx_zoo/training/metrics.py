@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -183,6 +185,26 @@ class MetricsWriter:
             if isinstance(value, float):
                 self._bar.write(f"step {step}: val_loss {value:.4f}")
 
+    def write_scores(self, step: int, scores: Mapping[str, Any]) -> None:
+        """Log the in-loop eval tasks' scores (`lm_eval/<task>/<metric>`, `lm_eval/eval_time`):
+        a metrics.jsonl line with `step` and `scores`, and TensorBoard scalars by those names."""
+        if not self.is_main_process:
+            return
+        step = int(step)
+        self._append({"step": step, **scores})
+        if self._tb is not None:
+            for key, value in scores.items():
+                value = _to_json_value(value)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, global_step=step)
+        if self._bar is not None:
+            shown = ", ".join(
+                f"{k.removeprefix('lm_eval/')} {v:.4f}"
+                for k, v in scores.items()
+                if isinstance(v, float) and k != "lm_eval/eval_time"
+            )
+            self._bar.write(f"step {step}: {shown}")
+
     # --- resuming --------------------------------------------------------------------------
 
     def truncate_after(self, step: int) -> None:
@@ -272,3 +294,131 @@ class MetricsWriter:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+# --- Weights & Biases -------------------------------------------------------------------------
+
+WANDB_INSTALL = 'pip install "nnx-zoo[wandb]"'
+WANDB_RUN_FILE = "wandb_run.json"  # the W&B run this workdir logs to: {"id", "project", ...}
+_ID_CHARS = string.ascii_lowercase + string.digits
+
+
+def require_wandb() -> None:
+    """UsageError naming the install command when logging.wandb_project is set and the
+    `wandb` package is missing (checked before the run is built)."""
+    from nnx_zoo.errors import UsageError
+
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            f"config logging.wandb_project needs the wandb package: {WANDB_INSTALL}"
+        ) from None
+
+
+def _scalars(prefix: str, metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    out = {}
+    for key, value in metrics.items():
+        value = _to_json_value(value)
+        if value is None:
+            value = math.nan  # metrics.jsonl's null: W&B plots a gap, as for NaN
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class WandbWriter:
+    """The records MetricsWriter writes, logged to one Weights & Biases run per workdir.
+
+    Training lines as `train/<key>`, validation as `eval/loss` and `eval/<key>`, in-loop
+    eval tasks under their own names (`lm_eval/<task>/<metric>`), each at its `step`. The run's
+    id is kept in `<workdir>/wandb_run.json`: a run resumed from a checkpoint (`resume_step`
+    > 0) continues that W&B run (`resume="allow"`); one that starts at step 0 starts a new
+    W&B run, as metrics.jsonl starts over. W&B's own files go under `<workdir>/wandb` unless
+    WANDB_DIR says where; WANDB_MODE=offline logs without a network (`wandb sync` uploads).
+    Only the main process logs; on the others every method is a no-op.
+    """
+
+    def __init__(
+        self,
+        workdir: str,
+        is_main_process: bool,
+        *,
+        project: str,
+        entity: str = "",
+        name: str = "",
+        tags: list[str] | None = None,
+        config: Mapping[str, Any] | None = None,
+        resume_step: int | None = None,
+    ):
+        self._run = None
+        if not is_main_process:
+            return
+        import wandb
+
+        path = os.path.join(workdir, WANDB_RUN_FILE)
+        run_id = None
+        if resume_step and os.path.exists(path):
+            with open(path) as f:
+                run_id = json.load(f).get("id")
+        # W&B's own form of id: 8 lowercase letters and digits.
+        run_id = run_id or "".join(secrets.choice(_ID_CHARS) for _ in range(8))
+        # Recorded before the run starts: a crash inside init still leaves the id to resume.
+        record = {"id": run_id, "project": project, "entity": entity or None}
+        atomic_write(path, lambda f: f.write((json.dumps(record) + "\n").encode()))
+        self._run = wandb.init(
+            project=project,
+            entity=entity or None,
+            name=name or os.path.basename(os.path.normpath(workdir)),
+            tags=tags or None,
+            id=run_id,
+            resume="allow",
+            config=dict(config or {}),
+            # A resumed run's record (memory, platform) may differ from the first one's.
+            allow_val_change=True,
+            dir=None if os.environ.get("WANDB_DIR") else workdir,
+        )
+        self.run_id = run_id
+
+    def _log(self, step: int, values: dict) -> None:
+        if self._run is not None and values:
+            self._run.log(values, step=int(step))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._log(step, _scalars("train/", metrics))
+
+    def write_eval(self, step: int, val_loss: float, **extra: Any) -> None:
+        self._log(step, _scalars("eval/", {"loss": val_loss, **extra}))
+
+    def write_scores(self, step: int, scores: Mapping[str, Any]) -> None:
+        self._log(step, _scalars("", scores))
+
+    def close(self, exit_code: int = 0) -> None:
+        """Finish the W&B run (exit_code 1 marks it failed). Safe to call twice."""
+        if self._run is not None:
+            self._run.finish(exit_code=exit_code)
+            self._run = None
+
+    def finalize(self) -> None:
+        self.close()
+
+
+class Writers:
+    """MetricsWriter and the trackers beside it (WandbWriter) as one writer: the loop's
+    `write`, `write_eval` and `write_scores` go to each, in order."""
+
+    def __init__(self, metrics: MetricsWriter, *trackers):
+        self.metrics = metrics
+        self.all = (metrics, *trackers)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for w in self.all:
+            w.write(step, metrics)
+
+    def write_eval(self, step: int, val_loss: float, **extra: Any) -> None:
+        for w in self.all:
+            w.write_eval(step, val_loss, **extra)
+
+    def write_scores(self, step: int, scores: Mapping[str, Any]) -> None:
+        for w in self.all:
+            w.write_scores(step, scores)
