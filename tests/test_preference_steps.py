@@ -1,5 +1,5 @@
-"""DPO through train_main (issue 51, goal 3 and item 3): ten steps under fsdp_tp and the
-pipeline strategy fsdp_pp equal the one-device run, TRL's
+"""DPO through train_main (issue 51, goal 3 and item 3): ten steps under fsdp_tp, the
+pipeline strategy fsdp_pp and the context-parallel fsdp_cp equal the one-device run, TRL's
 metrics in metrics.jsonl; the reference without LoRA is a frozen copy that the step takes
 as an argument, and with LoRA the base itself (the adapters zeroed, no copy).
 
@@ -73,7 +73,7 @@ def test_one_device_run_logs_trl_metrics(one_device):
         assert np.isfinite(last[name]), name
 
 
-@pytest.mark.parametrize("strategy", ["fsdp_tp", "fsdp_pp"])
+@pytest.mark.parametrize("strategy", ["fsdp_tp", "fsdp_pp", "fsdp_cp"])
 def test_dpo_steps_equal_one_device(source, one_device, tmp_path, strategy):
     run = _dpo_run(source, tmp_path, strategy)
     for key in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
@@ -137,3 +137,36 @@ def test_1f1b_exits_2_naming_why(source, tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot run under model.pipeline_schedule=1f1b" in lines[0]
+
+
+def test_the_plan_counts_the_reference(tmp_path):
+    """The compiled step's argument bytes: LoRA-DPO holds one set of base weights (within 5%
+    of LoRA-SFT's), full DPO one more copy of the parameters than full SFT."""
+    from _train_helpers import run_config
+
+    from bench.fixtures import write_tiny_llama
+    from nnx_zoo.launch.build import build
+    from nnx_zoo.training.step_memory import step_memory
+
+    base = str(tmp_path / "base")
+    write_tiny_llama(base, "llama", max_seq_len=128)
+    shapes = {"data.seq_len": 128, "data.global_batch_size": 8, "training.sharding_strategy": "dp"}
+    dpo = {"data.format": "preference", "training.objective": "dpo"}
+
+    def argument_bytes(overrides):
+        built = build(run_config({**shapes, **overrides}), abstract=True, init_from=base)
+        compiled, _ = built.compile()
+        return step_memory(compiled).argument_bytes, built
+
+    lora = {"lora.rank": 8}
+    lora_sft, _ = argument_bytes(lora)
+    lora_dpo, built = argument_bytes({**lora, **dpo})
+    assert built.trainer.ref_state is None
+    assert abs(lora_dpo - lora_sft) <= 0.05 * lora_sft
+    sft, built = argument_bytes({})
+    full_dpo, _ = argument_bytes(dpo)
+    params = sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(built.model, nnx.Param))
+    )
+    # one more copy of the parameters (of 1 device's share: dp replicates them)
+    assert abs(full_dpo - sft - params) <= 0.05 * params
