@@ -107,14 +107,16 @@ def _trl_dpo(dirs, records, tmp_path):
     return {"loss": float(loss), **metrics}, batch, trainer.model
 
 
-def _ours(dirs, records, tmp_path, objective):
-    """This project's loss and metrics on `records`: its data pipeline, its model."""
+def _ours(dirs, records, tmp_path, objective, model=None, mesh=None):
+    """This project's loss and metrics on `records`: its data pipeline, its model (the
+    policy directory's, or `model`)."""
     from nnx_zoo import data
     from nnx_zoo.data.chat import ChatTemplate
     from nnx_zoo.data.tokenizers import make_tokenizer
     from nnx_zoo.training import preference
     from shardings import get_strategy
     from zoo import from_pretrained
+    from zoo.layers.lora import has_lora
 
     source = str(tmp_path / "pairs.jsonl")
     with open(source, "w") as f:
@@ -124,19 +126,21 @@ def _ours(dirs, records, tmp_path, objective):
         "all",
         make_tokenizer(dirs["policy"]),
         128,
-        2,
+        2 if mesh is None else mesh.size,  # rows: the pairs', then padding
         data_format="preference",
         chat_template=ChatTemplate.from_dir(dirs["policy"]),
         num_batches=1,
     )
     strategy = get_strategy("dp")
-    mesh = strategy.make_mesh(devices=jax.devices()[:1])
+    mesh = mesh or strategy.make_mesh(devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
         batch = {k: jnp.asarray(v) for k, v in next(iter(batches)).items()}
-        model = from_pretrained(dirs["policy"], strategy)
+        if model is None:
+            model = from_pretrained(dirs["policy"], strategy)
         reference = None
-        if objective.needs_reference:
+        if objective.needs_reference and not has_lora(model):
             reference = nnx.split(from_pretrained(dirs["reference"], strategy))
+        model = nnx.view(model, deterministic=True, raise_if_not_found=False)
 
         @jax.jit
         def run(model, batch, reference):
@@ -145,6 +149,12 @@ def _ours(dirs, records, tmp_path, objective):
         total, (count, sums) = run(model, batch, reference)
     assert int(count) == len(records)  # every pair read, each once
     return {"loss": float(total / count), **{k: float(v / count) for k, v in sums.items()}}
+
+
+def _ours_with(model, mesh, dirs, records, tmp_path, objective):
+    """`_ours` for a model already loaded on `mesh` (a LoRA run's: its reference is the
+    base)."""
+    return _ours(dirs, records, tmp_path, objective, model=model, mesh=mesh)
 
 
 DIFFERENCES = {
@@ -246,3 +256,62 @@ def _reward_metrics(reward_c, reward_r, chosen, rejected, loss) -> dict:
         "logps/chosen": float(chosen.mean()),
         "logps/rejected": float(rejected.mean()),
     }
+
+
+def test_lora_dpo_peft_export_equals_trl(dirs, tmp_path):
+    """A LoRA-DPO run (train_main from the HF directory), exported as a PEFT adapter and
+    loaded by TRL with the base as its reference: TRL's loss and metrics on a batch are this
+    project's, whose reference is the same base with the adapters zeroed (goal 2)."""
+    import _entry
+    import datasets
+    import peft
+    import transformers
+    from _train_helpers import run_train_main
+
+    from nnx_zoo.evaluation.model import LoadRequest, load
+    from nnx_zoo.training.preference import Objective
+
+    source = str(tmp_path / "pairs.jsonl")
+    with open(source, "w") as f:
+        f.writelines(json.dumps(CONVERSATIONAL[i % 4]) + "\n" for i in range(16))
+    workdir, adapter = str(tmp_path / "run"), str(tmp_path / "peft")
+    flags = {
+        "data.source": source, "data.format": "preference", "training.objective": "dpo",
+        "data.seq_len": 128, "data.global_batch_size": 8, "data.validation_fraction": 0.25,
+        "training.steps": 3, "training.eval_batches": 1, "optimizer.warmup_steps": 0,
+        "optimizer.learning_rate": 1e-2, "lora.rank": 8, "lora.alpha": 16,
+        "logging.progress_bar": False, "checkpoint.every": 3,
+    }  # fmt: skip
+    result = run_train_main(
+        [f"--init_from={dirs['policy']}", f"--workdir={workdir}", "--sharding_strategy=dp"]
+        + [f"--config.{k}={v}" for k, v in flags.items()]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = _entry.run_main(
+        "export_main", [f"--workdir={workdir}", "--format=peft", f"--out={adapter}"]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    base = _torch_model(dirs["policy"])
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"), beta=BETA, max_length=None,
+        per_device_train_batch_size=len(CONVERSATIONAL), use_cpu=True, bf16=False,
+        report_to="none", save_strategy="no",
+    )  # fmt: skip
+    trainer = trl.DPOTrainer(
+        model=peft.PeftModel.from_pretrained(base, adapter, is_trainable=True),
+        ref_model=_torch_model(dirs["policy"]),  # the base: the run's reference
+        args=args,
+        train_dataset=datasets.Dataset.from_list(CONVERSATIONAL),
+        processing_class=transformers.AutoTokenizer.from_pretrained(dirs["policy"]),
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(CONVERSATIONAL))])
+    trainer.model.eval()  # no LoRA dropout
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+    theirs = {"loss": float(loss), **{k: v[-1] for k, v in trainer._metrics["eval"].items()}}
+
+    *_, model, mesh, _ = load(LoadRequest(workdir, overrides={"strategy": "dp"}))
+    ours = _ours_with(model, mesh, dirs, CONVERSATIONAL, tmp_path, Objective("dpo", dpo_beta=BETA))
+    assert theirs["rewards/margins"] > 0.1  # the adapters moved away from the base
+    _assert_close(ours, theirs, TRL_METRICS, "dpo (LoRA, PEFT export)")
