@@ -4,7 +4,8 @@ time to restore onto the live model.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
         python -m bench.checkpoint_bench [--config=configs/small.py] [--strategy=fsdp_tp] \
-        [--mesh_shape=data:4,model:2] [--repeats=3] [--workdir=/tmp/ckpt_bench]
+        [--mesh_shape=data:4,model:2] [--repeats=3] [--workdir=/tmp/ckpt_bench] \
+        [--stores=local,gs,s3]
 
 Saves the model and its AdamW state (params + two moments, after one update so they are not
 zeros) and a Grain iterator's state, as training does. "blocks" is the wall time of `save()`
@@ -87,6 +88,44 @@ def step_time_with_and_without_checksums(step_dir: str, steps: int = 40) -> tupl
     return alone, beside
 
 
+def compare_stores(args, model, optimizer, it, mesh) -> None:
+    """Save (until `wait()` returns: on disk with its checksums) and restore of the same state
+    on each store of --stores: local disk, and the S3 / GCS servers the tests use
+    (bench/object_stores.py), started here on this host. Best of --repeats."""
+    import contextlib
+    import tempfile
+
+    from bench import object_stores
+
+    stores = args.stores.split(",")
+    with contextlib.ExitStack() as stack:
+        if set(stores) - {"local"}:
+            logs = stack.enter_context(tempfile.TemporaryDirectory())
+            stack.enter_context(object_stores.started(logs))
+        for store in stores:
+            workdir = (
+                os.path.join(args.workdir, "store")
+                if store == "local"
+                else f"{store}://{object_stores.BUCKET}/bench"
+            )
+            ckpt = Checkpointer(workdir, save_every=1, keep=1, run_info={})
+            saves, restores = [], []
+            for step in range(1, args.repeats + 1):
+                start = time.perf_counter()
+                ckpt.save(step, model=model, optimizer=optimizer, data_iter=it, meta={})
+                ckpt.wait()
+                saves.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                with jax.set_mesh(mesh):
+                    ckpt.restore(step, model=model, optimizer=optimizer, data_iter=it)
+                restores.append(time.perf_counter() - start)
+            ckpt.close()
+            print(
+                f"store {store:5s}: save {min(saves):7.3f} s, restore {min(restores):7.3f} s "
+                f"(best of {args.repeats})"
+            )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "small.py"))
@@ -94,6 +133,11 @@ def main():
     parser.add_argument("--mesh_shape", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/ckpt_bench")
+    parser.add_argument(
+        "--stores",
+        default="",
+        help="also time save + restore per store: a list of local, gs, s3 (the emulators)",
+    )
     args = parser.parse_args()
 
     run = load_run_config(args.config)
@@ -145,6 +189,9 @@ def main():
         f"matmul step: {alone * 1e3:7.2f} ms alone, {beside * 1e3:7.2f} ms while checksumming "
         f"({(beside / alone - 1) * 100:+.1f}%)"
     )
+
+    if args.stores:
+        compare_stores(args, model, optimizer, it, mesh)
 
     ckpt = Checkpointer(os.path.join(args.workdir, "async"), save_every=1, keep=1, run_info={})
     for _ in range(2):

@@ -7,15 +7,17 @@ it is read.
 first difference as one line, or None. CRC-32 catches the accidents that damage checkpoints
 (bit flips, overwritten or truncated blocks, a copy cut short); it is not a defence against
 tampering. zlib computes it at well over 1 GB/s and releases the GIL, so a background thread
-can checksum a save while training goes on.
+can checksum a save while training goes on. On an object store the manifest is one object
+written whole after every file it lists, so its presence means the same there
+(nnx_zoo/runtime/storage.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import zlib
 
+from nnx_zoo.runtime import storage
 from nnx_zoo.runtime.files import write_json_atomic
 
 MANIFEST = "checksums.json"
@@ -24,7 +26,7 @@ _CHUNK = 16 * 2**20
 
 def file_crc32(path: str) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with storage.open_read(path) as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -32,31 +34,24 @@ def file_crc32(path: str) -> int:
 
 def _files(directory: str) -> list[str]:
     """Paths relative to `directory`, sorted; the manifest itself left out."""
-    out = []
-    for root, _, names in os.walk(directory):
-        for name in names:
-            rel = os.path.relpath(os.path.join(root, name), directory)
-            if rel != MANIFEST:
-                out.append(rel.replace(os.sep, "/"))
-    return sorted(out)
+    return [rel for rel in storage.walk_files(directory) if rel != MANIFEST]
 
 
 def write_manifest(directory: str) -> dict:
     """Checksum every file under `directory` and write the manifest; returns it."""
     files = {}
     for rel in _files(directory):
-        path = os.path.join(directory, rel)
-        files[rel] = {"size": os.path.getsize(path), "crc32": file_crc32(path)}
+        path = storage.join(directory, rel)
+        files[rel] = {"size": storage.size(path), "crc32": file_crc32(path)}
     manifest = {"algorithm": "crc32", "files": files}
-    write_json_atomic(os.path.join(directory, MANIFEST), manifest)
+    write_json_atomic(storage.join(directory, MANIFEST), manifest)
     return manifest
 
 
 def read_manifest(directory: str) -> dict | None:
     """The manifest of `directory`, or None when it is missing, unreadable or malformed."""
     try:
-        with open(os.path.join(directory, MANIFEST)) as f:
-            manifest = json.load(f)
+        manifest = json.loads(storage.read_bytes(storage.join(directory, MANIFEST)))
     except (OSError, ValueError):
         return None
     # A damaged manifest is no manifest: every entry must be {"size": int, "crc32": int}.
@@ -86,10 +81,10 @@ def verify(directory: str, items: tuple[str, ...] | None = None) -> str | None:
     for rel, want in sorted(manifest["files"].items()):
         if items is not None and rel.split("/", 1)[0] not in items:
             continue
-        path = os.path.join(directory, rel)
-        if not os.path.isfile(path):
+        path = storage.join(directory, rel)
+        if not storage.isfile(path):
             return f"{rel} is missing"
-        size = os.path.getsize(path)
+        size = storage.size(path)
         if size != want["size"]:
             return f"{rel} has {size} bytes, {want['size']} were written"
         if file_crc32(path) != want["crc32"]:

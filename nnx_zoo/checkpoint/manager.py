@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -55,7 +54,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nnx_zoo.checkpoint import integrity, write_errors
+from nnx_zoo.checkpoint import integrity, remote, write_errors
 from nnx_zoo.checkpoint.restore import handlers, opt_state_tree, params_tree, restore_step
 from nnx_zoo.checkpoint.steps import (
     CHECKED,
@@ -69,6 +68,7 @@ from nnx_zoo.checkpoint.steps import (
 )
 from nnx_zoo.checkpoint.write_errors import CheckpointWriteError, reason
 from nnx_zoo.errors import UsageError
+from nnx_zoo.runtime import storage
 from nnx_zoo.runtime.console import warn
 
 
@@ -109,6 +109,19 @@ class Checkpointer:
         if save_every < 1 or keep < 1:
             raise UsageError(f"checkpoint save_every={save_every} and keep={keep} must be >= 1")
         self.directory = checkpoint_dir(workdir)
+        self.keep = keep
+        # Where Orbax writes: the checkpoint directory itself, or (s3://) a local staging
+        # directory whose committed steps are uploaded (nnx_zoo/checkpoint/remote.py).
+        self._uploads = not remote.orbax_writes(self.directory)
+        if self._uploads and jax.process_count() > 1:
+            raise UsageError(
+                f"{self.directory}: s3:// checkpoints are staged on process 0's disk and "
+                "uploaded, which cannot gather the other processes' shards; with several "
+                "processes use a gs:// or shared local --workdir"
+            )
+        self._orbax_dir = (
+            remote.staging_dir("nnx-zoo-checkpoints-") if self._uploads else self.directory
+        )
         self.save_every = save_every
         self.run_info = _to_json(run_info)
         self.last_save_blocking_s: float | None = None  # for benchmarks and logs
@@ -122,7 +135,7 @@ class Checkpointer:
             {s: p for s in committed(self.directory) if (p := self._problem_p0(s)) is not None}
         )
         self._manager = ocp.CheckpointManager(
-            self.directory,
+            self._orbax_dir,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
                 enable_async_checkpointing=async_save,
@@ -139,19 +152,19 @@ class Checkpointer:
     def _problem_p0(self, step: int) -> str | None:
         if jax.process_index() != 0:
             return None
-        return step_dir_problem(os.path.join(self.directory, str(step)))
+        return step_dir_problem(storage.join(self.directory, str(step)))
 
     def _set_aside(self, problems: dict[int, str]) -> None:
         """Move the given step dirs to checkpoints/invalid/ (process 0; the others wait), so
         they are never resumed from and their step can be saved again."""
         if jax.process_index() == 0:
             for step, problem in sorted(problems.items()):
-                step_dir = os.path.join(self.directory, str(step))
-                target = os.path.join(
+                step_dir = storage.join(self.directory, str(step))
+                target = storage.join(
                     self.directory, INVALID_SUBDIR, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
                 )
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                shutil.move(step_dir, target)
+                # A rename on disk; on an object store a copy, then the step's deletion.
+                storage.move_tree(step_dir, target)
                 warn(f"checkpoint {step_dir} is not usable ({problem}); moved to {target}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -171,7 +184,7 @@ class Checkpointer:
         good, bad = -1, {}
         if jax.process_index() == 0:
             for step in reversed(steps):
-                problem = integrity.verify(os.path.join(self.directory, str(step)), CHECKED)
+                problem = integrity.verify(storage.join(self.directory, str(step)), CHECKED)
                 if problem is None:
                     good = step
                     break
@@ -201,7 +214,7 @@ class Checkpointer:
         shardings, whatever mesh wrote the checkpoint). Returns the saved meta dict.
         Checks the checksums first unless `latest_good_step` just did."""
         step = resolve_step(self.directory, step)
-        step_dir = os.path.join(self.directory, str(step))
+        step_dir = storage.join(self.directory, str(step))
         if step not in self._verified:
             check_integrity(step_dir, CHECKED)
         return restore_step(step_dir, model=model, optimizer=optimizer, data_iter=data_iter)
@@ -224,7 +237,11 @@ class Checkpointer:
         if not force and not self.due(step):
             return False
         self._join_manifest()
-        if self._last_saved is not None and not os.path.isdir(self.directory):
+        if (
+            self._last_saved is not None
+            and not storage.is_url(self.directory)
+            and not os.path.isdir(self.directory)
+        ):
             # Orbax would quietly create it again, and the run's history would be gone.
             raise CheckpointWriteError(
                 step,
@@ -233,10 +250,13 @@ class Checkpointer:
                 self.directory,
                 kept=f"its checkpoints (the last was step {self._last_saved}) went with it",
             )
-        if step in self._manager.all_steps():
+        if step in self._manager.all_steps() or (self._uploads and step == self._last_saved):
             return False
         params, opt_state = params_tree(model), opt_state_tree(optimizer)
-        problem = write_errors.lacks_space(self.directory, self._needed_bytes(params, opt_state))
+        problem = None
+        if not storage.is_url(self._orbax_dir):  # a bucket has no free-space figure
+            needed = self._needed_bytes(params, opt_state)
+            problem = write_errors.lacks_space(self._orbax_dir, needed)
         if problem:  # before Orbax starts: no partial write, no background failure
             raise CheckpointWriteError(step, problem, self._last_saved, self.directory)
         self._saving = step
@@ -265,7 +285,9 @@ class Checkpointer:
             self._manager.wait_until_finished()  # committed: the step dir has its name
             if jax.process_index() == 0:
                 start = time.perf_counter()
-                integrity.write_manifest(os.path.join(self.directory, str(step)))
+                integrity.write_manifest(storage.join(self._orbax_dir, str(step)))
+                if self._uploads:
+                    self._upload(step)
                 self.last_checksum_s = time.perf_counter() - start
             self._last_saved = step
         except Exception as e:  # noqa: BLE001 -- re-raised in the main thread by _join
@@ -274,11 +296,22 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 -- re-raised in the main thread by _join
             self._manifest_error = e
 
+    def _upload(self, step: int) -> None:
+        """Copy a committed staged step to the object store, then keep only the newest
+        `keep` steps there (Orbax prunes the staging directory itself)."""
+        remote.upload_step(
+            os.path.join(self._orbax_dir, str(step)),
+            storage.join(self.directory, str(step)),
+            integrity.MANIFEST,
+        )
+        for old in complete_steps(self.directory, warn=False)[: -self.keep]:
+            storage.rmtree(storage.join(self.directory, str(old)))
+
     def _needed_bytes(self, params, opt_state) -> int:
         """What the next save will write: the last save's files (its manifest's sizes), or,
         before any, the arrays' bytes."""
         if self._last_saved is not None:
-            manifest = integrity.read_manifest(os.path.join(self.directory, str(self._last_saved)))
+            manifest = integrity.read_manifest(storage.join(self.directory, str(self._last_saved)))
             if manifest is not None:
                 return sum(f["size"] for f in manifest["files"].values())
         leaves = jax.tree.leaves((params, opt_state))

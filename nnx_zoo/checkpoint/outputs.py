@@ -29,6 +29,7 @@ from nnx_zoo.checkpoint.workdir import (
     raise_everywhere,
 )
 from nnx_zoo.errors import UsageError
+from nnx_zoo.runtime import storage
 
 MANIFEST = ".zoo-output.json"
 # A directory holding any of these is a training run's (train_main writes them).
@@ -40,6 +41,8 @@ _OLD_SUFFIX = ".zoo-replaced"
 
 
 def _is_run_dir(path: str) -> bool:
+    if storage.is_url(path):  # no directories: a run's prefix holds one of its markers
+        return any(storage.exists(storage.join(path, m)) for m in RUN_MARKERS)
     return os.path.isdir(path) and any(os.path.exists(os.path.join(path, m)) for m in RUN_MARKERS)
 
 
@@ -49,8 +52,8 @@ def _enclosing_run(path: str) -> str | None:
     while True:
         if _is_run_dir(current):
             return current
-        parent = os.path.dirname(current)
-        if parent == current:
+        parent = storage.dirname(current)
+        if parent == current or parent.endswith(":/"):  # the root, or a bucket's top
             return None
         current = parent
 
@@ -59,8 +62,7 @@ def read_manifest(out: str) -> dict | None:
     """The manifest of an earlier output at `out`; None when there is none (or it is not
     one of ours)."""
     try:
-        with open(os.path.join(out, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(storage.read_bytes(storage.join(out, MANIFEST)))
     except (OSError, ValueError):
         return None
     ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), list)
@@ -76,7 +78,13 @@ def check_out(out: str, command: str, *, overwrite: bool, flag: str = "--out") -
     """UsageError (one line, naming `out` and what would be valid) unless `command`'s output
     may be written at the absolute path `out` (module docstring)."""
     given = f"{flag}={out}"
-    if os.path.lexists(out) and not os.path.isdir(out):
+    if storage.is_url(out):
+        if storage.isfile(out):
+            raise UsageError(
+                f"{given} is an object, not a prefix; name a new prefix to write under "
+                "(nothing is written over an object)"
+            )
+    elif os.path.lexists(out) and not os.path.isdir(out):
         raise UsageError(
             f"{given} is a file, not a directory; name a new directory to write into "
             "(nothing is written over a file)"
@@ -85,19 +93,22 @@ def check_out(out: str, command: str, *, overwrite: bool, flag: str = "--out") -
     if run == out:
         raise UsageError(
             f"{given} is a training run's directory (it holds "
-            f"{_shown([m for m in RUN_FILES if os.path.exists(os.path.join(out, m))])}), whose "
+            f"{_shown([m for m in RUN_FILES if storage.exists(storage.join(out, m))])}), whose "
             f"files the output would replace; choose a new directory, e.g. {flag}="
-            f"{os.path.join(out, 'hf')}"
+            f"{storage.join(out, 'hf')}"
         )
     if run is not None:
-        first = os.path.relpath(out, run).split(os.sep)[0]
+        if storage.is_url(out):
+            first = out[len(run) :].strip("/").split("/")[0]
+        else:
+            first = os.path.relpath(out, run).split(os.sep)[0]
         if first in RUN_FILES:
             raise UsageError(
                 f"{given} lies inside the training run {run}, in its {first}, which the output "
                 f"would replace or corrupt; choose a new directory, e.g. {flag}="
-                f"{os.path.join(run, 'hf')}"
+                f"{storage.join(run, 'hf')}"
             )
-    entries = os.listdir(out) if os.path.isdir(out) else []
+    entries = storage.listdir(out) if storage.is_url(out) or os.path.isdir(out) else []
     if not entries:
         return
     manifest = read_manifest(out)
@@ -123,7 +134,14 @@ def check_out(out: str, command: str, *, overwrite: bool, flag: str = "--out") -
 def staging_dir(out: str, *, clear: bool) -> str:
     """The directory to write `out`'s content into, beside it (so `publish` is a rename on
     one filesystem); the writer creates it. Its name is the same on every process and is
-    ours alone: `clear` (the writing process) removes one left by an interrupted export."""
+    ours alone: `clear` (the writing process) removes one left by an interrupted export.
+    For an object-store `out`, a new local directory (`publish` uploads it)."""
+    if storage.is_url(out):
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="nnx-zoo-output-")
+        os.rmdir(path)  # the writer creates it, as beside a local `out`
+        return path
     path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}{_STAGING_SUFFIX}")
     if clear:
         shutil.rmtree(path, ignore_errors=True)
@@ -153,6 +171,9 @@ def publish(staging: str, out: str, command: str, **record) -> None:
     with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2)
         f.write("\n")
+    if storage.is_url(out):
+        _publish_url(staging, out, files)
+        return
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # as a directory made with the caller's umask
@@ -164,3 +185,17 @@ def publish(staging: str, out: str, command: str, **record) -> None:
     os.rename(out, old)
     os.rename(staging, out)
     shutil.rmtree(old)
+
+
+def _publish_url(staging: str, out: str, files: list[str]) -> None:
+    """An object store has no rename: the earlier output's manifest goes first (from then on
+    `out` is not taken for a whole output), then the new files are uploaded, the earlier
+    output's other files deleted, and the manifest uploaded last: `out` holds a complete
+    output exactly when it holds a manifest."""
+    earlier = read_manifest(out)
+    if earlier is not None:
+        storage.remove(storage.join(out, MANIFEST))
+    storage.upload_tree(staging, out, last=(MANIFEST,))
+    for name in set((earlier or {}).get("files", [])) - set(files):
+        storage.rmtree(storage.join(out, name))
+    shutil.rmtree(staging, ignore_errors=True)

@@ -7,7 +7,6 @@ count, a vocabulary padded for another mesh); the meta alone; or the parameters 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +18,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
+from nnx_zoo.checkpoint import remote
 from nnx_zoo.checkpoint.steps import (
     EVAL_ITEMS,
     LEGACY_DATA,
@@ -29,6 +29,7 @@ from nnx_zoo.checkpoint.steps import (
     resolve_step,
 )
 from nnx_zoo.errors import UsageError
+from nnx_zoo.runtime import storage
 from nnx_zoo.runtime.console import one_line
 from zoo import VOCAB_DIMS
 
@@ -153,10 +154,11 @@ def _restore(step_dir: str, what: str, args: dict[str, Any], model_cfg=None) -> 
     if model_cfg is not None:
         saved_cfg = (_read_meta(step_dir).get("run_info") or {}).get("model_config") or {}
         same_vocab = saved_cfg.get("vocab_size") == model_cfg.vocab_size
+    source = remote.readable(step_dir)
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers()))
     try:
         try:
-            metadata = checkpointer.metadata(step_dir).item_metadata
+            metadata = checkpointer.metadata(source).item_metadata
         except Exception as e:  # noqa: BLE001 -- any failure to read it means a damaged dir
             raise _unreadable(step_dir, e) from e
         args = dict(args)
@@ -171,7 +173,7 @@ def _restore(step_dir: str, what: str, args: dict[str, Any], model_cfg=None) -> 
                     # Orbax pads (zeros) or cuts arrays to the target's shape when not strict.
                     args[item] = ocp.args.StandardRestore(target, strict=False)
         try:
-            return checkpointer.restore(step_dir, args=ocp.args.Composite(**args))
+            return checkpointer.restore(source, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 -- tensorstore/OCDBT errors past the checksums
             raise _unreadable(step_dir, e) from e
     finally:
@@ -187,7 +189,7 @@ def restore_step(step_dir: str, *, model, optimizer=None, data_iter=None) -> dic
         args["opt_state"] = ocp.args.StandardRestore(restore_targets(opt_state_tree(optimizer)))
     legacy_data = None
     if data_iter is not None:
-        if os.path.isdir(os.path.join(step_dir, "data_position")):
+        if storage.isdir(storage.join(step_dir, "data_position")):
             args["data_position"] = ocp.args.JsonRestore()
         else:
             legacy_data = _legacy_data_state(step_dir)
@@ -207,8 +209,8 @@ def _legacy_data_state(step_dir: str) -> dict:
     per-process files `process_<i>-of-<n>.json`. A one-process run's state is a state of the
     global stream (its pipeline saw every document); with n > 1 each file is a position in
     that process's own share of the documents, which no longer exists."""
-    data_dir = os.path.join(step_dir, LEGACY_DATA)
-    names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+    data_dir = storage.join(step_dir, LEGACY_DATA)
+    names = storage.listdir(data_dir)
     saved = sorted(n for n in names if n.startswith("process_") and n.endswith(".json"))
     if not saved:
         raise CorruptCheckpointError(f"checkpoint {step_dir} holds no data position")
@@ -219,8 +221,7 @@ def _legacy_data_state(step_dir: str) -> dict:
             "version that wrote it, or change a data field (e.g. --config.data.shuffle_seed) "
             "to restart the data stream, keeping the model and optimizer"
         )
-    with open(os.path.join(data_dir, saved[0])) as f:
-        return json.load(f)
+    return json.loads(storage.read_bytes(storage.join(data_dir, saved[0])))
 
 
 def _read_meta(step_dir: str) -> dict:
@@ -229,7 +230,7 @@ def _read_meta(step_dir: str) -> dict:
     )
     try:
         restored = checkpointer.restore(
-            step_dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            remote.readable(step_dir), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
         )
     except Exception as e:  # noqa: BLE001 -- any failure to read it means a damaged dir
         raise _unreadable(step_dir, e, "meta ") from e
@@ -242,7 +243,7 @@ def read_meta(workdir: str, step: int | None = None) -> tuple[int, dict]:
     """(step, meta) of the latest complete checkpoint (or `step`) without reading arrays."""
     directory = checkpoint_dir(workdir)
     step = resolve_step(directory, step)
-    return step, _read_meta(os.path.join(directory, str(step)))
+    return step, _read_meta(storage.join(directory, str(step)))
 
 
 def restore_params(workdir: str, model, step: int | None = None) -> int:
@@ -252,7 +253,7 @@ def restore_params(workdir: str, model, step: int | None = None) -> int:
     other steps there are."""
     directory = checkpoint_dir(workdir)
     step = resolve_step(directory, step)
-    step_dir = os.path.join(directory, str(step))
+    step_dir = storage.join(directory, str(step))
     try:
         check_integrity(step_dir, EVAL_ITEMS)
     except CorruptCheckpointError as e:

@@ -5,7 +5,10 @@ The lock is `flock` on `<workdir>/.lock`, which names its holder (pid, host, sta
 kernel drops it when the holder exits, however it exits, so a lock file whose lock is free
 was left by a run that died: the next run takes it over and says whose it was. Linux NFS
 clients implement flock with POSIX byte-range locks, so the lock also holds across hosts on a
-shared filesystem. With several processes, process 0 takes it (`hold`).
+shared filesystem. With several processes, process 0 takes it (`hold`). On an object store
+(`gs://`, `s3://`) there is no flock: the lock is a conditional create with an expiry that
+its holder renews (nnx_zoo/checkpoint/object_lock.py), and the checks here write through
+nnx_zoo/runtime/storage.py.
 """
 
 from __future__ import annotations
@@ -18,28 +21,30 @@ import socket
 import tempfile
 import time
 
+from nnx_zoo.checkpoint.object_lock import ObjectStoreLock
 from nnx_zoo.errors import UsageError
+from nnx_zoo.runtime import storage
 from nnx_zoo.runtime.console import warn
 
 LOCK_FILE = ".lock"
 
 
 def expand(path: str) -> str:
-    """`~` expanded, absolute: every entry point reads a --workdir the same way.
-
-    A workdir is a local or mounted POSIX directory: its lock (`flock`), the atomic writes
-    of run_info.json / checksums.json (rename), metrics.jsonl (append + fsync), the
-    checksums (os.walk) and the setting aside of damaged checkpoints are POSIX calls. An
-    object-store URL (gs://, s3://) is refused in one line rather than taken for a relative
-    path (it would quietly become ./gs:/bucket/...); mount the bucket (gcsfuse, s3fs) instead,
-    minding what such a mount does not give (the README's list: the lock holds on one host
-    only, directory renames are not atomic).
+    """`~` expanded, absolute: every entry point reads a --workdir the same way. A `gs://` or
+    `s3://` URL is kept as a URL (tidied: no trailing or doubled slashes); the run's own
+    files then go through nnx_zoo/runtime/storage.py and its lock is
+    nnx_zoo/checkpoint/object_lock.py's. Any other scheme is refused in one line rather than
+    taken for a relative path (it would quietly become ./hdfs:/...).
     """
+    if storage.is_url(path):
+        url = storage.normalize(path)
+        if not url.split("://", 1)[1]:
+            raise UsageError(f"{path}: name a bucket, e.g. {path.rstrip('/')}/my-bucket/run")
+        return url
     if "://" in path:
         raise UsageError(
-            f"{path}: object-store URLs are not supported as a run directory (its lock, "
-            "metrics and checksums need a POSIX filesystem); mount the bucket (e.g. gcsfuse) "
-            "and pass the mounted path"
+            f"{path}: the only URLs a run directory may be are gs://BUCKET/... and "
+            "s3://BUCKET/...; for another store, mount it and pass the mounted path"
         )
     return os.path.abspath(os.path.expanduser(path))
 
@@ -50,6 +55,9 @@ def check_writable(workdir: str, flag: str = "--workdir", *, keep: bool = True) 
     again (a run refused later leaves no empty folder behind)."""
     # A flag reads `--workdir=DIR`; a description reads `the checkpoint directory DIR`.
     name = f"{flag}={workdir}" if flag.startswith("--") else f"{flag} {workdir}"
+    if storage.is_url(workdir):
+        storage.check_writable(workdir)
+        return
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UsageError(f"{name} is a file, not a directory")
     created = not os.path.exists(workdir)
@@ -122,23 +130,16 @@ def check_history(workdir: str, checkpoints: bool) -> None:
     and checkpoints would disagree."""
     if checkpoints:
         return
-    ckpt_dir = os.path.join(workdir, CHECKPOINT_SUBDIR)
-    saved = sorted(n for n in _listdir(ckpt_dir) if n.isdigit())
-    metrics = os.path.join(workdir, METRICS_FILE)
-    if saved or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
+    ckpt_dir = storage.join(workdir, CHECKPOINT_SUBDIR)
+    saved = sorted(n for n in storage.listdir(ckpt_dir) if n.isdigit())
+    metrics = storage.join(workdir, METRICS_FILE)
+    if saved or (storage.isfile(metrics) and storage.size(metrics) > 0):
         what = f"checkpoint steps {', '.join(saved)}" if saved else METRICS_FILE
         raise UsageError(
             f"--workdir={workdir} holds an earlier run ({what}) and "
             "--config.checkpoint.enabled=False would start over and overwrite its records; "
             "choose a new --workdir, or leave checkpoints enabled to resume it"
         )
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 def hold(workdir: str, *, checkpoints: bool = True) -> WorkdirLock | None:
@@ -152,13 +153,17 @@ def hold(workdir: str, *, checkpoints: bool = True) -> WorkdirLock | None:
     if jax.process_index() == 0:
         try:
             check_writable(workdir)
-            if checkpoints:
+            if checkpoints and not storage.is_url(workdir):  # the same bucket: one probe
                 # Orbax would find out at the first save, after training, by a timeout.
                 check_writable(
                     os.path.join(workdir, CHECKPOINT_SUBDIR), "the checkpoint directory", keep=False
                 )
             check_history(workdir, checkpoints)
-            lock = WorkdirLock(workdir)
+            lock = (
+                ObjectStoreLock(workdir, LOCK_FILE)
+                if storage.is_url(workdir)
+                else WorkdirLock(workdir)
+            )
             warning = lock.acquire()
         except ValueError as e:
             lock, error = None, str(e)

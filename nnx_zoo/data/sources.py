@@ -49,6 +49,7 @@ import numpy as np
 from nnx_zoo.data import text_index, token_store
 from nnx_zoo.data.text_source import TextDocuments
 from nnx_zoo.errors import UsageError
+from nnx_zoo.runtime import storage
 
 DEFAULT_SOURCE = "default"
 DEFAULT_MAX_BYTES = 16 * 2**20  # ~12 MB of stdlib code today; reads in well under a second
@@ -91,6 +92,8 @@ def stdlib_documents(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, str]
 
 
 def _expand(source: str) -> list[str]:
+    if storage.is_url(source):
+        return [storage.local_copy(url) for url in _expand_url(source)]
     path = os.path.expanduser(source)
     if os.path.isdir(path):
         suffixes = _TEXT_SUFFIXES + _TOKEN_SUFFIXES
@@ -118,6 +121,32 @@ def _decode(raw: bytes, path: str, line_no: int | None = None) -> str:
         raise UsageError(
             f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); data files must be UTF-8"
         ) from None
+
+
+def _expand_url(source: str) -> list[str]:
+    """The objects a gs:// / s3:// source names: one object, every data file under a prefix,
+    or a glob's matches; UsageError (one line) naming the URL when there are none."""
+    suffixes = _TEXT_SUFFIXES + _TOKEN_SUFFIXES
+    scheme = source.split("://", 1)[0]
+    try:
+        if glob.has_magic(source):
+            fs = storage.filesystem(source)
+            found = [f"{scheme}://{p}" for p in sorted(fs.glob(source.split("://", 1)[1]))]
+            files = [u for u in found if u.endswith(suffixes)]
+            if not files:
+                raise UsageError(f"data glob {source!r} matches no files")
+            return files
+        if storage.isfile(source):
+            return [source]
+        rels = storage.walk_files(source)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the store's own failure: the URL and its message
+        raise storage.error(source, e, "be read") from None
+    files = [storage.join(source, r) for r in rels if r.endswith(suffixes)]
+    if not files:
+        raise UsageError(f"data source {source!r} holds no {suffixes} objects")
+    return files
 
 
 def jsonl_records(path: str):

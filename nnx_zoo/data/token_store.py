@@ -31,6 +31,7 @@ hash (the one ArrayRecord sources use). A run whose tokenizer differs from the s
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import threading
@@ -38,6 +39,7 @@ import threading
 import numpy as np
 
 from nnx_zoo.errors import UsageError
+from nnx_zoo.runtime import storage
 
 FORMAT = "nnx-zoo-token-store"
 VERSION = 1
@@ -55,8 +57,15 @@ def lengths_name(i: int) -> str:
     return f"shard-{i:05d}.lengths.npy"
 
 
+def _local(path: str) -> str:
+    return path if storage.is_url(path) else os.path.expanduser(path)
+
+
 def is_store(path: str) -> bool:
-    """Whether `path` is a finished store (a directory holding index.json)."""
+    """Whether `path` is a finished store (a directory, or a gs:// / s3:// prefix, holding
+    index.json)."""
+    if storage.is_url(path):
+        return storage.isfile(storage.join(path, INDEX))
     return os.path.isfile(os.path.join(os.path.expanduser(path), INDEX))
 
 
@@ -169,11 +178,10 @@ def write_index(directory: str, index: dict) -> None:
 
 
 def read_index(path: str) -> dict:
-    path = os.path.expanduser(path)
-    index_path = os.path.join(path, INDEX)
+    path = _local(path)
+    index_path = storage.join(path, INDEX)
     try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
+        index = json.loads(storage.read_bytes(index_path))
     except (OSError, ValueError) as e:
         raise UsageError(f"{index_path}: not a readable token-store index ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -185,17 +193,23 @@ def read_index(path: str) -> dict:
     return index
 
 
+def _load_npy(path: str) -> np.ndarray:
+    if storage.is_url(path):
+        return np.load(io.BytesIO(storage.read_bytes(path)))
+    return np.load(path)
+
+
 class TokenStore:
     """A store's documents by number: lengths in memory (4 bytes each), records read on demand.
     Pickles without its open files (Grain's worker processes reopen them)."""
 
     def __init__(self, path: str):
-        self.path = os.path.expanduser(path)
+        self.path = _local(path)
         self.index = read_index(self.path)
         self.with_mask = self.index["data_format"] != "text"
         shards = self.index["shards"]
         self.lengths = (
-            np.concatenate([np.load(os.path.join(self.path, s["lengths"])) for s in shards])
+            np.concatenate([_load_npy(storage.join(self.path, s["lengths"])) for s in shards])
             if shards
             else np.zeros(0, np.int32)
         ).astype(np.int64)
@@ -224,7 +238,10 @@ class TokenStore:
                 if reader is None:
                     from array_record.python.array_record_module import ArrayRecordReader
 
-                    file = os.path.join(self.path, self.index["shards"][shard]["file"])
+                    file = storage.join(self.path, self.index["shards"][shard]["file"])
+                    if storage.is_url(file):
+                        # ArrayRecord's reader opens local files only: the shard, copied once.
+                        file = storage.local_copy(file)
                     reader = self._readers[shard] = ArrayRecordReader(file, _READ_OPTIONS)
         return reader
 

@@ -31,6 +31,7 @@ import numpy as np
 from nnx_zoo.data import chat, sources, token_store
 from nnx_zoo.data.tokenizers import make_tokenizer
 from nnx_zoo.errors import UsageError
+from nnx_zoo.runtime import storage
 from nnx_zoo.runtime.files import write_json_atomic
 
 RUN_FILE = "run.json"
@@ -393,6 +394,8 @@ def tokenize_corpus(request: Request, *, log=None) -> dict:
     tokens, MB/s, ETA) goes to stderr, then the tokens/s of each worker. UsageError /
     UsageError (one line) for bad input."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    if storage.is_url(request.out):
+        return _tokenize_to_bucket(request, log)
     if request.data_format not in chat.FORMATS:
         raise UsageError(f"--format={request.data_format!r}; valid: {', '.join(chat.FORMATS)}")
     if request.num_workers < 1 or request.shard_bytes < 1:
@@ -501,3 +504,38 @@ def _index(request: Request, record: dict, pieces, results) -> dict:
         "sources": [{"path": s["path"], "bytes": s["bytes"]} for s in record["sources"]],
         "shards": shards,
     }
+
+
+def _tokenize_to_bucket(request: Request, log) -> dict:
+    """--out=gs://... / s3://...: the store is made in a local staging directory (under
+    $TMPDIR), then uploaded with index.json last, so a prefix holds a store exactly when it
+    holds its index. A killed run is not continued there: its partial upload (shards
+    without an index) is replaced with --overwrite."""
+    import shutil
+    import tempfile
+
+    out = storage.normalize(request.out)
+    try:
+        names = storage.listdir(out)
+    except Exception as e:  # noqa: BLE001 -- the store's own failure: the URL and its message
+        raise storage.error(out, e, "be read") from None
+    foreign = [n for n in names if not _OURS.match(n)]
+    if foreign:
+        raise UsageError(
+            f"--out={out!r} is not empty and holds objects zoo-data did not write "
+            f"({', '.join(sorted(foreign)[:3])}); give a new or empty prefix"
+        )
+    if names and not request.overwrite:
+        what = "a finished token store" if token_store.INDEX in names else "an unfinished upload"
+        raise UsageError(f"--out={out!r} already holds {what}; pass --overwrite to replace it")
+    storage.check_writable(out)  # before the work, not after it
+    staging = tempfile.mkdtemp(prefix="nnx-zoo-data-")
+    try:
+        local = os.path.join(staging, "store")
+        index = tokenize_corpus(dataclasses.replace(request, out=local), log=log)
+        if names:
+            storage.rmtree(out)  # only what an earlier zoo-data wrote (checked above)
+        storage.upload_tree(local, out, last=(token_store.INDEX,))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return index

@@ -34,7 +34,9 @@ def export_run(
 
     if fmt not in FORMATS:
         raise UsageError(f"unknown --format={fmt!r}; valid: {', '.join(FORMATS)}")
-    if not os.path.isdir(workdir):
+    from nnx_zoo.runtime import storage
+
+    if not storage.is_url(workdir) and not os.path.isdir(workdir):
         raise UsageError(
             f"--workdir={workdir} is not a directory; it names a train_main run (its checkpoints/)"
         )

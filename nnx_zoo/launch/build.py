@@ -143,6 +143,10 @@ def build_optimizer(run: RunConfig):
         weight_decay=o.weight_decay,
         clip_grad_norm=o.clip_grad_norm,
         decay_norms_and_embeddings=o.decay_norms_and_embeddings,
+        schedule=o.schedule,
+        decay_fraction=o.decay_fraction,
+        decay_shape=o.decay_shape,
+        muon=o.muon_options(),
     )
 
 

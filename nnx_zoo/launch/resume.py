@@ -1,10 +1,13 @@
 """What a resumed run keeps from the run that wrote its checkpoint, and what it may change.
 
-- The learning-rate schedule. Its length is `optimizer.decay_steps`, which defaults to
-  `training.steps`; resuming with another `steps` would silently recompute the schedule (the
-  rate jumps at the restored step). So a resumed run keeps the checkpoint's schedule length
-  unless `--config.optimizer.decay_steps` is given: raising `steps` then trains on at the
-  schedule's final rate. `keep_schedule` makes that choice and says it.
+- The learning-rate schedule. A resumed run keeps the checkpoint's warmup (the one its steps
+  had; a smoke run's warmup was cut to fit its few steps) and takes everything else from its
+  own config: its length (`training.steps`, or `optimizer.decay_steps` when set), kind, peak,
+  end rate and decay. So rerunning a workdir with more `training.steps` continues on the
+  schedule of the new length at the restored step: WSD's stable phase goes on and its decay
+  moves to the new end; cosine is recomputed for the new length (the rate at the restored
+  step moves up the new, longer curve); constant is unchanged. `keep_schedule` makes that
+  choice and says it, in one line, whenever the schedule differs from the checkpoint's.
 - The data iterator. Its saved state is a position in one document stream, so it restores
   only into the same stream: same source, tokenizer, text field, validation split, shuffle
   seed, sequence length and (global) batch size. `data_changes` names the fields that differ;
@@ -22,12 +25,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 from nnx_zoo.checkpoint.restore import read_meta
 from nnx_zoo.checkpoint.steps import CorruptCheckpointError, checkpoint_dir, complete_steps
 from nnx_zoo.errors import UsageError
-from nnx_zoo.training.config import RunConfig
+from nnx_zoo.training.config import RunConfig, fit_warmup
 from nnx_zoo.training.mixture_spec import describe_change
+from nnx_zoo.training.schedules import describe, make_schedule
 
 # DataSection fields that define the document stream a saved iterator position refers to
 # (data.mixture: `check_mixture`).
@@ -58,18 +64,38 @@ def saved_run(workdir: str, step: int | None = None):
     return None
 
 
-def keep_schedule(run, saved) -> tuple[object, str | None]:
-    """`run` with the saved schedule length when `run` leaves decay_steps unset and its steps
-    differ; and the note to print (None when nothing changed)."""
-    if run.optimizer.decay_steps is not None or saved.decay_steps == run.training.steps:
-        return run, None
-    optimizer = dataclasses.replace(run.optimizer, decay_steps=saved.decay_steps)
-    note = (
-        f"training.steps is {run.training.steps}, the checkpoint's run had "
-        f"{saved.training.steps}: keeping its learning-rate schedule of {saved.decay_steps} "
-        "steps (set --config.optimizer.decay_steps to choose another)"
-    )
-    return dataclasses.replace(run, optimizer=optimizer), note
+def keep_schedule(
+    run: RunConfig, saved: RunConfig
+) -> tuple[RunConfig, Callable[[int], str | None]]:
+    """`run` with the checkpoint's warmup (cut to fit `run`'s schedule if it must), and the
+    function that gives the line to print for the step resumed from (None: nothing changed)."""
+    config_warmup = run.optimizer.warmup_steps
+    optimizer = dataclasses.replace(run.optimizer, warmup_steps=saved.optimizer.warmup_steps)
+    optimizer, _ = fit_warmup(optimizer, run.decay_steps)  # the line below names the warmup
+    kept = dataclasses.replace(run, optimizer=optimizer)
+    return kept, functools.partial(schedule_note, kept, saved, config_warmup)
+
+
+def schedule_note(run: RunConfig, saved: RunConfig, config_warmup: int, step: int) -> str | None:
+    """The one line a run resumed at `step` prints when its schedule is not the checkpoint's
+    (or its warmup not the config's): both schedules and the next step's rate under each."""
+    new, old = run.schedule_args(), saved.schedule_args()
+    warmup = run.optimizer.warmup_steps
+    if new == old and warmup == config_warmup:
+        return None
+    line = f"resuming at step {step} of {run.training.steps}"
+    if new != old:
+        rate, was = float(make_schedule(**new)(step)), float(make_schedule(**old)(step))
+        line += (
+            f" (the checkpoint's run had {saved.training.steps}): learning-rate schedule "
+            f"{describe(**new)}, recomputed from the checkpoint's {describe(**old)}; step "
+            f"{step + 1}'s rate is {rate:.3g} (the checkpoint's schedule: {was:.3g})"
+        )
+    if warmup != config_warmup:
+        had = saved.optimizer.warmup_steps
+        kept = f"{warmup} steps" if warmup == had else f"{had} steps, cut to {warmup} to fit"
+        line += f"; the warmup stays the checkpoint's {kept}, not the config's {config_warmup}"
+    return line
 
 
 def data_changes(run, saved) -> list[str]:

@@ -52,6 +52,8 @@ class TrainSession:
     saved: tuple[int, RunConfig] | None = None
     # The run's eval.tasks as model -> scores (nnx_zoo/evaluation/in_loop.py), or None.
     downstream: Callable | None = None
+    # The line on the learning-rate schedule for the step resumed from (resume.keep_schedule).
+    schedule_note: Callable[[int], str | None] | None = None
 
     @property
     def preempted(self) -> bool:
@@ -78,11 +80,10 @@ def prepare(
         raise TypeError("config eval.tasks is set: prepare() needs eval_tasks (in_loop.make)")
     if run.logging.wandb_project:
         require_wandb()  # before anything is built or written
-    notes = []
     saved = resume_rules.saved_run(workdir) if run.checkpoint.enabled else None
+    schedule_note = None
     if saved is not None:
-        run, note = resume_rules.keep_schedule(run, saved[1])
-        notes += [note] if note else []
+        run, schedule_note = resume_rules.keep_schedule(run, saved[1])
     finetune.check_lora_run(run, init_from)
     run = finetune.with_data_tokenizer(run, init_from)
     plan = plan_run(run, init_from=init_from)
@@ -111,7 +112,14 @@ def prepare(
         "attention": trace_attention(built),
     }
     return TrainSession(
-        built, run_data, workdir, info, notes + run_data.notes, saved=saved, downstream=downstream
+        built,
+        run_data,
+        workdir,
+        info,
+        run_data.notes,
+        saved=saved,
+        downstream=downstream,
+        schedule_note=schedule_note,
     )
 
 
@@ -159,6 +167,8 @@ def resume(session: TrainSession) -> int:
         changes = resume_rules.data_changes(run, found[1]) if found is not None else []
         note = resume_rules.check_mixture(run, found[1], start) if found is not None else None
         session.notes += [note] if note and not changes else []
+        note = session.schedule_note(start) if session.schedule_note else None
+        session.notes += [note] if note else []
         if changes:
             warn(
                 f"the data differs from checkpoint step {start}'s ({'; '.join(changes)}): its "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import numpy as np
 
@@ -71,14 +70,15 @@ class MeasuredLoad:
 def load_from_run(workdir: str, num_experts: int, last: int = 10) -> MeasuredLoad:
     """The load a train_main run of the same MoE model logged (a short CPU run is enough to
     see a router's habits at this batch); UsageError with one line when there is none."""
-    path = os.path.join(workdir, METRICS_FILE)
+    from nnx_zoo.runtime import storage
+
+    path = storage.join(workdir, METRICS_FILE)  # a local path, or a run's gs:// / s3:// workdir
     try:
-        with open(path) as f:
-            lines = f.read().splitlines()
+        lines = storage.read_bytes(path).decode("utf-8").splitlines()
     except OSError as e:
         raise UsageError(
             f"--moe_load_from={workdir}: cannot read {METRICS_FILE} there "
-            f"({e.strerror}); give the workdir of a train_main run of this MoE model"
+            f"({e.strerror or e}); give the workdir of a train_main run of this MoE model"
         ) from None
     records = []
     for line in lines:

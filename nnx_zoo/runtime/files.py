@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
+
+from nnx_zoo.runtime import storage
 
 
 def _umask() -> int:
@@ -24,7 +27,14 @@ _FILE_MODE = 0o666 & ~_umask()
 
 def atomic_write(path: str, write) -> None:
     """Call `write(file_object)` on a temporary file beside `path`, fsync, then rename over it,
-    so a reader or a crash sees either the old file or the complete new one."""
+    so a reader or a crash sees either the old file or the complete new one. An object-store
+    URL (`gs://`, `s3://`) is written whole in one request, which gives the same guarantee
+    (nnx_zoo/runtime/storage.py)."""
+    if storage.is_url(path):
+        buffer = io.BytesIO()
+        write(buffer)
+        storage.write_bytes(path, buffer.getvalue())
+        return
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))

@@ -15,6 +15,7 @@ from typing import Any
 
 from nnx_zoo.errors import UsageError
 from nnx_zoo.training.mixture_spec import MixtureComponent, parse_mixture
+from nnx_zoo.training.schedules import DECAY_SHAPES, SCHEDULES, max_warmup
 from zoo.layers.config import ATTENTION_IMPLEMENTATIONS, CONTEXT_PARALLEL, RUNTIME_FIELDS
 from zoo.layers.lora import LoraConfig
 from zoo.layers.pipeline_schedules import resolve_schedule
@@ -29,6 +30,7 @@ DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")
 OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
 CHAT_OVERFLOW = ("drop", "truncate_left", "error")  # nnx_zoo/data/chat.py's OVERFLOW
 DEFAULT_SOURCE = "default"  # nnx_zoo/data/sources.py's DEFAULT_SOURCE
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _fail(section: str, field: str, value: Any, why: str) -> None:
@@ -208,10 +210,25 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
+    # adamw | muon: Muon on the blocks' projection matrices, optax's Nesterov AdamW on the
+    # rest (embeddings, head, norms, biases, router), both at learning_rate and weight_decay.
+    # nnx_zoo/training/muon.py, docs/muon.md
+    name: str = "adamw"
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per step
+    # Muon's updates scaled to this RMS x sqrt(max(rows, cols)), so AdamW's learning rate
+    # carries over (Liu et al. 2025); 0: scaled by sqrt(max(1, cols / rows)) (Jordan).
+    muon_consistent_rms: float = 0.2
     learning_rate: float = 3e-4  # peak rate, reached after warmup
     warmup_steps: int = 0  # linear warmup from 0
-    decay_steps: int | None = None  # cosine schedule length incl. warmup; None: training.steps
-    end_learning_rate_ratio: float = 0.1  # final rate as a fraction of the peak
+    # cosine | wsd (warmup, stable at the peak, decay over the last decay_fraction) |
+    # constant (warmup, then the peak); the formulas: nnx_zoo/training/schedules.py
+    schedule: str = "cosine"
+    # Schedule length incl. warmup: the step its decay ends; None: training.steps
+    decay_steps: int | None = None
+    end_learning_rate_ratio: float = 0.1  # final rate as a fraction of the peak (cosine, wsd)
+    decay_fraction: float = 0.2  # wsd: the decay's share of the schedule length
+    decay_shape: str = "linear"  # wsd: linear | 1-sqrt (1 - sqrt of the decay's progress)
     weight_decay: float = 0.1  # decoupled AdamW decay (off for norms and embeddings)
     clip_grad_norm: float = 1.0  # clip the global gradient norm; <= 0 turns clipping off
     b1: float = 0.9  # Adam first-moment decay
@@ -222,9 +239,24 @@ class OptimizerSection:
 
     def __post_init__(self):
         _finite("optimizer", self)
+        if self.name not in OPTIMIZERS:
+            _fail("optimizer", "name", self.name, f"valid: {', '.join(OPTIMIZERS)}")
+        if not 0 <= self.muon_momentum < 1:
+            _fail("optimizer", "muon_momentum", self.muon_momentum, "must be in [0, 1)")
+        if self.muon_consistent_rms < 0:
+            _fail("optimizer", "muon_consistent_rms", self.muon_consistent_rms, "must be >= 0")
         _positive("optimizer", self, "learning_rate", "micro_batches", "eps", "decay_steps")
+        _positive("optimizer", self, "muon_ns_steps")
         if self.warmup_steps < 0:
             _fail("optimizer", "warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.schedule not in SCHEDULES:
+            _fail("optimizer", "schedule", self.schedule, f"must be one of {', '.join(SCHEDULES)}")
+        if self.decay_shape not in DECAY_SHAPES:
+            _fail(
+                "optimizer", "decay_shape", self.decay_shape, f"must be {' or '.join(DECAY_SHAPES)}"
+            )
+        if not 0 < self.decay_fraction <= 1:
+            _fail("optimizer", "decay_fraction", self.decay_fraction, "must be in (0, 1]")
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 _fail("optimizer", name, getattr(self, name), "must be in [0, 1)")
@@ -237,6 +269,14 @@ class OptimizerSection:
                 self.end_learning_rate_ratio,
                 "must be in [0, 1]",
             )
+
+    def muon_options(self):
+        """Muon's settings (a `training.muon.MuonOptions`) when `name` is muon; None: AdamW."""
+        if self.name != "muon":
+            return None
+        from nnx_zoo.training.muon import MuonOptions
+
+        return MuonOptions(self.muon_momentum, self.muon_ns_steps, self.muon_consistent_rms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,6 +492,14 @@ class RunConfig:
                 if not pairs
                 else "data.format=preference trains with dpo, orpo or simpo",
             )
+        if self.optimizer.name == "muon" and self.lora.enabled:
+            _fail(
+                "optimizer",
+                "name",
+                "muon",
+                "Muon trains the base model's matrices, and with lora.rank set only the "
+                "adapters train; use optimizer.name=adamw with LoRA",
+            )
         k = self.optimizer.micro_batches
         if self.data.global_batch_size % k:
             _fail(
@@ -460,19 +508,40 @@ class RunConfig:
                 k,
                 f"must divide data.global_batch_size={self.data.global_batch_size}",
             )
-        # The cosine decay after the warmup needs at least one step.
-        if self.optimizer.warmup_steps >= self.decay_steps:
+        limit = self.warmup_limit
+        if self.optimizer.warmup_steps > limit:
             _fail(
                 "optimizer",
                 "warmup_steps",
                 self.optimizer.warmup_steps,
-                f"must be < the schedule length ({self.decay_steps} steps: training.steps, "
-                "or optimizer.decay_steps when set)",
+                f"must be <= {limit} for a {self.optimizer.schedule} schedule of "
+                f"{self.decay_steps} steps (training.steps, or optimizer.decay_steps when set)",
             )
 
     @property
     def decay_steps(self) -> int:
+        """The schedule's length: the step its decay ends."""
         return self.optimizer.decay_steps or self.training.steps
+
+    def schedule_args(self) -> dict[str, Any]:
+        """The learning-rate schedule as `nnx_zoo.training.schedules.make_schedule` (and
+        `describe`) take it."""
+        o = self.optimizer
+        return dict(
+            kind=o.schedule,
+            learning_rate=o.learning_rate,
+            warmup_steps=o.warmup_steps,
+            total_steps=self.decay_steps,
+            end_learning_rate_ratio=o.end_learning_rate_ratio,
+            decay_fraction=o.decay_fraction,
+            decay_shape=o.decay_shape,
+        )
+
+    @property
+    def warmup_limit(self) -> int:
+        """The longest warmup the schedule takes (nnx_zoo/training/schedules.py)."""
+        o = self.optimizer
+        return max_warmup(o.schedule, self.decay_steps, o.decay_fraction)
 
     @classmethod
     def from_config_dict(
@@ -480,9 +549,10 @@ class RunConfig:
     ) -> RunConfig:
         """Typed config from a ConfigDict (or nested dict); one-line UsageError on a bad one.
 
-        A warmup at least as long as the schedule (a preset's warmup of 20 with
-        `--config.training.steps=1`, a smoke run) is clamped to the schedule length - 1, and
-        a line saying so is appended to `notes` (the entry point prints it as a warning)."""
+        A warmup longer than the schedule takes (a preset's warmup of 20 with
+        `--config.training.steps=1`, a smoke run) is clamped to the longest it takes
+        (`fit_warmup`), and a line saying so is appended to `notes` (the entry point prints it
+        as a warning)."""
         if not isinstance(config, Mapping) and not hasattr(config, "to_dict"):
             raise UsageError(
                 f"the config is a {type(config).__name__}, not a ConfigDict: get_config() "
@@ -508,7 +578,12 @@ class RunConfig:
                 if field.name in values:
                     values[field.name] = _coerce(section, field, values[field.name])
             sections[section] = section_type(**values)
-        sections["optimizer"] = _clamp_warmup(sections, notes)
+        optimizer, note = fit_warmup(
+            sections["optimizer"], sections["optimizer"].decay_steps or sections["training"].steps
+        )
+        if note and notes is not None:
+            notes.append(note)
+        sections["optimizer"] = optimizer
         return cls(name=str(raw.get("name", "run")), **sections)
 
     def to_dict(self) -> dict[str, Any]:
@@ -516,21 +591,19 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def _clamp_warmup(sections: dict, notes: list[str] | None):
-    """The optimizer section with its warmup cut to fit the schedule (which needs at least
-    one step of decay after it); a note in `notes` when it was cut."""
-    optimizer = sections["optimizer"]
-    length = optimizer.decay_steps or sections["training"].steps
-    if optimizer.warmup_steps < length:
-        return optimizer
-    clamped = length - 1
-    if notes is not None:
-        notes.append(
-            f"optimizer.warmup_steps={optimizer.warmup_steps} does not fit a schedule of "
-            f"{length} steps (training.steps, or optimizer.decay_steps when set): warming up "
-            f"for {clamped} steps instead (set --config.optimizer.warmup_steps to choose)"
-        )
-    return dataclasses.replace(optimizer, warmup_steps=clamped)
+def fit_warmup(optimizer: OptimizerSection, length: int) -> tuple[OptimizerSection, str | None]:
+    """The optimizer section with its warmup cut to the longest a schedule of `length` steps
+    takes (cosine and constant: one step at the peak after it; wsd: its decay window after
+    it), and the line that says so (None when it fits)."""
+    clamped = max_warmup(optimizer.schedule, length, optimizer.decay_fraction)
+    if optimizer.warmup_steps <= clamped:
+        return optimizer, None
+    note = (
+        f"optimizer.warmup_steps={optimizer.warmup_steps} does not fit a schedule of {length} "
+        "steps (training.steps, or optimizer.decay_steps when set): "
+        f"warming up for {clamped} steps instead (set --config.optimizer.warmup_steps to choose)"
+    )
+    return dataclasses.replace(optimizer, warmup_steps=clamped), note
 
 
 def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:

@@ -460,6 +460,9 @@ class _Loop:
             force=force,
         ):
             self.saved_step = step
+            # An object store's metrics.jsonl is written whole, here: the lines up to a
+            # checkpoint are kept once it is (nnx_zoo/training/metrics.py).
+            self.writer.flush()
         self.checkpoint_wait += time.perf_counter() - started
 
     def validate(self, make_val_batches) -> None:

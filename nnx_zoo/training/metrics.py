@@ -13,6 +13,14 @@ Files under `workdir`:
   tensorboard/     event files: `train/<key>` and `eval/<key>` scalars (unless turned off).
   loss_curve.png   written by `finalize()`: train and validation loss against step (unless
                    turned off).
+
+On an object store (`gs://`, `s3://` workdir) nothing can be appended: an object is written
+whole. metrics.jsonl is then held in memory and written whole (one request) by `flush()`:
+at every checkpoint save (the training loop calls it), at most `FLUSH_S` seconds after the
+previous write, and at the end; the TensorBoard events are written to a local directory and
+copied up at the same moments. A crash loses at most the lines of the last `FLUSH_S` seconds,
+and only lines after the last checkpoint, which a resumed run drops anyway (`resume_step`):
+a resumed run's metrics.jsonl is whole up to its checkpoint.
 """
 
 from __future__ import annotations
@@ -21,18 +29,28 @@ import json
 import math
 import os
 import secrets
+import shutil
 import string
 import sys
+import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from nnx_zoo.runtime import storage
 from nnx_zoo.runtime.files import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 LOSS_CURVE_FILE = "loss_curve.png"
+# On an object store, the longest metrics.jsonl goes unwritten between checkpoint saves.
+FLUSH_S = 30.0
+
+
+def _line(record: Mapping[str, Any]) -> str:
+    return json.dumps(record, allow_nan=False) + "\n"
 
 
 def _to_json_value(value: Any) -> Any:
@@ -45,11 +63,12 @@ def _to_json_value(value: Any) -> Any:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The JSON objects in a metrics.jsonl file; a line that is not complete JSON is skipped."""
+    """The JSON objects in a metrics.jsonl file (local or `gs://`/`s3://`); a line that is not
+    complete JSON is skipped."""
     records = []
-    if not os.path.exists(path):
+    if not storage.exists(path):
         return records
-    with open(path) as f:
+    with storage.open_read(path) as f:
         for line in f:
             try:
                 record = json.loads(line)
@@ -107,26 +126,37 @@ class MetricsWriter:
         self.loss_curve = loss_curve
         self.is_main_process = is_main_process
         self.total_steps = total_steps
-        self.path = os.path.join(workdir, METRICS_FILE)
+        self.path = storage.join(workdir, METRICS_FILE)
         self._file = None
         self._tb = None
         self._bar = None
         self._bar_step = 0
+        # Object stores: the file's lines, written whole by `flush` (module docstring).
+        self._remote = storage.is_url(workdir)
+        self._lines: list[str] = []
+        self._flushed_at = time.monotonic()
+        self._tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
         if not is_main_process:
             return
-        os.makedirs(workdir, exist_ok=True)
-        if resume_step is not None:
-            self.truncate_after(resume_step)
+        if self._remote:
+            self._lines = [_line(r) for r in read_metrics(self.path)]
+            if resume_step is not None:
+                self.truncate_after(resume_step)
+            self._tb_dir = tempfile.mkdtemp(prefix="nnx-zoo-tensorboard-")
         else:
-            self._drop_partial_last_line()
-        self._file = open(self.path, "a")  # noqa: SIM115 -- held open for the whole run
+            os.makedirs(workdir, exist_ok=True)
+            if resume_step is not None:
+                self.truncate_after(resume_step)
+            else:
+                self._drop_partial_last_line()
+            self._file = open(self.path, "a")  # noqa: SIM115 -- held open for the whole run
 
         if tensorboard:
             SummaryWriter = _summary_writer_class()
             # purge_step: TensorBoard hides events at steps >= it that an earlier, crashed run
             # wrote.
             purge_step = None if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR), purge_step=purge_step)
+            self._tb = SummaryWriter(self._tb_dir, purge_step=purge_step)
         if progress_bar:
             from tqdm import tqdm
 
@@ -139,9 +169,27 @@ class MetricsWriter:
 
     def _append(self, record: Mapping[str, Any]) -> None:
         line = json.dumps({k: _to_json_value(v) for k, v in record.items()}, allow_nan=False)
+        if self._remote:
+            self._lines.append(line + "\n")
+            if time.monotonic() - self._flushed_at >= FLUSH_S:
+                self.flush()
+            return
         self._file.write(line + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+
+    def flush(self) -> None:
+        """Make every line written so far durable. Local files already are (each line is
+        fsync'ed); on an object store, metrics.jsonl is written whole and the TensorBoard
+        events copied up. The training loop calls this at each checkpoint save."""
+        if not self.is_main_process or not self._remote:
+            return
+        storage.write_bytes(self.path, "".join(self._lines).encode())
+        if self._tb is not None:
+            self._tb.flush()
+        if os.path.isdir(self._tb_dir) and os.listdir(self._tb_dir):
+            storage.upload_tree(self._tb_dir, storage.join(self.workdir, TENSORBOARD_DIR))
+        self._flushed_at = time.monotonic()
 
     def _add_scalars(self, prefix: str, step: int, metrics: Mapping[str, Any]) -> None:
         if self._tb is None:
@@ -210,7 +258,7 @@ class MetricsWriter:
     def truncate_after(self, step: int) -> None:
         """Keep only the metrics.jsonl lines with `step` <= `step` (and drop any partial line),
         rewriting the file atomically. For resuming from a checkpoint at `step`."""
-        if not self.is_main_process or not os.path.exists(self.path):
+        if not self.is_main_process or not storage.exists(self.path):
             return
         kept = [r for r in read_metrics(self.path) if r.get("step", math.inf) <= step]
         self._rewrite(kept)
@@ -226,6 +274,10 @@ class MetricsWriter:
             self._rewrite(read_metrics(self.path))
 
     def _rewrite(self, records: list[dict[str, Any]]) -> None:
+        if self._remote:
+            self._lines = [_line(r) for r in records]
+            self.flush()
+            return
         reopen = self._file is not None
         if reopen:
             self._file.close()
@@ -262,7 +314,7 @@ class MetricsWriter:
         if train or val:
             ax.legend()
         fig.tight_layout()
-        path = os.path.join(self.workdir, LOSS_CURVE_FILE)
+        path = storage.join(self.workdir, LOSS_CURVE_FILE)
         try:
             atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
         finally:
@@ -271,6 +323,14 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Close the files and the bar (no plot). Safe to call twice."""
+        if self._remote and self.is_main_process and self._tb_dir is not None:
+            self.flush()
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+                self.flush()  # the events closing wrote
+            shutil.rmtree(self._tb_dir, ignore_errors=True)
+            self._tb_dir = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -356,11 +416,10 @@ class WandbWriter:
             return
         import wandb
 
-        path = os.path.join(workdir, WANDB_RUN_FILE)
+        path = storage.join(workdir, WANDB_RUN_FILE)
         run_id = None
-        if resume_step and os.path.exists(path):
-            with open(path) as f:
-                run_id = json.load(f).get("id")
+        if resume_step and storage.exists(path):
+            run_id = json.loads(storage.read_bytes(path)).get("id")
         # W&B's own form of id: 8 lowercase letters and digits.
         run_id = run_id or "".join(secrets.choice(_ID_CHARS) for _ in range(8))
         # Recorded before the run starts: a crash inside init still leaves the id to resume.
@@ -376,7 +435,8 @@ class WandbWriter:
             config=dict(config or {}),
             # A resumed run's record (memory, platform) may differ from the first one's.
             allow_val_change=True,
-            dir=None if os.environ.get("WANDB_DIR") else workdir,
+            # W&B writes its files with POSIX calls: for a bucket workdir, its default (./wandb).
+            dir=None if os.environ.get("WANDB_DIR") or storage.is_url(workdir) else workdir,
         )
         self.run_id = run_id
 
@@ -422,3 +482,7 @@ class Writers:
     def write_scores(self, step: int, scores: Mapping[str, Any]) -> None:
         for w in self.all:
             w.write_scores(step, scores)
+
+    def flush(self) -> None:
+        """metrics.jsonl made durable (MetricsWriter.flush); the trackers keep their own."""
+        self.metrics.flush()

@@ -1,4 +1,5 @@
-"""Optimizer (AdamW + warmup/cosine + clipping) and gradient accumulation over micro-batches.
+"""Optimizer (AdamW + a learning-rate schedule + clipping) and gradient accumulation over
+micro-batches (the schedules themselves: `nnx_zoo/training/schedules.py`).
 
 Used as::
 
@@ -19,6 +20,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.errors import UsageError
+from nnx_zoo.training import muon as muon_lib
+from nnx_zoo.training.muon import MuonOptions
+from nnx_zoo.training.schedules import make_schedule
 from shardings.specs import normalize
 
 # Weight decay is off for any parameter whose path has a component containing one of these
@@ -86,37 +90,41 @@ def make_optimizer(
     weight_decay: float = 0.1,
     clip_grad_norm: float | None = 1.0,
     decay_norms_and_embeddings: bool = False,
+    schedule: str = "cosine",
+    decay_fraction: float = 0.2,
+    decay_shape: str = "linear",
+    muon: MuonOptions | None = None,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then cosine decay, after clipping by global norm.
+    """AdamW with a linear warmup then `schedule`'s decay, after clipping by global norm.
 
     Args:
       learning_rate: peak learning rate, reached at `warmup_steps`.
       warmup_steps: steps of linear warmup from 0 to the peak.
       total_steps: length of the whole schedule (warmup included); after it the rate stays at
-        `learning_rate * end_learning_rate_ratio`.
+        `learning_rate * end_learning_rate_ratio` (cosine, wsd).
       end_learning_rate_ratio: final rate as a fraction of the peak.
+      schedule, decay_fraction, decay_shape: 'cosine', 'wsd' or 'constant', and WSD's decay
+        (`nnx_zoo.training.schedules.make_schedule`).
       b1, b2, eps: Adam moments' decay rates and epsilon.
       weight_decay: decoupled (AdamW) weight decay coefficient, multiplied by the current rate.
       clip_grad_norm: clip the gradients' global norm to this; None or <= 0 turns it off.
       decay_norms_and_embeddings: False (default) masks weight decay off as `decays` says;
         True decays every parameter.
+      muon: Muon's settings: Muon on the blocks' hidden matrices and Nesterov AdamW on the
+        rest (nnx_zoo/training/muon.py), both at this schedule and weight decay; None: AdamW.
 
     Returns:
       (tx, schedule): the optax transformation and the step -> learning-rate function (for
       logging the rate actually used at a step).
     """
-    # optax's cosine decay needs at least one step after the warmup.
-    if total_steps < 1 or not 0 <= warmup_steps < total_steps:
-        raise UsageError(
-            f"need 0 <= warmup_steps < total_steps, got "
-            f"warmup_steps={warmup_steps}, total_steps={total_steps}"
-        )
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=learning_rate,
+    schedule = make_schedule(
+        schedule,
+        learning_rate=learning_rate,
         warmup_steps=warmup_steps,
-        decay_steps=total_steps,
-        end_value=learning_rate * end_learning_rate_ratio,
+        total_steps=total_steps,
+        end_learning_rate_ratio=end_learning_rate_ratio,
+        decay_fraction=decay_fraction,
+        decay_shape=decay_shape,
     )
     adamw = optax.adamw(
         learning_rate=schedule,
@@ -126,6 +134,16 @@ def make_optimizer(
         weight_decay=weight_decay,
         mask=None if decay_norms_and_embeddings else weight_decay_mask,
     )
+    if muon is not None:  # the same settings, AdamW's for what is not a hidden matrix
+        adamw = muon_lib.muon(
+            schedule,
+            muon,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            weight_decay=weight_decay,
+            adam_weight_decay_mask=None if decay_norms_and_embeddings else weight_decay_mask,
+        )
     if clip_grad_norm is None or clip_grad_norm <= 0:
         return adamw, schedule
     # Clip first: Adam normalises per coordinate, so clipping after it would do little.

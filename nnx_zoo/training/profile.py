@@ -8,11 +8,13 @@ is JAX's own profiler, no platform tool.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 
 import jax
 
 from nnx_zoo.errors import UsageError
+from nnx_zoo.runtime import storage
 from nnx_zoo.runtime.files import atomic_write
 
 PROGRAM_FILE = "train_step.hlo.txt"  # the traced step's compiled program, beside its trace
@@ -49,12 +51,19 @@ class StepProfiler:
         instruction, and bench/step_breakdown.py reads what that instruction is from it."""
         self.steps = steps
         self.log_dir = os.path.join(workdir, "profile")
+        # A bucket workdir: the profiler writes locally, and each process copies its files up
+        # when the trace stops (nnx_zoo/runtime/storage.py).
+        self.upload_to = None
+        if storage.is_url(workdir):
+            self.upload_to, self.log_dir = storage.join(workdir, "profile"), None
         self.program = program
         self.active = False
 
     def before(self, step: int) -> None:
         """Call with the number of the step about to run (1-based)."""
         if self.steps and step == self.steps[0] and not self.active:
+            if self.log_dir is None:
+                self.log_dir = tempfile.mkdtemp(prefix="nnx-zoo-profile-")
             text = self.program() if self.program is not None else None
             if text and jax.process_index() == 0:
                 os.makedirs(self.log_dir, exist_ok=True)
@@ -73,3 +82,5 @@ class StepProfiler:
             jax.block_until_ready(outputs)  # the traced steps' device work is in the trace
             jax.profiler.stop_trace()
             self.active = False
+            if self.upload_to is not None:
+                storage.upload_tree(self.log_dir, self.upload_to)
