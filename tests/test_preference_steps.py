@@ -39,13 +39,13 @@ def source(tmp_path_factory):
     return _write(tmp_path_factory.mktemp("dpo") / "pairs.jsonl", _pairs(64))
 
 
-def _dpo_run(source, workdir, strategy, num_devices=None) -> list[dict]:
+def _dpo_run(source, workdir, strategy, num_devices=None, more=None) -> list[dict]:
     result = run_train_main(
         [
             "--config=configs/tiny.py",
             f"--workdir={workdir}",
             f"--sharding_strategy={strategy}",
-            *cli_flags(RUN),
+            *cli_flags({**RUN, **(more or {})}),
             f"--config.data.source={source}",
             "--config.data.format=preference",
             "--config.training.objective=dpo",
@@ -73,9 +73,12 @@ def test_one_device_run_logs_trl_metrics(one_device):
         assert np.isfinite(last[name]), name
 
 
-@pytest.mark.parametrize("strategy", ["fsdp_tp", "fsdp_pp", "fsdp_cp"])
+@pytest.mark.parametrize("strategy", ["fsdp_tp", "fsdp_pp", "fsdp_cp", "dp_micro_batches"])
 def test_dpo_steps_equal_one_device(source, one_device, tmp_path, strategy):
-    run = _dpo_run(source, tmp_path, strategy)
+    if strategy == "dp_micro_batches":  # two micro-batches, the reference in each
+        run = _dpo_run(source, tmp_path, "dp", 1, {"optimizer.micro_batches": 2})
+    else:
+        run = _dpo_run(source, tmp_path, strategy)
     for key in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
         want = np.array([r[key] for r in one_device])
         got = np.array([r[key] for r in run])

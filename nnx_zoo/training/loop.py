@@ -144,9 +144,9 @@ def _loss_and_grad(
     if objective is None:
         grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
         return grad_fn(model, batch, packed, chunk_size, pipeline)
-    loss_fn = functools.partial(preference.loss_sum, objective)
+    loss_fn = functools.partial(preference.loss_sum, objective, reference=reference)
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
-    return grad_fn(model, batch, packed, chunk_size, pipeline, reference)
+    return grad_fn(model, batch, packed, chunk_size, pipeline)
 
 
 class Trainer:

@@ -245,6 +245,14 @@ def without_adapters(model):
     return nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, adapters), rest)
 
 
+def _rebuilt(graphdef, state):
+    """The reference module made here from the state's arrays: its variables then belong
+    to this trace level (a micro-batch loop's body, the gradient's function), which the
+    model's layer scan requires of every variable it sees."""
+    leaves, treedef = jax.tree.flatten(state)
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
 def loss_sum(
     objective: Objective,
     model,
@@ -260,7 +268,7 @@ def loss_sum(
     policy = model_pair_logps(model, batch, **kw)
     ref = None
     if objective.needs_reference:
-        ref_model = without_adapters(model) if reference is None else nnx.merge(*reference)
+        ref_model = without_adapters(model) if reference is None else _rebuilt(*reference)
         ref_model = nnx.view(ref_model, deterministic=True, raise_if_not_found=False)
         ref = jax.tree.map(jax.lax.stop_gradient, model_pair_logps(ref_model, batch, **kw))
     return objective_sums(objective, policy, ref)
