@@ -289,12 +289,16 @@ def check_record(record, data_format: str, where: str) -> dict:
     raise UsageError(f"{where}: prompt and completion must both be strings or both message lists")
 
 
-def _read_records(path: str, data_format: str) -> list[dict]:
-    fields = ("messages",) if data_format == "chat" else ("prompt", "completion")
+def _read_records(path: str, data_format: str, check=None, fields=None) -> list[dict]:
+    if check is None:
+        fields = ("messages",) if data_format == "chat" else ("prompt", "completion")
+
+        def check(record, where):
+            return check_record(record, data_format, where)
+
     if path.endswith(".jsonl"):
         return [
-            check_record(record, data_format, f"{path}:{line_no}")
-            for line_no, record in sources.jsonl_records(path)
+            check(record, f"{path}:{line_no}") for line_no, record in sources.jsonl_records(path)
         ]
     if path.endswith(".parquet"):
         import pyarrow
@@ -302,16 +306,17 @@ def _read_records(path: str, data_format: str) -> list[dict]:
 
         try:
             names = pq.read_schema(path).names
-            missing = [f for f in fields if f not in names]
+            # (a preference record's prompt may be left out: then its conversations hold it)
+            missing = [f for f in fields if f not in names and f != "prompt"]
             if missing:
                 raise UsageError(
                     f"{path}: no column {missing[0]!r} (data.format={data_format} wants "
                     f"{', '.join(fields)}; columns: {names})"
                 )
-            rows = pq.read_table(path, columns=list(fields)).to_pylist()
+            rows = pq.read_table(path, columns=[f for f in fields if f in names]).to_pylist()
         except pyarrow.ArrowException as e:
             raise UsageError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
-        return [check_record(r, data_format, f"{path}: row {i}") for i, r in enumerate(rows)]
+        return [check(r, f"{path}: row {i}") for i, r in enumerate(rows)]
     raise UsageError(
         f"data file {path!r}: data.format={data_format} reads .jsonl or .parquet records"
     )
@@ -322,14 +327,15 @@ def load_records(
 ) -> grain.MapDataset:
     """The checked records of `source` in `split` (the same hash split as text documents)."""
     return grain.MapDataset.source(
-        [r for _, r in _keyed_records(source, split, data_format, validation_fraction)]
+        [r for _, r in keyed_records(source, split, data_format, validation_fraction)]
     )
 
 
-def _keyed_records(
-    source: str, split: str, data_format: str, validation_fraction: float
+def keyed_records(
+    source: str, split: str, data_format: str, validation_fraction: float, check=None, fields=None
 ) -> list[tuple[str, dict]]:
-    """(where, record): `where` names the file and line (JSONL) or row (Parquet)."""
+    """(where, record): `where` names the file and line (JSONL) or row (Parquet). `check(record,
+    where)` and the Parquet columns `fields` are the format's (default: chat's)."""
     if split not in sources.SPLITS:
         raise UsageError(f"unknown split {split!r}; expected one of {sources.SPLITS}")
     if source == sources.DEFAULT_SOURCE:
@@ -340,7 +346,7 @@ def _keyed_records(
     keyed = [
         (path, i, record)
         for path in sources._expand(source)
-        for i, record in enumerate(_read_records(path, data_format))
+        for i, record in enumerate(_read_records(path, data_format, check, fields))
     ]
     in_val = np.array(
         [
@@ -391,7 +397,7 @@ def encode_records(
     else:
         encoded_records = [
             (where, encode_record(record, tokenizer, template))
-            for where, record in _keyed_records(source, split, data_format, validation_fraction)
+            for where, record in keyed_records(source, split, data_format, validation_fraction)
         ]
     keyed = encoded_records
     kept, too_long, cut, untrained, longest = [], 0, 0, 0, 0

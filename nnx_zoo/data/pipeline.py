@@ -223,6 +223,21 @@ def packed_rows(
             source, split, text_field=text_field, validation_fraction=validation_fraction
         )
         encode, keys = _Tokenize(tokenizer), ("tokens", "segment_ids", "positions")
+    elif data_format == "preference":
+        from nnx_zoo.data import preference
+
+        docs = preference.encode_records(
+            source,
+            split,
+            validation_fraction,
+            tokenizer,
+            chat_template,
+            seq_len=seq_len,
+            overflow=chat_overflow,
+            notes=notes,
+        )
+        encode = _as_is  # each pair fits a row: chosen and rejected are never apart
+        keys = ("tokens", "segment_ids", "positions", "loss_mask")
     else:
         from nnx_zoo.data import chat
 
@@ -256,14 +271,18 @@ def packed_rows(
     ds = ChunkDocuments(ds, seq_len, tokenizer)
     if shuffle and shuffle_window > 1:
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
+    packed = ("tokens", "loss_mask")[: len(keys) - 2]
+    rows = _rename_packed
+    if data_format == "preference":  # a pair packs as one document, split after packing
+        packed, rows = (*packed, "side"), preference.split_pair_segments
     ds = grain.experimental.FirstFitPackIterDataset(
         ds,
-        length_struct={k: seq_len for k in ("tokens", "loss_mask")[: len(keys) - 2]},
+        length_struct={k: seq_len for k in packed},
         num_packing_bins=num_packing_bins,
         seed=seed,
         shuffle_bins=shuffle,
     )
-    return ds.map(_rename_packed), keys
+    return ds.map(rows), keys
 
 
 def build_dataset(

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.errors import UsageError
-from nnx_zoo.training import finetune, optim
+from nnx_zoo.training import finetune, optim, preference
 from nnx_zoo.training.config import ModelSection, RunConfig
 from nnx_zoo.training.loop import Trainer
 from nnx_zoo.training.step_memory import abstract_batch
@@ -71,7 +71,10 @@ class Run:
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """One step's global batch as shapes in the batch layout."""
         data = self.config.data
-        return abstract_batch(self.mesh, self.batch_spec, data.global_batch_size, data.seq_len)
+        batch = abstract_batch(self.mesh, self.batch_spec, data.global_batch_size, data.seq_len)
+        if data.format != "text":  # records' batches carry which tokens are answers
+            batch["loss_mask"] = batch["tokens"]
+        return batch
 
     def compile(self):
         """(compiled train step, seconds): lowered on the run's state and a batch of the
@@ -301,6 +304,16 @@ def build(
             model, optimizer = adapted(from_pretrained(init_from, plan))
         else:
             model, optimizer = adapted(create_model(plan, rngs=nnx.Rngs(seed)))
+    objective = preference.Objective.from_training(run.training)
+    if objective is not None and plan.pipeline is not None and plan.pipeline.schedule == "1f1b":
+        raise UsageError(
+            f"training.objective={objective.name} cannot run under "
+            "model.pipeline_schedule=1f1b: 1F1B computes the loss inside its loop as one sum "
+            "over tokens, and a preference loss needs each sequence's log probability; set "
+            "model.pipeline_schedule=gpipe (or circular)"
+        )
+    # DPO's reference without LoRA: the starting weights, copied before any step or restore.
+    needs_copy = objective is not None and objective.needs_reference
     trainer = Trainer(
         model,
         optimizer,
@@ -309,9 +322,13 @@ def build(
         loss_chunk_size=run.training.loss_chunk_size,
         wrt=finetune.trainable(model),
         pipeline=plan.pipeline,
+        objective=objective,
+        reference=preference.frozen_copy(model) if needs_copy else None,
     )
     if abstract:
         trainer.state = on_mesh(trainer.state, plan.mesh)
+        if trainer.ref_state is not None:
+            trainer.ref_state = on_mesh(trainer.ref_state, plan.mesh)
     return Run(
         config=run,
         plan=plan,

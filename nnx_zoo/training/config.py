@@ -24,7 +24,10 @@ from zoo.layers.remat import POLICIES as REMAT_POLICIES
 from zoo.registry import PRESET_DIMS
 
 SECTIONS = ("model", "data", "optimizer", "training", "checkpoint", "logging", "lora", "eval")
-DATA_FORMATS = ("text", "chat", "prompt_completion")  # nnx_zoo/data/chat.py's FORMATS
+# nnx_zoo/data/chat.py's FORMATS, and preference pairs (nnx_zoo/data/preference.py)
+DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")
+# nnx_zoo/training/preference.py's OBJECTIVES, and sft (next-token loss)
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
 CHAT_OVERFLOW = ("drop", "truncate_left", "error")  # nnx_zoo/data/chat.py's OVERFLOW
 DEFAULT_SOURCE = "default"  # nnx_zoo/data/sources.py's DEFAULT_SOURCE
 OPTIMIZERS = ("adamw", "muon")
@@ -165,7 +168,9 @@ class DataSection:
     validation_source: str = ""
     # text: documents, loss on every token | chat: JSONL/Parquet records with `messages`
     # (role/content), rendered with the tokenizer dir's chat template, loss on the assistant
-    # turns | prompt_completion: records with `prompt` and `completion`, loss on completions.
+    # turns | prompt_completion: records with `prompt` and `completion`, loss on completions
+    # | preference: records with `prompt`, `chosen` and `rejected` (training.objective
+    # dpo / orpo / simpo; docs/preference.md).
     format: str = "text"
     # A chat / prompt_completion record longer than seq_len (never split: its answer would
     # train without its prompt): drop it (counted in one line at start) | truncate_left (keep
@@ -298,9 +303,25 @@ class TrainingSection:
     # (JAX's defaults: its 100 s heartbeat timeout ends the others by SIGABRT, 51-99 s after
     # a death in the kills measured; README).
     peer_timeout_seconds: float = 60.0
+    # sft: next-token loss | dpo: DPO's sigmoid loss against a reference model (the base
+    # with LoRA's adapters off, else a frozen copy of the starting weights) | orpo | simpo:
+    # reference-free. dpo / orpo / simpo read data.format=preference. docs/preference.md
+    objective: str = "sft"
+    dpo_beta: float = 0.1  # DPO's beta: the strength of the implicit KL to the reference
+    dpo_label_smoothing: float = 0.0  # cDPO: the share of pairs assumed mislabelled, [0, 0.5)
+    orpo_beta: float = 0.1  # ORPO's lambda: the odds-ratio term's weight beside the NLL
+    simpo_beta: float = 2.0  # SimPO's beta: the scale of the length-normalized reward
+    simpo_gamma: float = 1.0  # SimPO's target reward margin gamma (TRL CPOConfig.simpo_gamma)
 
     def __post_init__(self):
         _finite("training", self)
+        if self.objective not in OBJECTIVES:
+            _fail("training", "objective", self.objective, f"valid: {', '.join(OBJECTIVES)}")
+        _positive("training", self, "dpo_beta", "orpo_beta", "simpo_beta")
+        if not 0 <= self.dpo_label_smoothing < 0.5:
+            _fail(
+                "training", "dpo_label_smoothing", self.dpo_label_smoothing, "must be in [0, 0.5)"
+            )
         _positive("training", self, "steps", "eval_batches")
         if not 0 <= self.peer_timeout_seconds < math.inf:
             _fail(
@@ -461,6 +482,16 @@ class RunConfig:
     eval: EvalSection = EvalSection()
 
     def __post_init__(self):
+        pairs, objective = self.data.format == "preference", self.training.objective
+        if pairs != (objective != "sft"):
+            _fail(
+                "training",
+                "objective",
+                objective,
+                "dpo, orpo and simpo train on data.format=preference"
+                if not pairs
+                else "data.format=preference trains with dpo, orpo or simpo",
+            )
         if self.optimizer.name == "muon" and self.lora.enabled:
             _fail(
                 "optimizer",

@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.training import preference
 from nnx_zoo.training.optim import accumulate_gradients
 from zoo import pipelined
 
@@ -129,10 +130,22 @@ def objective_from_sums(total, count, moe, aux_coef: float):
 
 
 def _loss_and_grad(
-    model, batch: Batch, packed: bool = True, chunk_size: int = 0, wrt=nnx.Param, pipeline=None
+    model,
+    batch: Batch,
+    packed: bool = True,
+    chunk_size: int = 0,
+    wrt=nnx.Param,
+    pipeline=None,
+    objective=None,
+    reference=None,
 ):
-    """Gradients of the variables of kind `wrt` (nnx.Param; LoRA adapters: LoraParam)."""
-    grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
+    """Gradients of the variables of kind `wrt` (nnx.Param; LoRA adapters: LoraParam).
+    `objective`: a preference objective (training/preference.py), None for the NLL."""
+    if objective is None:
+        grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
+        return grad_fn(model, batch, packed, chunk_size, pipeline)
+    loss_fn = functools.partial(preference.loss_sum, objective, reference=reference)
+    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
     return grad_fn(model, batch, packed, chunk_size, pipeline)
 
 
@@ -150,6 +163,12 @@ class Trainer:
       wrt: the variable kind that trains, as the optimizer's `wrt` (LoRA: LoraParam).
       pipeline: the model's `PipelinePlan` under a pipeline strategy (`ModelPlan.pipeline`);
         None without one.
+      objective: a preference objective (`training.preference.Objective`) on batches of
+        pairs, None for the next-token loss; the loss is then a mean over pairs, and
+        `loss_tokens` counts pairs.
+      reference: DPO's frozen reference (`training.preference.frozen_copy`: graphdef and
+        state), a step argument beside the state and never donated; None with LoRA (the
+        adapters zeroed) or without DPO.
     """
 
     def __init__(
@@ -163,8 +182,12 @@ class Trainer:
         loss_chunk_size: int = 0,
         wrt=nnx.Param,
         pipeline=None,
+        objective=None,
+        reference=None,
     ):
         self.model, self.optimizer = model, optimizer
+        self.objective = objective
+        self.ref_graphdef, self.ref_state = reference if reference is not None else (None, None)
         self.pipeline = pipeline
         self.wrt = wrt
         self.packed = packed
@@ -179,7 +202,10 @@ class Trainer:
 
     # -- the steps ----------------------------------------------------------------------
 
-    def _train_step(self, state, batch: Batch):
+    def _reference(self, ref_state):
+        return None if ref_state is None else (self.ref_graphdef, ref_state)
+
+    def _train_step(self, state, batch: Batch, ref_state=None):
         model, optimizer = nnx.merge(self.graphdef, state)
         loss, num_tokens, grads, means = accumulate_gradients(
             functools.partial(
@@ -188,6 +214,8 @@ class Trainer:
                 chunk_size=self.loss_chunk_size,
                 wrt=self.wrt,
                 pipeline=self.pipeline,
+                objective=self.objective,
+                reference=self._reference(ref_state),
             ),
             model,
             batch,
@@ -201,10 +229,21 @@ class Trainer:
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": num_tokens, **means}
         return nnx.state((model, optimizer)), metrics
 
-    def _eval_step(self, state, batch: Batch):
+    def _eval_step(self, state, batch: Batch, ref_state=None):
         model, _ = nnx.merge(self.graphdef, state)
         # Dropout (LoRA's, the one model part that has any) only while training.
         model = nnx.view(model, deterministic=True, raise_if_not_found=False)
+        if self.objective is not None:  # the objective's mean over the held-out pairs
+            total, (count, _) = preference.loss_sum(
+                self.objective,
+                model,
+                batch,
+                self.packed,
+                self.loss_chunk_size,
+                self.pipeline,
+                self._reference(ref_state),
+            )
+            return total, count
         return loss_sum(model, batch, self.packed, self.loss_chunk_size, self.pipeline)
 
     def compile(self, batch: Batch) -> float:
@@ -222,22 +261,22 @@ class Trainer:
         abstract state (ShapeDtypeStructs on a target's mesh) this compiles for hardware not
         present."""
         step = self._train_jit if train else self._eval_jit
-        return step.lower(self.state, model_batch(batch))
+        return step.lower(self.state, model_batch(batch), self.ref_state)
 
     def trace(self, batch: Batch):
         """The train step traced (not lowered) for the current state's and `batch`'s types:
         the model's Python runs, so what it checks at trace time fails here; jax keeps the
         trace, which `lower` / `compile` for the same types then reuse."""
-        return self._train_jit.trace(self.state, model_batch(batch))
+        return self._train_jit.trace(self.state, model_batch(batch), self.ref_state)
 
     def train_step(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimizer step; returns its metrics as (not yet fetched) device scalars."""
         step_fn = self.compiled or self._train_jit
-        self.state, metrics = step_fn(self.state, model_batch(batch))
+        self.state, metrics = step_fn(self.state, model_batch(batch), self.ref_state)
         return metrics
 
     def eval_step(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        return self._eval_jit(self.state, model_batch(batch))
+        return self._eval_jit(self.state, model_batch(batch), self.ref_state)
 
     # -- the objects ----------------------------------------------------------------------
 
@@ -384,6 +423,11 @@ class _Loop:
             record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
             record["moe_load_spread"] = float(fetched["moe_load_spread"])
             record["moe_dropped"] = float(fetched["moe_dropped"])
+        # Preference objectives: TRL's names (rewards/chosen, logps/rejected, ...) and ORPO's
+        # terms, each a mean over the step's pairs.
+        for name in (*preference.METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"):
+            if name in fetched:
+                record[name] = float(fetched[name])
         if self.source_tokens:
             # int64 on the host: the interval's sum can pass int32's range on a large run.
             counts = np.sum(np.asarray(jax.device_get(self.source_tokens), np.int64), axis=0)

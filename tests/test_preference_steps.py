@@ -1,0 +1,207 @@
+"""DPO through train_main (issue 51, goal 3 and item 3): ten steps under fsdp_tp, the
+pipeline strategy fsdp_pp and the context-parallel fsdp_cp equal the one-device run, TRL's
+metrics in metrics.jsonl; the reference without LoRA is a frozen copy that the step takes
+as an argument, and with LoRA the base itself (the adapters zeroed, no copy).
+
+Tolerance: float32; ten Adam steps amplify the reassociation of split sums (as in
+tests/test_strategies_equal_one_device.py): 1e-4 relative on the loss sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _train_helpers import SMALL_RUN, cli_flags, run_train_main
+from flax import nnx
+from test_preference_data import _pairs, _write
+
+from nnx_zoo.training import preference
+
+RUN = {
+    **SMALL_RUN,
+    "data.seq_len": 128,
+    "data.global_batch_size": 8,
+    "training.steps": 10,
+    "training.eval_every": 0,
+    "training.loss_chunk_size": 0,
+    "optimizer.warmup_steps": 0,
+    "data.validation_fraction": 0.1,
+}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("dpo") / "pairs.jsonl", _pairs(64))
+
+
+def _dpo_run(source, workdir, strategy, num_devices=None, more=None) -> list[dict]:
+    result = run_train_main(
+        [
+            "--config=configs/tiny.py",
+            f"--workdir={workdir}",
+            f"--sharding_strategy={strategy}",
+            *cli_flags({**RUN, **(more or {})}),
+            f"--config.data.source={source}",
+            "--config.data.format=preference",
+            "--config.training.objective=dpo",
+        ],
+        num_devices=num_devices,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def one_device(source, tmp_path_factory):
+    return _dpo_run(source, tmp_path_factory.mktemp("one"), "dp", num_devices=1)
+
+
+def test_one_device_run_logs_trl_metrics(one_device):
+    first, last = one_device[0], one_device[-1]
+    assert len(one_device) == RUN["training.steps"]
+    # The policy starts as its reference: every pair's loss is log 2, every reward 0.
+    assert first["loss"] == pytest.approx(np.log(2), rel=1e-6)
+    assert abs(first["rewards/margins"]) < 1e-5
+    assert last["loss"] < first["loss"] and last["rewards/margins"] > 0
+    for name in preference.METRICS:
+        assert np.isfinite(last[name]), name
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_tp", "fsdp_pp", "fsdp_cp", "dp_micro_batches"])
+def test_dpo_steps_equal_one_device(source, one_device, tmp_path, strategy):
+    if strategy == "dp_micro_batches":  # two micro-batches, the reference in each
+        run = _dpo_run(source, tmp_path, "dp", 1, {"optimizer.micro_batches": 2})
+    else:
+        run = _dpo_run(source, tmp_path, strategy)
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+        want = np.array([r[key] for r in one_device])
+        got = np.array([r[key] for r in run])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_lora_reference_is_the_base_with_adapters_off():
+    """With LoRA the reference is the model with its adapters zeroed: the base model's
+    numbers, from the same (not copied) weights, however far the adapters have moved."""
+    from nnx_zoo.training.preference import Objective, frozen_copy, loss_sum
+    from shardings import get_strategy
+    from zoo import create_model, get_config
+    from zoo.layers.lora import LoraConfig, LoraParam, add_lora
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 200, (2, 32)).astype(np.int32)
+    segments = np.repeat([[1] * 8 + [2] * 8 + [3] * 8 + [4] * 8], 2, axis=0).astype(np.int32)
+    batch = {
+        "tokens": jnp.asarray(tokens),
+        "segment_ids": jnp.asarray(segments),
+        "positions": jnp.asarray(np.tile(np.arange(8), (2, 4)), jnp.int32),
+        "loss_mask": jnp.asarray(np.tile([0] * 4 + [1] * 4, (2, 4)), jnp.int32),
+    }
+    strategy = get_strategy("dp")
+    cfg = get_config("tiny", hidden_dim=32, num_layers=2, head_dim=8, ffn_dim=64, vocab_size=256)
+    objective = Objective("dpo", dpo_beta=0.5)
+    with jax.set_mesh(strategy.make_mesh(devices=jax.devices()[:1])):
+        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+        base = frozen_copy(model)
+        add_lora(model, LoraConfig(rank=4, alpha=8.0), nnx.Rngs(1))
+        assert frozen_copy(model) is None  # LoRA: no second set of weights
+        for _, var in nnx.to_flat_state(nnx.state(model, LoraParam)):  # adapters that moved
+            var.set_value(var[...] + 0.05 * jnp.asarray(rng.normal(size=var[...].shape)))
+
+        @jax.jit
+        def both(model, batch, base):
+            off = loss_sum(objective, model, batch)
+            return off, loss_sum(objective, model, batch, reference=base)
+
+        adapters_off, base_copy = both(model, batch, base)
+    assert float(adapters_off[1][1]["rewards/margins"]) != 0.0
+    for got, want in zip(jax.tree.leaves(adapters_off), jax.tree.leaves(base_copy), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_1f1b_exits_2_naming_why(source, tmp_path):
+    result = run_train_main(
+        [
+            "--config=configs/tiny.py",
+            f"--workdir={tmp_path}",
+            "--sharding_strategy=fsdp_pp",
+            *cli_flags(RUN),
+            f"--config.data.source={source}",
+            "--config.data.format=preference",
+            "--config.training.objective=dpo",
+            "--config.model.pipeline_schedule=1f1b",
+        ]
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot run under model.pipeline_schedule=1f1b" in lines[0]
+
+
+def test_the_plan_counts_the_reference(tmp_path):
+    """The compiled step's argument bytes: LoRA-DPO holds one set of base weights (within 5%
+    of LoRA-SFT's), full DPO one more copy of the parameters than full SFT."""
+    from _train_helpers import run_config
+
+    from bench.fixtures import write_tiny_llama
+    from nnx_zoo.launch.build import build
+    from nnx_zoo.training.step_memory import step_memory
+
+    base = str(tmp_path / "base")
+    write_tiny_llama(base, "llama", max_seq_len=128)
+    shapes = {"data.seq_len": 128, "data.global_batch_size": 8, "training.sharding_strategy": "dp"}
+    dpo = {"data.format": "preference", "training.objective": "dpo"}
+
+    def argument_bytes(overrides):
+        built = build(run_config({**shapes, **overrides}), abstract=True, init_from=base)
+        compiled, _ = built.compile()
+        return step_memory(compiled).argument_bytes, built
+
+    lora = {"lora.rank": 8}
+    lora_sft, _ = argument_bytes(lora)
+    lora_dpo, built = argument_bytes({**lora, **dpo})
+    assert built.trainer.ref_state is None
+    assert abs(lora_dpo - lora_sft) <= 0.05 * lora_sft
+    sft, built = argument_bytes({})
+    full_dpo, _ = argument_bytes(dpo)
+    params = sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(built.model, nnx.Param))
+    )
+    # one more copy of the parameters (of 1 device's share: dp replicates them)
+    assert abs(full_dpo - sft - params) <= 0.05 * params
+
+
+def test_dpo_resumed_equals_uninterrupted(source, tmp_path):
+    """A DPO run stopped at a checkpoint and started again equals the uninterrupted run bit
+    for bit: the reference is rebuilt from the starting weights, not from the restored
+    policy, and the pairs resume where they were."""
+    resumable = {**RUN, "checkpoint.enabled": True, "checkpoint.every": 3}
+    resumable["optimizer.decay_steps"] = 6  # one schedule for the 3- and the 6-step runs
+
+    def run(workdir, steps):
+        flags = cli_flags({**resumable, "training.steps": steps})
+        result = run_train_main(
+            ["--config=configs/tiny.py", f"--workdir={workdir}", "--sharding_strategy=dp"]
+            + flags
+            + [f"--config.data.source={source}", "--config.data.format=preference"]
+            + ["--config.training.objective=dpo"],
+            num_devices=1,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    def steps(records):  # the training lines, the last one of each step
+        return {r["step"]: r for r in records if "loss" in r}
+
+    whole = steps(run(tmp_path / "whole", 6))
+    run(tmp_path / "parts", 3)
+    resumed = steps(run(tmp_path / "parts", 6))
+    assert sorted(resumed) == sorted(whole) == list(range(1, 7))
+    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen")
+    for step, record in whole.items():
+        assert {k: resumed[step][k] for k in keys} == {k: record[k] for k in keys}, step
