@@ -197,8 +197,10 @@ def test_eval_serve_and_export_read_the_bucket(chains, reference, tmp_path):
     downloaded = str(tmp_path / "downloaded")
     storage.download_tree(out, downloaded)
     assert os.path.isfile(os.path.join(downloaded, ".zoo-output.json"))
-    import torch
-    from transformers import AutoModelForCausalLM
+    # The peers are on CI's floor leg only: eval and serve above ran either way.
+    torch = pytest.importorskip("torch", reason="torch (a peer, floor leg) is not installed")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    AutoModelForCausalLM = transformers.AutoModelForCausalLM
 
     got = AutoModelForCausalLM.from_pretrained(downloaded).state_dict()
     want = AutoModelForCausalLM.from_pretrained(local_out).state_dict()
