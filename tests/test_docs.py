@@ -18,7 +18,7 @@ ARCHITECTURE = os.path.join(DOCS, "ARCHITECTURE.md")
 PAGES = sorted(glob.glob(os.path.join(DOCS, "*.md")))
 
 TRAIN_COMMAND = "pip install -e . && python train_main.py --workdir=runs/tiny"
-TEST_COMMAND = 'pip install -e ".[test,tpu,gpu,eval,serve]" && python -m pytest -q -n 2'
+TEST_COMMAND = 'pip install -e ".[test,tpu,gpu,eval,serve,wandb]" && python -m pytest -q -n 2'
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```\s*$", re.M | re.S)
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
