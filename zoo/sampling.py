@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 
 class SamplingRows(NamedTuple):
@@ -51,6 +52,16 @@ def nucleus(logits_BV, top_p_B):
     return jnp.where(logits_BV < edge_B1, -jnp.inf, logits_BV)
 
 
+def _rows_like(x_B, like_BV):
+    """`x_B` with its rows split as `like_BV`'s (a reshard only when they differ)."""
+    want = jax.typeof(like_BV).sharding.spec
+    rows_axis = want[0] if len(want) else None
+    now = jax.typeof(x_B).sharding.spec
+    if (now[0] if len(now) else None) == rows_axis or jax.typeof(x_B).sharding.mesh.empty:
+        return x_B
+    return jax.sharding.reshard(x_B, P(rows_axis))
+
+
 def sample(logits_BV, rows: SamplingRows, position_B):
     """int32 [B]: each row's next token. `logits_BV` float32 with whole rows (V unsplit)."""
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
@@ -68,8 +79,11 @@ def sample(logits_BV, rows: SamplingRows, position_B):
         # top_p = 1 keeps every token exactly (a cumulative sum can reach 1.0 early in float32).
         top_p_B1 = rows.top_p[:, None]
         logits = jnp.where(top_p_B1 < 1.0, nucleus(logits, rows.top_p), logits)
+        # vmap needs its inputs' mapped dims split alike (jax 0.12 refuses a `data` seed
+        # beside a replicated position), so both follow the logits' rows.
+        seed_B = _rows_like(rows.seed, logits)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
-            rows.seed, position_B
+            seed_B, _rows_like(position_B, logits)
         )
         drawn_B = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
         return jnp.where(sampled_B, drawn_B, greedy_B)
