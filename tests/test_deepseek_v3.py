@@ -231,9 +231,11 @@ def test_cache_holds_the_latent():
 
 def test_what_cannot_run_says_so():
     splash = zoo.get_config("deepseek-v3-tiny", attention_impl="splash")
-    with pytest.raises(UsageError, match="latent attention runs on xla"):
-        with jax.set_mesh(one_device_mesh()):
-            zoo.create_model(splash, get_strategy("fsdp"), rngs=nnx.Rngs(0))
+    with (
+        pytest.raises(UsageError, match="latent attention runs on xla"),
+        jax.set_mesh(one_device_mesh()),
+    ):
+        zoo.create_model(splash, get_strategy("fsdp"), rngs=nnx.Rngs(0))
     with pytest.raises(UsageError, match="head_dim"):
         zoo.get_config("deepseek-v3-tiny", head_dim=32)
     mesh = get_strategy("fsdp_tp").make_mesh(shape=(1, 8))

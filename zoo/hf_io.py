@@ -253,9 +253,7 @@ def _expert_shard_reader(plan: _Plan, reader: CheckpointReader, key, layer, shap
                     np.stack(
                         [
                             r.transform.load(
-                                reader.read(plan.hf_name(r, hf_layers[i], e)).astype(
-                                    np.float32
-                                ),
+                                reader.read(plan.hf_name(r, hf_layers[i], e)).astype(np.float32),
                                 one_expert,
                             )[j]
                             for e in experts

@@ -113,7 +113,9 @@ class DeepseekV3Config(DecoderConfig):
 
     def matmul_params(self) -> int:
         L, k = self.num_layers, self.first_dense_layers
-        ffn = k * self._layer_ffn(0, True) + (L - k) * self._layer_ffn(self.num_experts_per_tok, False)
+        ffn = k * self._layer_ffn(0, True) + (L - k) * self._layer_ffn(
+            self.num_experts_per_tok, False
+        )
         return L * self._attention_params() + ffn + self.hidden_dim * self.vocab_size
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -61,7 +61,11 @@ def rules(cfg: DeepseekV3Config) -> list:
     ]
     if cfg.num_shared_experts:
         out += [
-            rule(moe + f"shared_experts.{x}_proj.weight", f"blocks/moe/shared/{x}/weight", transform=t)
+            rule(
+                moe + f"shared_experts.{x}_proj.weight",
+                f"blocks/moe/shared/{x}/weight",
+                transform=t,
+            )
             for x, t in MLP
         ]
     return out

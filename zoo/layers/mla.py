@@ -101,8 +101,7 @@ class MultiHeadLatentAttention(nnx.Module):
         Q, C = cfg.q_lora_rank, cfg.kv_lora_rank
         if cfg.attention_impl not in ("xla", "auto"):
             raise UsageError(
-                f"attention_impl={cfg.attention_impl!r}: {WHY_XLA}; use attention_impl=xla "
-                "or auto"
+                f"attention_impl={cfg.attention_impl!r}: {WHY_XLA}; use attention_impl=xla or auto"
             )
         self.sharding = sharding
         self.dims = (d, r, Dv)

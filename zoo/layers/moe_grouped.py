@@ -76,9 +76,7 @@ class GroupedMoe(Moe):
             jnp.zeros((E,), jnp.float32, out_sharding=P(None)), out_sharding=P(None)
         )
         F_shared = cfg.num_shared_experts * cfg.moe_ffn_dim
-        self.shared = (
-            Mlp(cfg.replace(ffn_dim=F_shared), shared, rngs=rngs) if F_shared else None
-        )
+        self.shared = Mlp(cfg.replace(ffn_dim=F_shared), shared, rngs=rngs) if F_shared else None
 
     def route(self, x_BTM):
         scores_BTE = jax.nn.sigmoid(self.router(x_BTM))
