@@ -22,13 +22,21 @@ from model_utils import one_device_mesh
 import zoo
 from nnx_zoo.errors import UsageError
 from shardings import get_strategy
+from nnx_zoo.data.tokenizers import ByteTokenizer
+from nnx_zoo.serving.engine import Engine
+from nnx_zoo.serving.slots import Slots
 from zoo import hf_io
 from zoo.generate import generate
 
 # A float32 transformers model against ours: summation order only (2e-6 measured).
 RTOL = 2e-4
 T = 24
-PROMPTS = [[5, 9, 200, 31, 7], [44, 3], [100, 200, 300, 400, 17, 60, 7, 9, 11]]
+# Lengths in both of the engine's buckets (16, 32 columns).
+PROMPTS = [
+    [5, 9, 200, 31, 7],
+    [44, 3],
+    [100, 200, 30, 40, 17, 60, 7, 9, 11, 8, 1, 2, 3, 4, 5, 6, 7],
+]
 NEW_TOKENS = 6
 
 
@@ -157,18 +165,28 @@ def test_export_then_import_is_bit_exact(hf, tmp_path):
 
 
 def test_greedy_generation_equals_transformers(hf):
-    """The latent KV cache (prefill scanned, decode steps per layer) against transformers'
-    `generate`, which caches the same latent, prompt by prompt."""
+    """The latent KV cache against transformers' `generate` (which caches the same latent),
+    prompt by prompt: zoo.generate (left-padded batch, prefill scanned, decode per layer)
+    and the serving engine (serve_main's: per-slot cache columns, prompts of two buckets in
+    one batch)."""
     import torch
 
     model, _, ours = hf
-    got = generate(ours, PROMPTS, max_new_tokens=NEW_TOKENS)
-    for prompt, tokens in zip(PROMPTS, got, strict=True):
+    want = []
+    for prompt in PROMPTS:
         with torch.no_grad():
             out = model.generate(
                 torch.as_tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
             )
-        assert tokens == out[0, len(prompt) :].tolist(), prompt
+        want.append(out[0, len(prompt) :].tolist())
+    assert generate(ours, PROMPTS, max_new_tokens=NEW_TOKENS) == want
+    engine = Engine(Slots(ours, max_batch=4, max_seq_len=32), ByteTokenizer(), max_queue=8)
+    engine.start()
+    try:
+        streams = engine.generate(PROMPTS, max_tokens=NEW_TOKENS, ignore_eos=True)
+    finally:
+        engine.stop()
+    assert [s.ids for s in streams] == want
 
 
 # --- without transformers --------------------------------------------------------------------

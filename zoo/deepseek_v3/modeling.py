@@ -59,6 +59,12 @@ class DeepseekV3Config(DecoderConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.num_layers <= self.first_dense_layers:
+            # A model cut shorter than its dense prefix (the planner's one- and two-layer
+            # twins, nnx_zoo/planning/forecast.py; a num_layers override) keeps MoE layers:
+            # the ones whose cost scales with L. Per token a dense layer's MLP (F = 18432)
+            # does the FLOPs of the 8 routed + 1 shared experts of 2048 it would replace.
+            object.__setattr__(self, "first_dense_layers", 0)
         d, r = self.qk_nope_head_dim, self.qk_rope_head_dim
         if self.head_dim != d + r or self.num_kv_heads != self.num_heads:
             raise UsageError(
@@ -82,6 +88,10 @@ class DeepseekV3Config(DecoderConfig):
             raise UsageError("DeepSeek-V3 has no projection biases, RMSNorm and RoPE only")
         if self.sliding_window:
             raise UsageError("DeepSeek-V3 attends globally: sliding_window must be None")
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.first_dense_layers
 
     @property
     def softmax_scale(self) -> float:
