@@ -11,6 +11,8 @@ and what cannot run says so in one line.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,13 +22,14 @@ from flax import nnx
 from model_utils import one_device_mesh
 
 import zoo
-from nnx_zoo.errors import UsageError
-from shardings import get_strategy
 from nnx_zoo.data.tokenizers import ByteTokenizer
+from nnx_zoo.errors import UsageError
 from nnx_zoo.serving.engine import Engine
 from nnx_zoo.serving.slots import Slots
+from shardings import get_strategy
 from zoo import hf_io
 from zoo.generate import generate
+from zoo.registry import PRESET_DIMS
 
 # A float32 transformers model against ours: summation order only (2e-6 measured).
 RTOL = 2e-4
@@ -260,3 +263,41 @@ def test_what_cannot_run_says_so():
     with pytest.raises(UsageError) as err:  # 4 heads over model=8
         zoo.check_model_fits(CFG, get_strategy("fsdp_tp"), mesh)
     assert "\n" not in str(err.value)
+
+
+def test_train_main_logs_the_load_and_moves_the_bias(tmp_path):
+    """train_main under fsdp_ep: metrics.jsonl carries each expert's load and correction bias,
+    and the bias moves by the rate's sign step per layer and step (mean of 2 layers: a
+    multiple of rate / 2), towards the less loaded experts."""
+    from _train_helpers import SMALL_RUN, cli_flags, run_train_main
+
+    rate, steps = 0.01, 3
+    # The small run's settings, not its model dims (the preset's MLA dims hold together).
+    overrides = {
+        **{k: v for k, v in SMALL_RUN.items() if not k.startswith("model.")},
+        "model.preset": "deepseek-v3-tiny",
+        # The base config file's model dims are Llama's: the preset's instead.
+        **{f"model.{f}": getattr(CFG, f) for f in PRESET_DIMS},
+        "optimizer.warmup_steps": 1,
+        "training.steps": steps,
+        "training.eval_every": 0,
+        "training.moe_bias_update_rate": rate,
+        "data.global_batch_size": 8,
+    }
+    workdir = str(tmp_path)
+    result = run_train_main(
+        ["--sharding_strategy=fsdp_ep", f"--workdir={workdir}", *cli_flags(overrides)]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(f"{workdir}/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if '"loss"' in line]
+    assert len(records) == steps and all(np.isfinite(r["loss"]) for r in records)
+    for step, record in enumerate(records, start=1):
+        load, bias = np.array(record["expert_load"]), np.array(record["moe_router_bias"])
+        assert len(load) == 8 and abs(load.sum() - 1) < 1e-3
+        halves = bias / (rate / 2)
+        np.testing.assert_allclose(halves, np.round(halves), atol=1e-2)
+        assert np.abs(bias).max() <= step * rate + 1e-6 and np.abs(bias).max() > 0
+    first = records[0]
+    # After step 1 an expert loaded above the mean in both layers has bias -rate.
+    assert np.array(first["moe_router_bias"])[np.argmax(first["expert_load"])] < 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -200,6 +201,23 @@ class DeepseekV3(DecoderLM):
         kvs.append(kv)
         new_kv = None if cache is None else tuple(map(jnp.concatenate, zip(*kvs, strict=True)))
         return x_BTM, (new_kv, stats)
+
+    def balance_routing(self, load_LE, rate: float):
+        """DeepSeek-V3's auxiliary-loss-free balancing: each routed expert's correction bias
+        moves by `rate` towards balance, bias += rate * sign(1/E - load) (an expert under
+        its mean share is chosen more often next step); rate 0 leaves it. `[L, E]` after."""
+        moes = [self.blocks.moe] if self.cfg.scan_layers else [b.moe for b in self.blocks]
+        bias_LE = jnp.concatenate(
+            [m.e_score_correction_bias[...].reshape(-1, load_LE.shape[-1]) for m in moes]
+        )
+        if rate:
+            step_LE = rate * jnp.sign(1.0 / load_LE.shape[-1] - load_LE)
+            bias_LE = bias_LE + step_LE.astype(bias_LE.dtype)
+            for i, m in enumerate(moes):
+                var = m.e_score_correction_bias
+                new = bias_LE if self.cfg.scan_layers else bias_LE[i]
+                var.set_value(jax.sharding.reshard(new, jax.typeof(var[...]).sharding.spec))
+        return bias_LE
 
     def layer_stack(self, *, packed: bool = True, seq_len: int | None = None):
         if self.dense_blocks is not None:

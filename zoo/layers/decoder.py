@@ -459,6 +459,13 @@ class DecoderLM(nnx.Module):
         matmul_ndim = 3 if self.cfg.scan_layers else 2
         return nnx.merge(graphdef, _to_compute_dtype(params, dtype, matmul_ndim), rest)
 
+    def balance_routing(self, load_LE, rate: float):
+        """A step-level update of the routers from each MoE layer's load `[L, E]` (shares
+        summing to 1), outside the gradient; returns the routers' bias `[L, E]` after it, or
+        None for routers without one (softmax routing: nothing to update)."""
+        del load_LE, rate
+        return None
+
     # -- the stage contract (zoo/layers/stage.py): what a pipeline schedule runs -----------
 
     def layer_stack(self, *, packed: bool = True, seq_len: int | None = None) -> Stack:
