@@ -236,8 +236,8 @@ def test_correction_bias_takes_no_gradient(reference):
 
 def test_cache_holds_the_latent():
     """Per token and layer the cache keeps C + r numbers (the latent and the shared rotary
-    key), not 2 N D; DeepSeek-V3's 576 against 49152 expanded and 4096 for GQA with 16
-    kv heads of 128 (bench/mla_cache.py prints the table)."""
+    key), not the expanded N (D + Dv): DeepSeek-V3's 576 against 40960, and 2048 for GQA of
+    its width with 8 kv heads of 128 (bench/mla_cache.py prints the table)."""
     with jax.set_mesh(one_device_mesh()):
         model = nnx.eval_shape(
             lambda: zoo.create_model(CFG, get_strategy("fsdp"), rngs=nnx.Rngs(0))
