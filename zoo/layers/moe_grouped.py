@@ -85,7 +85,11 @@ class GroupedMoe(Moe):
         weights_BTk = jnp.take_along_axis(scores_BTE, experts_BTk, axis=-1)
         if self.norm_topk_prob:
             weights_BTk = weights_BTk / (jnp.sum(weights_BTk, axis=-1, keepdims=True) + 1e-20)
-        return weights_BTk * self.scaling, experts_BTk, scores_BTE
+        # For the statistics (the load-balancing loss's probabilities: a weight of 0 by
+        # default), each token's scores normalised to sum to 1, as DeepSeek-V3's
+        # sequence-wise balance loss normalises them.
+        probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
+        return weights_BTk * self.scaling, experts_BTk, probs_BTE
 
     def __call__(self, x_BTM, mask_BT):
         y_BTM, stats = super().__call__(x_BTM, mask_BT)
