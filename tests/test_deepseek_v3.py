@@ -301,3 +301,16 @@ def test_train_main_logs_the_load_and_moves_the_bias(tmp_path):
     first = records[0]
     # After step 1 an expert loaded above the mean in both layers has bias -rate.
     assert np.array(first["moe_router_bias"])[np.argmax(first["expert_load"])] < 0
+
+
+def test_auto_attention_runs_xla_and_says_why():
+    from zoo.layers.attention import choices
+
+    cfg = CFG.replace(attention_impl="auto", num_layers=2)
+    with jax.set_mesh(one_device_mesh()):
+        model = zoo.create_model(cfg, get_strategy("fsdp"), rngs=nnx.Rngs(0))
+        ids = jnp.ones((2, 8), jnp.int32)
+        with choices.recording() as kept:
+            model(ids, segment_ids=ids, positions=jnp.broadcast_to(jnp.arange(8), (2, 8)))
+    latent = [c for c in kept if c.asked == "auto"]
+    assert latent and all(c.backend == "xla" and "latent attention" in c.why for c in latent)
