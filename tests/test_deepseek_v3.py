@@ -279,6 +279,7 @@ def test_train_main_logs_the_load_and_moves_the_bias(tmp_path):
         # The base config file's model dims are Llama's: the preset's instead.
         **{f"model.{f}": getattr(CFG, f) for f in PRESET_DIMS},
         "optimizer.warmup_steps": 1,
+        "model.scan_unroll": 1,  # one compiled block per stack (CPU compile time)
         "training.steps": steps,
         "training.eval_every": 0,
         "training.moe_bias_update_rate": rate,
