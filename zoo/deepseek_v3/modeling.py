@@ -29,7 +29,7 @@ from zoo.layers.basic import Norm
 from zoo.layers.config import DecoderConfig, causal_keys_per_query
 from zoo.layers.decoder import Block, DecoderLM, make_stack
 from zoo.layers.kv_cache import KVCache
-from zoo.layers.mla import MultiHeadLatentAttention, rope_frequencies
+from zoo.layers.mla import MultiHeadLatentAttention, rope_frequencies, softmax_scale
 from zoo.layers.mlp import Mlp
 from zoo.layers.moe_grouped import GroupedMoe
 from zoo.registry import experts, preset_table
@@ -96,8 +96,6 @@ class DeepseekV3Config(DecoderConfig):
 
     @property
     def softmax_scale(self) -> float:
-        from zoo.layers.mla import softmax_scale
-
         return softmax_scale(self)
 
     def _attention_params(self) -> int:

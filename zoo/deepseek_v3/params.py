@@ -101,6 +101,11 @@ def _yarn(rope: dict, max_positions: int) -> tuple | None:
 
 
 def config_from_hf(hf: dict) -> dict:
+    if hf.get("quantization_config"):
+        raise UsageError(
+            "config.json has a quantization_config (the hub's DeepSeek-V3 stores FP8 weights "
+            "with block scales): convert it to BF16 first (DeepSeek's fp8_cast_bf16.py)"
+        )
     if hf.get("attention_bias"):
         raise UsageError("config.json attention_bias=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
