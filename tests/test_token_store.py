@@ -190,6 +190,30 @@ def test_a_non_empty_out_is_refused(corpus, store, tmp_path):
     _exit_2(_zoo_data(["--source=/no/such/file.jsonl", f"--out={tmp_path / 'x'}"]), "/no/such")
 
 
+def test_overwrite_keeps_the_old_store_until_the_new_one_is_whole(corpus, store, tmp_path):
+    """--overwrite of a finished store that fails half-way (a bad record in the second
+    file) leaves the old store readable and whole; one that succeeds replaces it."""
+    finished = str(tmp_path / "finished")
+    shutil.copytree(store, finished)
+    before = _records(finished)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.jsonl").write_text("".join(json.dumps({"text": f"ok {i}"}) + "\n" for i in range(30)))
+    (bad / "b.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    args = ["--tokenizer=byte", "--shard_bytes=200", "--num_workers=1", "--overwrite"]
+    result = _zoo_data([f"--source={bad}", f"--out={finished}", *args])
+    assert result.returncode == 2, result.stderr
+    assert _records(finished) == before
+    assert sorted(os.listdir(tmp_path)) == ["bad", "finished"]  # no half-made store beside it
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "a.jsonl").write_text(json.dumps({"text": "only this"}) + "\n")
+    result = _zoo_data([f"--source={good}", f"--out={finished}", *args])
+    assert result.returncode == 0, result.stderr
+    assert _records(finished) == [list(b"only this")]
+    assert sorted(os.listdir(tmp_path)) == ["bad", "finished", "good"]
+
+
 def test_a_text_store_is_a_source_like_its_text(corpus, store):
     """load_documents reads the store's documents, split by the ArrayRecord hash; its
     records are the byte ids of the corpus's documents."""
