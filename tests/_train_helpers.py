@@ -17,6 +17,14 @@ if ROOT not in sys.path:
 
 from bench.fixtures import SMALL_SHAPES  # noqa: E402 -- shared with bench/process_faults.py
 
+# What a test run logs: metrics.jsonl each step, and nothing else a test does not read.
+QUIET_LOGS = {
+    "logging.log_every": 1,
+    "logging.progress_bar": False,
+    "logging.tensorboard": False,
+    "logging.loss_curve": False,
+}
+
 # configs/tiny.py made smaller still, so a run compiles and trains in seconds on 2 cores.
 # Every dim still splits over the default fsdp_tp mesh (data:4, model:2) and over 8 devices
 # for dp / fsdp; heads 8 / kv heads 4 as in the preset. bench/process_faults.py runs it too.
@@ -27,11 +35,18 @@ SMALL_RUN = {
     "training.steps": 40,
     "training.eval_every": 20,
     "training.eval_batches": 2,
-    "logging.log_every": 1,
-    "logging.progress_bar": False,
-    # metrics.jsonl is what the tests read; test_train_main's run checks these two files.
-    "logging.tensorboard": False,
-    "logging.loss_curve": False,
+    # metrics.jsonl is what the tests read; test_train_main's run checks the other files.
+    **QUIET_LOGS,
+    "checkpoint.enabled": False,
+}
+# Three steps with no evaluation or checkpoint: for tests of what a run reads, not learns.
+QUICK_RUN = {
+    **SMALL_SHAPES,
+    "training.steps": 3,
+    "optimizer.warmup_steps": 0,
+    "training.eval_every": 0,
+    "training.eval_batches": 1,
+    **QUIET_LOGS,
     "checkpoint.enabled": False,
 }
 

@@ -12,7 +12,7 @@ import shutil
 import _entry
 import numpy as np
 import pytest
-from _train_helpers import SMALL_SHAPES, cli_flags, run_train_main, train_losses
+from _train_helpers import QUICK_RUN, cli_flags, run_train_main, train_losses
 
 from nnx_zoo import data
 from nnx_zoo.data import sources, token_store
@@ -257,23 +257,9 @@ def test_prompt_completion_store_gives_the_batches_of_its_records(tmp_path):
         data.build_dataset(out, "train", ByteTokenizer(), 32, 4, process_index=0, process_count=1)
 
 
-QUICK = {
-    **SMALL_SHAPES,
-    "training.steps": 3,
-    "optimizer.warmup_steps": 0,
-    "training.eval_every": 0,
-    "training.eval_batches": 1,
-    "logging.log_every": 1,
-    "logging.progress_bar": False,
-    "logging.tensorboard": False,
-    "logging.loss_curve": False,
-    "checkpoint.enabled": False,
-}
-
-
 def test_train_main_reads_a_store_and_refuses_another_tokenizer(store, tmp_path):
     result = run_train_main(
-        [f"--workdir={tmp_path / 'run'}", *cli_flags({**QUICK, "data.source": store})]
+        [f"--workdir={tmp_path / 'run'}", *cli_flags({**QUICK_RUN, "data.source": store})]
     )
     assert result.returncode == 0, result.stderr[-3000:]
     losses = train_losses(str(tmp_path / "run"))
@@ -282,7 +268,7 @@ def test_train_main_reads_a_store_and_refuses_another_tokenizer(store, tmp_path)
     result = run_train_main(
         [
             f"--workdir={tmp_path / 'other'}",
-            *cli_flags({**QUICK, "data.source": store, "data.tokenizer": bpe}),
+            *cli_flags({**QUICK_RUN, "data.source": store, "data.tokenizer": bpe}),
         ]
     )
     _exit_2(result, f"data.source={store!r} was tokenized with 'byte' (vocab 257", bpe, "vocab 300")
