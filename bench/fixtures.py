@@ -19,6 +19,25 @@ SMALL_SHAPES = {
     "data.seq_len": 64,
     "data.global_batch_size": 16,
 }
+# What a short measured run logs: metrics.jsonl each step, nothing it would not read; with
+# no evaluation, warmup or checkpoint to time beside the steps.
+QUIET_LOGS = {
+    "logging.log_every": 1,
+    "logging.progress_bar": False,
+    "logging.tensorboard": False,
+    "logging.loss_curve": False,
+}
+STEPS_ONLY = {
+    "training.eval_every": 0,
+    "training.eval_batches": 1,
+    "optimizer.warmup_steps": 0,
+    "checkpoint.enabled": False,
+    **QUIET_LOGS,
+}
+
+
+def config_flags(overrides: dict) -> list[str]:
+    return [f"--config.{k}={v}" for k, v in overrides.items()]
 
 
 def packed_rows(doc_lengths_per_row, T):

@@ -15,15 +15,12 @@ TRAIN_MAIN = os.path.join(ROOT, "train_main.py")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.fixtures import SMALL_SHAPES  # noqa: E402 -- shared with bench/process_faults.py
-
-# What a test run logs: metrics.jsonl each step, and nothing else a test does not read.
-QUIET_LOGS = {
-    "logging.log_every": 1,
-    "logging.progress_bar": False,
-    "logging.tensorboard": False,
-    "logging.loss_curve": False,
-}
+from bench.fixtures import (  # noqa: E402 -- shared with the benches
+    QUIET_LOGS,
+    SMALL_SHAPES,
+    STEPS_ONLY,
+    config_flags,
+)
 
 # configs/tiny.py made smaller still, so a run compiles and trains in seconds on 2 cores.
 # Every dim still splits over the default fsdp_tp mesh (data:4, model:2) and over 8 devices
@@ -40,19 +37,10 @@ SMALL_RUN = {
     "checkpoint.enabled": False,
 }
 # Three steps with no evaluation or checkpoint: for tests of what a run reads, not learns.
-QUICK_RUN = {
-    **SMALL_SHAPES,
-    "training.steps": 3,
-    "optimizer.warmup_steps": 0,
-    "training.eval_every": 0,
-    "training.eval_batches": 1,
-    **QUIET_LOGS,
-    "checkpoint.enabled": False,
-}
+QUICK_RUN = {**SMALL_SHAPES, "training.steps": 3, **STEPS_ONLY}
 
 
-def cli_flags(overrides: dict) -> list[str]:
-    return [f"--config.{k}={v}" for k, v in overrides.items()]
+cli_flags = config_flags
 
 
 def run_config(overrides: dict):
