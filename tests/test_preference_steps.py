@@ -85,6 +85,18 @@ def test_dpo_steps_equal_one_device(source, one_device, tmp_path, strategy):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
+def _pair_batch(rng):
+    """Two rows of two pairs each, every sequence 4 prompt then 4 answer tokens."""
+    tokens = rng.integers(3, 200, (2, 32)).astype(np.int32)
+    segments = np.repeat([[1] * 8 + [2] * 8 + [3] * 8 + [4] * 8], 2, axis=0).astype(np.int32)
+    return {
+        "tokens": jnp.asarray(tokens),
+        "segment_ids": jnp.asarray(segments),
+        "positions": jnp.asarray(np.tile(np.arange(8), (2, 4)), jnp.int32),
+        "loss_mask": jnp.asarray(np.tile([0] * 4 + [1] * 4, (2, 4)), jnp.int32),
+    }
+
+
 def test_lora_reference_is_the_base_with_adapters_off():
     """With LoRA the reference is the model with its adapters zeroed: the base model's
     numbers, from the same (not copied) weights, however far the adapters have moved."""
@@ -94,14 +106,7 @@ def test_lora_reference_is_the_base_with_adapters_off():
     from zoo.layers.lora import LoraConfig, LoraParam, add_lora
 
     rng = np.random.default_rng(0)
-    tokens = rng.integers(3, 200, (2, 32)).astype(np.int32)
-    segments = np.repeat([[1] * 8 + [2] * 8 + [3] * 8 + [4] * 8], 2, axis=0).astype(np.int32)
-    batch = {
-        "tokens": jnp.asarray(tokens),
-        "segment_ids": jnp.asarray(segments),
-        "positions": jnp.asarray(np.tile(np.arange(8), (2, 4)), jnp.int32),
-        "loss_mask": jnp.asarray(np.tile([0] * 4 + [1] * 4, (2, 4)), jnp.int32),
-    }
+    batch = _pair_batch(rng)
     strategy = get_strategy("dp")
     cfg = get_config("tiny", hidden_dim=32, num_layers=2, head_dim=8, ffn_dim=64, vocab_size=256)
     objective = Objective("dpo", dpo_beta=0.5)
@@ -205,3 +210,75 @@ def test_dpo_resumed_equals_uninterrupted(source, tmp_path):
     keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen")
     for step, record in whole.items():
         assert {k: resumed[step][k] for k in keys} == {k: record[k] for k in keys}, step
+
+
+
+def test_moe_objectives_add_the_policy_router_loss():
+    """An MoE model (qwen3-moe-tiny, router_aux_loss_coef 0.01): each objective's loss is its
+    mean over pairs plus coef x the policy's load-balancing loss, the latter computed here
+    from the policy's own forward (TRL: `loss + router_aux_loss_coef * outputs.aux_loss`);
+    the DPO step logs `aux_loss` and the router's load as SFT does, and validation leaves the
+    aux loss out (as SFT's val_loss). The reference is moved off the policy, so its routing,
+    which is not a training signal, differs from the policy's."""
+    from _train_helpers import run_config
+
+    from nnx_zoo.launch.build import build
+    from nnx_zoo.training.preference import Objective, loss_sum
+
+    run = run_config(
+        {
+            "model.preset": "qwen3-moe-tiny",
+            "data.seq_len": 32,
+            "data.global_batch_size": 2,
+            "training.sharding_strategy": "dp",
+            "training.loss_chunk_size": 0,
+            "data.format": "preference",
+            "training.objective": "dpo",
+        }
+    )
+    built = build(run, devices=jax.devices()[:1])
+    trainer, coef = built.trainer, built.model_cfg.router_aux_loss_coef
+    assert coef == 0.01
+    # The reference: the starting weights scaled by 1.1 (DPO's rewards and the reference's
+    # routing then differ from the policy's).
+    trainer.ref_state = jax.tree.map(lambda x: x * 1.1, trainer.ref_state)
+    batch = _pair_batch(np.random.default_rng(0))
+    names = ("dpo", "orpo", "simpo")
+    with jax.set_mesh(built.mesh):
+
+        @jax.jit
+        def separately(state, ref_state, batch):
+            """Each objective's pair loss and the policy's aux loss, from one policy and one
+            reference forward; ORPO's and SimPO's loss_sum (DPO's: the step's)."""
+            model, _ = nnx.merge(trainer.graphdef, state)
+            model = nnx.view(model, deterministic=True, raise_if_not_found=False)
+            kw = dict(packed=True, chunk_size=0)
+            policy, stats = preference.model_pair_logps(model, batch, **kw)
+            ref_model = nnx.merge(trainer.ref_graphdef, ref_state)
+            ref, _ = preference.model_pair_logps(ref_model, batch, **kw)
+            plain = {n: preference.objective_sums(Objective(n), policy, ref) for n in names}
+            summed = {n: loss_sum(Objective(n), model, batch, **kw) for n in names[1:]}
+            return stats.aux_loss, plain, summed
+
+        aux, plain, summed = separately(trainer.state, trainer.ref_state, batch)
+        val_total, val_count = trainer.eval_step(batch)
+        summed["dpo"] = trainer.train_step(batch)  # the loss before its update, and the means
+    aux = float(aux)
+    assert 0.5 < aux < 8.0  # E * sum(f * p), ~1 when balanced: a real router's
+    moe_metrics = {"aux_loss", "expert_load", "moe_load_spread", "moe_dropped"}
+    for name in names:
+        pair_total, (count, pair_sums) = plain[name]
+        preference_loss = float(pair_total / count)
+        if name == "dpo":  # the step: means over the pairs
+            metrics = jax.device_get(summed[name])
+            loss, logged_aux = float(metrics["loss"]), float(metrics["aux_loss"])
+            assert moe_metrics <= set(metrics) and metrics["expert_load"].shape == (8,)
+            assert abs(float(pair_sums["rewards/margins"])) > 1e-4  # the reference moved
+            # validation: the objective alone
+            np.testing.assert_allclose(float(val_total / val_count), preference_loss, rtol=1e-5)
+        else:
+            total, (count, sums) = summed[name]
+            loss, logged_aux = float(total / count), float(sums["aux_loss"] / count)
+            assert set(sums) - set(pair_sums) == moe_metrics, name
+        np.testing.assert_allclose(loss, preference_loss + coef * aux, rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(logged_aux, aux, rtol=1e-5, err_msg=name)
