@@ -180,37 +180,67 @@ def test_the_plan_counts_the_reference(tmp_path):
     assert abs(full_dpo - sft - params) <= 0.05 * params
 
 
-def test_dpo_resumed_equals_uninterrupted(source, tmp_path):
-    """A DPO run stopped at a checkpoint and started again equals the uninterrupted run bit
-    for bit: the reference is rebuilt from the starting weights, not from the restored
-    policy, and the pairs resume where they were."""
-    resumable = {**RUN, "checkpoint.enabled": True, "checkpoint.every": 3}
-    resumable["optimizer.decay_steps"] = 6  # one schedule for the 3- and the 6-step runs
+def test_dpo_sigkilled_then_resumed_equals_uninterrupted(source, tmp_path):
+    """A DPO run SIGKILLed mid-run, as soon as its first checkpoint is complete, then started
+    again on its workdir, equals the uninterrupted run bit for bit (float32; the values as
+    metrics.jsonl wrote them): the reference is rebuilt from the starting weights, not from
+    the restored policy, and the pairs resume where the checkpoint left them. Only the killed
+    run is a process of its own (tests/test_resume.py does the same for SFT under fsdp_tp,
+    with SIGTERM too)."""
+    import signal
+    import subprocess
 
-    def run(workdir, steps):
-        flags = cli_flags({**resumable, "training.steps": steps})
-        result = run_train_main(
-            ["--config=configs/tiny.py", f"--workdir={workdir}", "--sharding_strategy=dp"]
-            + flags
-            + [f"--config.data.source={source}", "--config.data.format=preference"]
-            + ["--config.training.objective=dpo"],
-            num_devices=1,
-        )
+    from _train_helpers import start_train_main
+    from test_resume import wait_for
+
+    from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
+
+    steps, every = 24, 3  # 21 steps after the first save: the kill lands mid-run
+    args = [
+        "--config=configs/tiny.py",
+        "--sharding_strategy=dp",
+        *cli_flags({**RUN, "training.steps": steps, "checkpoint.enabled": True}),
+        f"--config.checkpoint.every={every}",
+        f"--config.data.source={source}",
+        "--config.data.format=preference",
+        "--config.training.objective=dpo",
+    ]
+
+    def run(workdir):
+        result = run_train_main([f"--workdir={workdir}", *args], num_devices=1)
         assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout + result.stderr
+
+    def history(workdir):  # the training lines, in the order written
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+            return [r for r in map(json.loads, f) if "loss" in r]
 
-    def steps(records):  # the training lines, the last one of each step
-        return {r["step"]: r for r in records if "loss" in r}
+    run(tmp_path / "whole")
+    workdir, log = str(tmp_path / "killed"), str(tmp_path / "killed.log")
+    ckpts = checkpoint_dir(workdir)
+    with open(log, "w") as out:
+        # The in-process runs' program: 8 host devices, the run on the first
+        # (training.num_devices=1, as run_train_main passes it).
+        proc = start_train_main(
+            [f"--workdir={workdir}", *args, "--config.training.num_devices=1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for(lambda: complete_steps(ckpts, warn=False), proc, "the first checkpoint", log)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=600) == -signal.SIGKILL
+    killed_after = max(r["step"] for r in history(workdir))
+    resume_from = complete_steps(ckpts)[-1]
+    assert resume_from < steps and killed_after < steps  # killed mid-run
+    assert f"resumed from step {resume_from}" in run(workdir)
 
-    whole = steps(run(tmp_path / "whole", 6))
-    run(tmp_path / "parts", 3)
-    resumed = steps(run(tmp_path / "parts", 6))
-    assert sorted(resumed) == sorted(whole) == list(range(1, 7))
-    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen")
-    for step, record in whole.items():
-        assert {k: resumed[step][k] for k in keys} == {k: record[k] for k in keys}, step
-
+    keys = ("step", "loss", "grad_norm", "learning_rate", "tokens_seen", "loss_tokens")
+    keys += ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen")
+    want, got = history(tmp_path / "whole"), history(workdir)
+    # Each step once: the lines the killed run wrote after its checkpoint were dropped.
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for w, g in zip(want, got, strict=True):
+        assert {k: g[k] for k in keys} == {k: w[k] for k in keys}, w["step"]
 
 
 def test_moe_objectives_add_the_policy_router_loss():
