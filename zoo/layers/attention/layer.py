@@ -8,11 +8,12 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from nnx_zoo.errors import UsageError
 from shardings.specs import AttentionSharding
 from zoo.layers import kv_cache, remat, rope
 from zoo.layers.attention import context_parallel, dispatch
 from zoo.layers.attention.mask import Segments
-from zoo.layers.basic import Einsum, Norm, projection_options
+from zoo.layers.basic import Einsum, Norm, _normal, projection_options
 
 
 class Attention(nnx.Module):
@@ -25,6 +26,8 @@ class Attention(nnx.Module):
         self.interpret = cfg.attention_interpret
         self.context_parallel = cfg.context_parallel
         common = projection_options(cfg, rngs)
+        if cfg.attention_bias:  # GPT-OSS: biases on q/k/v/o, none elsewhere
+            common["use_bias"] = True
         self.q = Einsum("BTM,MND->BTND", (M, N, D), sharding.q, **common)
         self.k = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.k, **common)
         self.v = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.v, **common)
@@ -35,6 +38,12 @@ class Attention(nnx.Module):
             self.k_norm = Norm(D, sharding.k_norm, **norm)
         else:
             self.q_norm = self.k_norm = None
+        # GPT-OSS's attention sinks: one logit per query head (dispatch.attention's `sinks`).
+        self.sinks = (
+            nnx.Param(_normal(rngs, (N,), sharding.sinks), out_sharding=sharding.sinks)
+            if cfg.attention_sinks
+            else None
+        )
 
     def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_R, kv=None):
         """`segments`: this call's tokens (ids, positions, whether rows are packed). `kv`:
@@ -60,6 +69,13 @@ class Attention(nnx.Module):
             kv = kv._replace(k=k_BTKD, v=v_BTKD)
         # --- context-parallel hook: T split over a mesh axis (training / eval forward) ---
         cp_axis = context_parallel.seq_axis(self.sharding.q.out) if kv is None else None
+        sinks = None if self.sinks is None else self.sinks[...]
+        if cp_axis is not None and sinks is not None:
+            raise UsageError(
+                f"attention sinks (GPT-OSS) under context parallelism (T split over "
+                f"`{cp_axis}`) are not supported: neither the all_gather nor the ring path "
+                "takes them; use a strategy without a context axis, e.g. fsdp_tp"
+            )
         if cp_axis is not None:
             out_BTND = context_parallel.attention(
                 q_BTND,
@@ -89,6 +105,7 @@ class Attention(nnx.Module):
             implementation=self.implementation,
             interpret=self.interpret,
             site=None if kv is None else "attention over a KV cache",
+            sinks=sinks,
         )
         return self._out(out_BTND), kv
 
