@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import _entry
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +32,6 @@ from nnx_zoo.errors import UsageError
 from shardings import get_strategy
 from zoo.generate import generate
 from zoo.layers.attention import Segments, attention
-
-torch = pytest.importorskip("torch", reason="the reference is torch + transformers")
-transformers = pytest.importorskip("transformers", reason="the reference is transformers")
 
 REL = 2e-4
 V, T = 384, 12  # V holds ByteTokenizer's 257 ids, for the serving check
@@ -68,7 +66,11 @@ def _rel(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    """(transformers model, its save_pretrained directory)."""
+    """(transformers model, its save_pretrained directory). The checks that need no reference
+    (training equality, splash, the refusals) run without torch, on the newest leg too."""
+    global torch, transformers
+    torch = pytest.importorskip("torch", reason="the reference is torch + transformers")
+    transformers = pytest.importorskip("transformers", reason="the reference is transformers")
     torch.manual_seed(0)
     config = transformers.GptOssConfig(**HF_CONFIG)
     config._attn_implementation = "eager"
@@ -249,8 +251,21 @@ def _train(cfg, name, mesh, init=None):
 
 
 @pytest.fixture(scope="module")
-def trained(ours):
-    cfg = ours[0].cfg.replace(router_aux_loss_coef=0.1)
+def trained():
+    # The reference test's sizes (4 experts: fsdp_ep's expert axis 4 holds one each).
+    cfg = zoo.get_config(
+        "gpt-oss-tiny",
+        vocab_size=V,
+        hidden_dim=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        ffn_dim=16,
+        moe_ffn_dim=16,
+        num_experts=4,
+        sliding_window=WINDOW,
+        router_aux_loss_coef=0.1,
+    )
     params, ref = _train(cfg, "dp", one_device_mesh())
     runs = {
         name: _train(cfg, name, get_strategy(name).make_mesh(shape=shape), params)[1]
@@ -353,3 +368,15 @@ def test_published_presets():
         assert abs(cfg.num_params() / total - 1) < 0.001, preset
         assert abs(cfg.matmul_params() / active - 1) < 0.002, preset
         assert cfg.layer_windows()[:3] == [128, 0, 128]
+
+
+def test_explain_shows_every_new_parameter():
+    proc = _entry.explain(["--model=gpt-oss-tiny", "--strategies=fsdp_ep,fsdp_tp_ep"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[2:] for line in proc.stdout.splitlines() if "/" in line}
+    assert rows["blocks/attention/sinks"] == ["2", "8", "2", "8"]  # replicated under both
+    assert rows["blocks/moe/gate_bias"] == ["2", "8/expert", "64", "2", "8/expert", "64/model"]
+    assert rows["blocks/moe/down_bias"][:3] == ["2", "8/expert", "64"]
+    for name in ("q/bias", "k/bias", "v/bias", "o/bias"):
+        assert f"blocks/attention/{name}" in rows
+    assert "blocks/moe/router/bias" in rows and "blocks/moe/up_bias" in rows
