@@ -339,17 +339,32 @@ def test_cudnn_refuses_sinks_by_name():
         _attention_call("cudnn", q, k, k, jnp.zeros(4), seg, None)
 
 
-def test_context_parallel_refuses_sinks():
+def test_context_parallel_all_gather_takes_sinks_ring_refuses():
+    """fsdp_cp (data 4 x context 2): all_gather's logits equal one device's, packed rows
+    crossing the chunks; the ring refuses the sinks with a UsageError."""
+    from _serving_helpers import perturbed_model
+
     cfg = zoo.get_config("gpt-oss-tiny")
+    batch_np = packed_batch(batch=4, seq=16, vocab=cfg.vocab_size)
+    one = one_device_mesh()
+    reference = perturbed_model(cfg, get_strategy("dp"), one)
+    want = _logits(reference, one, *batch_np.values())
     strategy = get_strategy("fsdp_cp")
     mesh = strategy.make_mesh(shape=(4, 2))
-    with jax.set_mesh(mesh):
-        batch = put_batch(
-            packed_batch(batch=4, seq=16, vocab=cfg.vocab_size), strategy.batch_spec()
-        )
-        model = zoo.create_model(cfg, strategy, rngs=nnx.Rngs(0))
-        with pytest.raises(UsageError, match="attention sinks .* context parallelism"):
-            model(batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+    for method in ("all_gather", "ring"):
+        with jax.set_mesh(mesh):
+            batch = put_batch(batch_np, strategy.batch_spec())
+            model = zoo.create_model(
+                cfg.replace(context_parallel=method), strategy, rngs=nnx.Rngs(0)
+            )
+            load_params(model, host_params(reference))
+            args = (batch["tokens"],)
+            kwargs = dict(segment_ids=batch["segment_ids"], positions=batch["positions"])
+            if method == "ring":
+                with pytest.raises(UsageError, match="sinks .* context_parallel='ring'"):
+                    model(*args, **kwargs)
+            else:
+                assert _rel(np.asarray(model(*args, **kwargs)), want) < REL
 
 
 def test_mxfp4_checkpoint_is_refused_naming_it(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from nnx_zoo.errors import UsageError
 from shardings.specs import AttentionSharding
 from zoo.layers import kv_cache, remat, rope
 from zoo.layers.attention import context_parallel, dispatch
@@ -70,12 +69,6 @@ class Attention(nnx.Module):
         # --- context-parallel hook: T split over a mesh axis (training / eval forward) ---
         cp_axis = context_parallel.seq_axis(self.sharding.q.out) if kv is None else None
         sinks = None if self.sinks is None else self.sinks[...]
-        if cp_axis is not None and sinks is not None:
-            raise UsageError(
-                f"attention sinks (GPT-OSS) under context parallelism (T split over "
-                f"`{cp_axis}`) are not supported: neither the all_gather nor the ring path "
-                "takes them; use a strategy without a context axis, e.g. fsdp_tp"
-            )
         if cp_axis is not None:
             out_BTND = context_parallel.attention(
                 q_BTND,
@@ -90,6 +83,7 @@ class Attention(nnx.Module):
                 out_sharding=self.sharding.q.out,
                 method=self.context_parallel,
                 interpret=self.interpret,
+                sinks=sinks,
             )
             return self._out(out_BTND), kv
         # --- end of hook ---
