@@ -30,7 +30,7 @@ import zoo
 from nnx_zoo.errors import UsageError
 from shardings import get_strategy
 from zoo.generate import generate
-from zoo.layers.attention import Segments, attention
+from zoo.layers.attention import CallInfo, Segments, attention
 
 REL = 2e-4
 V, T = 384, 12  # V holds ByteTokenizer's 257 ids, for the serving check
@@ -331,12 +331,19 @@ def test_splash_takes_sinks_in_interpret_mode():
         assert _rel(g, w) < 1e-5
 
 
-def test_cudnn_refuses_sinks_by_name():
+def test_cudnn_refuses_sinks_by_name_and_auto_on_gpu_runs_xla():
+    from zoo.layers.attention import dispatch
+
     q = jnp.zeros((1, 8, 4, 8))
     k = jnp.zeros((1, 8, 2, 8))
     seg = Segments.self_attention(jnp.ones((1, 8), jnp.int32), jnp.arange(8)[None])
     with pytest.raises(UsageError, match="attention-sink"):
         _attention_call("cudnn", q, k, k, jnp.zeros(4), seg, None)
+    # `auto`'s choice for a bf16 GPU call: cuDNN could run it, but not with sinks.
+    gpu = CallInfo(dtype=jnp.bfloat16, head_dim=64, q_len=8, kv_len=8, platform="gpu")
+    assert dispatch._auto(gpu, q, k, seg, None)[0] == "cudnn"
+    name, why = dispatch._auto(gpu, q, k, seg, None, True)
+    assert name == "xla" and "attention-sink" in why
 
 
 def test_context_parallel_all_gather_takes_sinks_ring_refuses():
