@@ -406,3 +406,33 @@ def test_explain_shows_every_new_parameter():
     for name in ("q/bias", "k/bias", "v/bias", "o/bias"):
         assert f"blocks/attention/{name}" in rows
     assert "blocks/moe/router/bias" in rows and "blocks/moe/up_bias" in rows
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_table_and_attention_factor_equal_transformers(truncate):
+    """The published models' YaRN (factor 32 over 4096 tokens, head dim 64), truncated or not,
+    against transformers' `_compute_yarn_parameters`; the ramp is live (differs from both the
+    plain and the fully interpolated table)."""
+    pytest.importorskip("transformers", reason="the reference is transformers")
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from zoo.layers import rope
+
+    scaling = (32.0, 32.0, 1.0, 4096, truncate)
+    rope_parameters = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": truncate,
+    }
+    config = GptOssConfig(rope_parameters=rope_parameters)
+    inv_freq, factor = _compute_yarn_parameters(config)
+    ours = rope.inverse_frequencies(64, 150000.0, scaling)
+    np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6, atol=0)
+    assert rope.attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
+    plain = rope.inverse_frequencies(64, 150000.0)
+    assert not np.allclose(ours, plain) and not np.allclose(ours, plain / 32)
