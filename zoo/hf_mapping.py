@@ -164,7 +164,8 @@ def rope_parameters(hf: dict, layer_type: str | None = None) -> dict:
 
 
 def rope_scaling(params: dict) -> tuple | None:
-    """Our `rope_scaling` from a RoPE dict: None, (factor,) linear, or Llama 3's 4-tuple."""
+    """Our `rope_scaling` from a RoPE dict: None, (factor,) linear, Llama 3's 4-tuple or YaRN's
+    5-tuple."""
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         return None
