@@ -4,6 +4,7 @@
 from zoo import (  # noqa: F401
     gemma3,
     gpt2,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
