@@ -19,6 +19,25 @@ SMALL_SHAPES = {
     "data.seq_len": 64,
     "data.global_batch_size": 16,
 }
+# What a short measured run logs: metrics.jsonl each step, nothing it would not read; with
+# no evaluation, warmup or checkpoint to time beside the steps.
+QUIET_LOGS = {
+    "logging.log_every": 1,
+    "logging.progress_bar": False,
+    "logging.tensorboard": False,
+    "logging.loss_curve": False,
+}
+STEPS_ONLY = {
+    "training.eval_every": 0,
+    "training.eval_batches": 1,
+    "optimizer.warmup_steps": 0,
+    "checkpoint.enabled": False,
+    **QUIET_LOGS,
+}
+
+
+def config_flags(overrides: dict) -> list[str]:
+    return [f"--config.{k}={v}" for k, v in overrides.items()]
 
 
 def packed_rows(doc_lengths_per_row, T):
@@ -91,8 +110,11 @@ def write_tokenizer(directory: str, style: str, vocab_size: int = 400) -> None:
         json.dump(config, f)
 
 
-def write_tiny_llama(directory: str, style: str, *, max_seq_len: int = 64, seed: int = 0):
-    """A tiny random Llama (vocab 512) saved with zoo.save_pretrained, plus a tokenizer.
+def write_tiny_llama(
+    directory: str, style: str, *, max_seq_len: int = 64, seed: int = 0, preset: str = "tiny"
+):
+    """A tiny random Llama (vocab 512) saved with zoo.save_pretrained, plus a tokenizer
+    (`preset`: another tiny zoo preset of vocab 512, e.g. qwen3-moe-tiny).
 
     The LM head is scaled up (HEAD_SCALE) so that next-token distributions are peaked: greedy
     choices then have margins far above float32 noise, and torch and XLA pick the same tokens.
@@ -108,7 +130,7 @@ def write_tiny_llama(directory: str, style: str, *, max_seq_len: int = 64, seed:
 
     strategy = get_strategy("dp")
     mesh = strategy.make_mesh(devices=jax.devices()[:1])
-    cfg = zoo.get_config("tiny", max_seq_len=max_seq_len)
+    cfg = zoo.get_config(preset, max_seq_len=max_seq_len)
     # Filled from numpy (norms 1, the rest N(0, 0.02)): compiling the model's own random
     # initialiser costs tens of seconds on a loaded 2-core host.
     rng = np.random.default_rng(seed)

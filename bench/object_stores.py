@@ -151,7 +151,9 @@ def read_only_s3(log_dir: str):
         boto3.client("s3", **admin).create_bucket(Bucket=READ_ONLY_BUCKET)
         iam = boto3.client("iam", **admin)
         iam.create_user(UserName="reader")
-        reads = {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}
+        # Every read action by pattern: moto 5.2.6 authorises a listing under another action
+        # name than 5.2.1's s3:ListBucket, and denied it to a policy naming that one.
+        reads = {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*"], "Resource": "*"}
         policy = {"Version": "2012-10-17", "Statement": [reads]}
         iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(policy))
         key = iam.create_access_key(UserName="reader")["AccessKey"]

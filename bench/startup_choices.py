@@ -24,6 +24,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from bench.fixtures import STEPS_ONLY, config_flags  # noqa: E402
+
 # name -> environment over the user's (less ours): the defaults, the flag, huge pages.
 VARIANTS = {
     "defaults": {},
@@ -46,13 +49,7 @@ def _run(args, extra: dict) -> dict:
             f"--config.data.global_batch_size={args.batch}",
             f"--config.data.seq_len={args.seq}",
             f"--config.training.steps={args.steps}",
-            "--config.training.eval_every=0",
-            "--config.optimizer.warmup_steps=0",
-            "--config.checkpoint.enabled=False",
-            "--config.logging.log_every=1",
-            "--config.logging.progress_bar=False",
-            "--config.logging.tensorboard=False",
-            "--config.logging.loss_curve=False",
+            *config_flags(STEPS_ONLY),
             "--config.logging.peak_tflops=1",  # no start-up matmul to measure the peak
         ]
         load = os.getloadavg()[0]

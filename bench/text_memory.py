@@ -28,6 +28,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+from bench.fixtures import STEPS_ONLY, config_flags
+
 _GB = flags.DEFINE_float("gb", 2.0, "size of the JSONL corpus in GB (2**30 bytes)")
 _NUM_WORKERS = flags.DEFINE_list("num_workers", ["0", "2"], "data.num_workers of each run")
 _STEPS = flags.DEFINE_integer("steps", 3, "training steps per run")
@@ -109,14 +111,7 @@ def run(source: str, num_workers: int, workdir: str, steps: int = 3) -> dict:
         f"--config.data.source={source}",
         f"--config.data.num_workers={num_workers}",
         f"--config.training.steps={steps}",
-        "--config.training.eval_every=0",
-        "--config.training.eval_batches=1",
-        "--config.optimizer.warmup_steps=0",
-        "--config.checkpoint.enabled=False",
-        "--config.logging.log_every=1",
-        "--config.logging.progress_bar=False",
-        "--config.logging.tensorboard=False",
-        "--config.logging.loss_curve=False",
+        *config_flags(STEPS_ONLY),
     ]
     env = {
         **os.environ,

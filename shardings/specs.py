@@ -56,6 +56,7 @@ class AttentionSharding:
     q_norm: NormSharding  # per-head norm over D (Qwen3, Gemma 3); out = q heads
     k_norm: NormSharding
     kv_cache: P  # [B, S, K, D], for generation
+    sinks: P = REPLICATED  # [N] attention-sink logits (GPT-OSS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,12 @@ class MoeSharding:
     out: P  # [B, T, M] the block's output, back in token order
     expert_axis: str | None  # mesh axis the experts are split over; tokens all-to-all over it
     ffn_axis: str | None  # mesh axis F is split over; partial sums of `down` reduced over it
+    # Expert biases (GPT-OSS), stored and as the expert compute reads them: [E, F] for gate
+    # and up, [E, M] for down.
+    gate_bias: P = REPLICATED
+    down_bias: P = REPLICATED
+    gate_bias_compute: P = REPLICATED
+    down_bias_compute: P = REPLICATED
 
 
 @dataclasses.dataclass(frozen=True)

@@ -224,6 +224,9 @@ def _lm(s: Strategy) -> LmSharding:
         q_norm=_norm(q_heads),
         k_norm=_norm(kv_heads),
         kv_cache=s.spec("batch", None, "kv_heads", None),  # [B, S, K, D]
+        # Sinks [N]: N floats, replicated (a sharded [N] would re-impose its split on the
+        # head-split logits it is added to); each device reads its heads' slice locally.
+        sinks=P(None),
     )
     mlp = MlpSharding(
         gate=_linear(w_in_ffn, ffn),
@@ -237,7 +240,7 @@ def _lm(s: Strategy) -> LmSharding:
     # gathered for the compute like any FSDP weight.
     expert_axis, expert_ffn_axis = s.rules.get("expert"), s.rules.get("expert_ffn")
     moe = MoeSharding(
-        router=LinearSharding(weight=s.spec("embed_fsdp", None), out=s.spec("batch", "seq", None)),
+        router=_linear(s.spec("embed_fsdp", None), s.spec("batch", "seq", None)),
         gate=s.spec("expert", "embed_fsdp", "expert_ffn"),
         up=s.spec("expert", "embed_fsdp", "expert_ffn"),
         down=s.spec("expert", "expert_ffn", "embed_fsdp"),
@@ -251,6 +254,13 @@ def _lm(s: Strategy) -> LmSharding:
         out=residual,
         expert_axis=expert_axis,
         ffn_axis=expert_ffn_axis,
+        # Expert biases: E and F split as their weights' (each device adds the biases of its
+        # own experts and F slice), M whole (a few floats per expert, not worth an FSDP
+        # split); the router's bias [E] is its output's, `_linear`'s rule.
+        gate_bias=s.spec("expert", "expert_ffn"),
+        down_bias=s.spec("expert", None),
+        gate_bias_compute=s.spec("expert", "expert_ffn"),
+        down_bias_compute=s.spec("expert", None),
     )
     block = BlockSharding(
         residual=residual,

@@ -4,6 +4,9 @@ are varied and their logits have clear winners (as a trained model's), built in 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 from flax import nnx
 
@@ -52,3 +55,26 @@ class FailOnce:
             return out
 
         return call
+
+
+@contextlib.contextmanager
+def dying_engine(slots, tokenizer, max_queue: int):
+    """A started engine over `slots` whose scheduler raises (a bug escaping its loop) once a
+    request is in: yields (engine, reached, go); the thread fails after `go` is set."""
+    from nnx_zoo.serving.engine import Engine
+
+    engine = Engine(slots, tokenizer, max_queue=max_queue)
+    reached, go = threading.Event(), threading.Event()
+
+    def admit():
+        reached.set()
+        go.wait(30)
+        raise KeyError("injected: a scheduler bug")
+
+    engine.scheduler.admit = admit
+    engine.start()
+    try:
+        yield engine, reached, go
+    finally:
+        go.set()
+        engine.stop()

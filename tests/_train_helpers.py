@@ -15,7 +15,12 @@ TRAIN_MAIN = os.path.join(ROOT, "train_main.py")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.fixtures import SMALL_SHAPES  # noqa: E402 -- shared with bench/process_faults.py
+from bench.fixtures import (  # noqa: E402 -- shared with the benches
+    QUIET_LOGS,
+    SMALL_SHAPES,
+    STEPS_ONLY,
+    config_flags,
+)
 
 # configs/tiny.py made smaller still, so a run compiles and trains in seconds on 2 cores.
 # Every dim still splits over the default fsdp_tp mesh (data:4, model:2) and over 8 devices
@@ -27,17 +32,15 @@ SMALL_RUN = {
     "training.steps": 40,
     "training.eval_every": 20,
     "training.eval_batches": 2,
-    "logging.log_every": 1,
-    "logging.progress_bar": False,
-    # metrics.jsonl is what the tests read; test_train_main's run checks these two files.
-    "logging.tensorboard": False,
-    "logging.loss_curve": False,
+    # metrics.jsonl is what the tests read; test_train_main's run checks the other files.
+    **QUIET_LOGS,
     "checkpoint.enabled": False,
 }
+# Three steps with no evaluation or checkpoint: for tests of what a run reads, not learns.
+QUICK_RUN = {**SMALL_SHAPES, "training.steps": 3, **STEPS_ONLY}
 
 
-def cli_flags(overrides: dict) -> list[str]:
-    return [f"--config.{k}={v}" for k, v in overrides.items()]
+cli_flags = config_flags
 
 
 def run_config(overrides: dict):

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from _train_helpers import SMALL_SHAPES, cli_flags, run_train_main
+from _train_helpers import QUIET_LOGS, SMALL_SHAPES, cli_flags, run_train_main
 
 CASES = {
     "splash flag": (["--attention_impl=splash"], "'splash' needs a TPU"),
@@ -22,9 +22,7 @@ ONE_STEP = {
     "optimizer.warmup_steps": 0,
     "training.steps": 1,
     "training.eval_every": 0,
-    "logging.progress_bar": False,
-    "logging.tensorboard": False,
-    "logging.loss_curve": False,
+    **QUIET_LOGS,
     "checkpoint.enabled": False,
 }
 

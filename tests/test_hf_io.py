@@ -99,11 +99,11 @@ def test_unexpected_tensor(tmp_path):
 
 
 def test_unsupported_rope_type(tmp_path):
-    def yarn(c):
-        return {**c, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}
+    def longrope(c):
+        return {**c, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}}
 
-    path = _copy("mistral", tmp_path, edit_config=yarn)
-    _one_line_error(lambda: hf_io.read_config(path), "rope_type 'yarn' is not supported")
+    path = _copy("mistral", tmp_path, edit_config=longrope)
+    _one_line_error(lambda: hf_io.read_config(path), "rope_type 'longrope' is not supported")
 
 
 def test_config_our_format_cannot_express():

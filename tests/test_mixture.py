@@ -15,7 +15,7 @@ import types
 import grain
 import numpy as np
 import pytest
-from _train_helpers import SMALL_SHAPES, cli_flags, run_train_main
+from _train_helpers import QUIET_LOGS, SMALL_SHAPES, cli_flags, run_train_main
 
 from nnx_zoo.data import rows as store_rows_module
 from nnx_zoo.data import token_store
@@ -518,10 +518,7 @@ def _run(workdir, mixture, steps):
         "training.steps": steps,
         "training.eval_every": 0,
         "training.eval_batches": 1,
-        "logging.log_every": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-        "logging.loss_curve": False,
+        **QUIET_LOGS,
         "checkpoint.every": 3,
         # One schedule for both legs of the resumed run.
         "optimizer.warmup_steps": 1,

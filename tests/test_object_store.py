@@ -31,6 +31,7 @@ for _name in ("gcsfs", "s3fs"):  # found, not imported: gcsfs reads its variable
 
 import _entry  # noqa: E402
 from _train_helpers import (  # noqa: E402
+    QUICK_RUN,
     ROOT,
     SMALL_SHAPES,
     assert_same_history,
@@ -264,22 +265,8 @@ def test_an_unreachable_endpoint_is_one_line_and_exit_2(servers):
     assert elapsed < 120
 
 
-DATA_RUN = {
-    **SMALL_SHAPES,
-    "training.steps": 3,
-    "optimizer.warmup_steps": 0,
-    "training.eval_every": 0,
-    "training.eval_batches": 1,
-    "logging.log_every": 1,
-    "logging.progress_bar": False,
-    "logging.tensorboard": False,
-    "logging.loss_curve": False,
-    "checkpoint.enabled": False,
-}
-
-
 def _losses(workdir: str, source: str, **more) -> list:
-    flags = cli_flags({**DATA_RUN, "data.source": source, "data.tokenizer": "byte", **more})
+    flags = cli_flags({**QUICK_RUN, "data.source": source, "data.tokenizer": "byte", **more})
     result = run_train_main([f"--workdir={workdir}", *flags])
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(storage.join(workdir, "metrics.jsonl"))
@@ -309,7 +296,7 @@ def test_data_in_a_bucket_trains_as_the_same_data_on_disk(servers, tmp_path, mon
     storage.upload_tree(local, on_s3)
 
     from_disk = _losses(str(tmp_path / "store-disk"), local)
-    assert sum(loss is not None for loss, _ in from_disk) == DATA_RUN["training.steps"]
+    assert sum(loss is not None for loss, _ in from_disk) == QUICK_RUN["training.steps"]
     assert _losses(str(tmp_path / "store-s3"), on_s3) == from_disk
 
     text_url = f"s3://{stores.BUCKET}/text/corpus.jsonl"

@@ -85,6 +85,18 @@ def test_dpo_steps_equal_one_device(source, one_device, tmp_path, strategy):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
+def _pair_batch(rng):
+    """Two rows of two pairs each, every sequence 4 prompt then 4 answer tokens."""
+    tokens = rng.integers(3, 200, (2, 32)).astype(np.int32)
+    segments = np.repeat([[1] * 8 + [2] * 8 + [3] * 8 + [4] * 8], 2, axis=0).astype(np.int32)
+    return {
+        "tokens": jnp.asarray(tokens),
+        "segment_ids": jnp.asarray(segments),
+        "positions": jnp.asarray(np.tile(np.arange(8), (2, 4)), jnp.int32),
+        "loss_mask": jnp.asarray(np.tile([0] * 4 + [1] * 4, (2, 4)), jnp.int32),
+    }
+
+
 def test_lora_reference_is_the_base_with_adapters_off():
     """With LoRA the reference is the model with its adapters zeroed: the base model's
     numbers, from the same (not copied) weights, however far the adapters have moved."""
@@ -94,14 +106,7 @@ def test_lora_reference_is_the_base_with_adapters_off():
     from zoo.layers.lora import LoraConfig, LoraParam, add_lora
 
     rng = np.random.default_rng(0)
-    tokens = rng.integers(3, 200, (2, 32)).astype(np.int32)
-    segments = np.repeat([[1] * 8 + [2] * 8 + [3] * 8 + [4] * 8], 2, axis=0).astype(np.int32)
-    batch = {
-        "tokens": jnp.asarray(tokens),
-        "segment_ids": jnp.asarray(segments),
-        "positions": jnp.asarray(np.tile(np.arange(8), (2, 4)), jnp.int32),
-        "loss_mask": jnp.asarray(np.tile([0] * 4 + [1] * 4, (2, 4)), jnp.int32),
-    }
+    batch = _pair_batch(rng)
     strategy = get_strategy("dp")
     cfg = get_config("tiny", hidden_dim=32, num_layers=2, head_dim=8, ffn_dim=64, vocab_size=256)
     objective = Objective("dpo", dpo_beta=0.5)
@@ -175,33 +180,136 @@ def test_the_plan_counts_the_reference(tmp_path):
     assert abs(full_dpo - sft - params) <= 0.05 * params
 
 
-def test_dpo_resumed_equals_uninterrupted(source, tmp_path):
-    """A DPO run stopped at a checkpoint and started again equals the uninterrupted run bit
-    for bit: the reference is rebuilt from the starting weights, not from the restored
-    policy, and the pairs resume where they were."""
-    resumable = {**RUN, "checkpoint.enabled": True, "checkpoint.every": 3}
-    resumable["optimizer.decay_steps"] = 6  # one schedule for the 3- and the 6-step runs
+def test_dpo_sigkilled_then_resumed_equals_uninterrupted(source, tmp_path):
+    """A DPO run SIGKILLed mid-run, as soon as its first checkpoint is complete, then started
+    again on its workdir, equals the uninterrupted run bit for bit (float32; the values as
+    metrics.jsonl wrote them): the reference is rebuilt from the starting weights, not from
+    the restored policy, and the pairs resume where the checkpoint left them. Only the killed
+    run is a process of its own (tests/test_resume.py does the same for SFT under fsdp_tp,
+    with SIGTERM too)."""
+    import signal
+    import subprocess
 
-    def run(workdir, steps):
-        flags = cli_flags({**resumable, "training.steps": steps})
-        result = run_train_main(
-            ["--config=configs/tiny.py", f"--workdir={workdir}", "--sharding_strategy=dp"]
-            + flags
-            + [f"--config.data.source={source}", "--config.data.format=preference"]
-            + ["--config.training.objective=dpo"],
-            num_devices=1,
-        )
+    from _train_helpers import start_train_main
+    from test_resume import wait_for
+
+    from nnx_zoo.checkpoint.steps import checkpoint_dir, complete_steps
+
+    steps, every = 24, 3  # 21 steps after the first save: the kill lands mid-run
+    args = [
+        "--config=configs/tiny.py",
+        "--sharding_strategy=dp",
+        *cli_flags({**RUN, "training.steps": steps, "checkpoint.enabled": True}),
+        f"--config.checkpoint.every={every}",
+        f"--config.data.source={source}",
+        "--config.data.format=preference",
+        "--config.training.objective=dpo",
+    ]
+
+    def run(workdir):
+        result = run_train_main([f"--workdir={workdir}", *args], num_devices=1)
         assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout + result.stderr
+
+    def history(workdir):  # the training lines, in the order written
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+            return [r for r in map(json.loads, f) if "loss" in r]
 
-    def steps(records):  # the training lines, the last one of each step
-        return {r["step"]: r for r in records if "loss" in r}
+    run(tmp_path / "whole")
+    workdir, log = str(tmp_path / "killed"), str(tmp_path / "killed.log")
+    ckpts = checkpoint_dir(workdir)
+    with open(log, "w") as out:
+        # The in-process runs' program: 8 host devices, the run on the first
+        # (training.num_devices=1, as run_train_main passes it).
+        proc = start_train_main(
+            [f"--workdir={workdir}", *args, "--config.training.num_devices=1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for(lambda: complete_steps(ckpts, warn=False), proc, "the first checkpoint", log)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=600) == -signal.SIGKILL
+    killed_after = max(r["step"] for r in history(workdir))
+    resume_from = complete_steps(ckpts)[-1]
+    assert resume_from < steps and killed_after < steps  # killed mid-run
+    assert f"resumed from step {resume_from}" in run(workdir)
 
-    whole = steps(run(tmp_path / "whole", 6))
-    run(tmp_path / "parts", 3)
-    resumed = steps(run(tmp_path / "parts", 6))
-    assert sorted(resumed) == sorted(whole) == list(range(1, 7))
-    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen")
-    for step, record in whole.items():
-        assert {k: resumed[step][k] for k in keys} == {k: record[k] for k in keys}, step
+    keys = ("step", "loss", "grad_norm", "learning_rate", "tokens_seen", "loss_tokens")
+    keys += ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen")
+    want, got = history(tmp_path / "whole"), history(workdir)
+    # Each step once: the lines the killed run wrote after its checkpoint were dropped.
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for w, g in zip(want, got, strict=True):
+        assert {k: g[k] for k in keys} == {k: w[k] for k in keys}, w["step"]
+
+
+def test_moe_objectives_add_the_policy_router_loss():
+    """An MoE model (qwen3-moe-tiny, router_aux_loss_coef 0.01): each objective's loss is its
+    mean over pairs plus coef x the policy's load-balancing loss, the latter computed here
+    from the policy's own forward (TRL: `loss + router_aux_loss_coef * outputs.aux_loss`);
+    the DPO step logs `aux_loss` and the router's load as SFT does, and validation leaves the
+    aux loss out (as SFT's val_loss). The reference is moved off the policy, so its routing,
+    which is not a training signal, differs from the policy's."""
+    from _train_helpers import run_config
+
+    from nnx_zoo.launch.build import build
+    from nnx_zoo.training.preference import Objective, loss_sum
+
+    run = run_config(
+        {
+            "model.preset": "qwen3-moe-tiny",
+            "data.seq_len": 32,
+            "data.global_batch_size": 2,
+            "training.sharding_strategy": "dp",
+            "training.loss_chunk_size": 0,
+            "data.format": "preference",
+            "training.objective": "dpo",
+        }
+    )
+    built = build(run, devices=jax.devices()[:1])
+    trainer, coef = built.trainer, built.model_cfg.router_aux_loss_coef
+    assert coef == 0.01
+    # The reference: the starting weights scaled by 1.1 (DPO's rewards and the reference's
+    # routing then differ from the policy's).
+    trainer.ref_state = jax.tree.map(lambda x: x * 1.1, trainer.ref_state)
+    batch = _pair_batch(np.random.default_rng(0))
+    names = ("dpo", "orpo", "simpo")
+    with jax.set_mesh(built.mesh):
+
+        @jax.jit
+        def separately(state, ref_state, batch):
+            """Each objective's pair loss and the policy's aux loss, from one policy and one
+            reference forward; ORPO's and SimPO's loss_sum (DPO's: the step's)."""
+            model, _ = nnx.merge(trainer.graphdef, state)
+            model = nnx.view(model, deterministic=True, raise_if_not_found=False)
+            kw = dict(packed=True, chunk_size=0)
+            policy, stats = preference.model_pair_logps(model, batch, **kw)
+            ref_model = nnx.merge(trainer.ref_graphdef, ref_state)
+            ref, _ = preference.model_pair_logps(ref_model, batch, **kw)
+            plain = {n: preference.objective_sums(Objective(n), policy, ref) for n in names}
+            summed = {n: loss_sum(Objective(n), model, batch, **kw) for n in names[1:]}
+            return stats.aux_loss, plain, summed
+
+        aux, plain, summed = separately(trainer.state, trainer.ref_state, batch)
+        val_total, val_count = trainer.eval_step(batch)
+        summed["dpo"] = trainer.train_step(batch)  # the loss before its update, and the means
+    aux = float(aux)
+    assert 0.5 < aux < 8.0  # E * sum(f * p), ~1 when balanced: a real router's
+    moe_metrics = {"aux_loss", "expert_load", "moe_load_spread", "moe_dropped"}
+    for name in names:
+        pair_total, (count, pair_sums) = plain[name]
+        preference_loss = float(pair_total / count)
+        if name == "dpo":  # the step: means over the pairs
+            metrics = jax.device_get(summed[name])
+            loss, logged_aux = float(metrics["loss"]), float(metrics["aux_loss"])
+            assert moe_metrics <= set(metrics) and metrics["expert_load"].shape == (8,)
+            assert abs(float(pair_sums["rewards/margins"])) > 1e-4  # the reference moved
+            # validation: the objective alone
+            np.testing.assert_allclose(float(val_total / val_count), preference_loss, rtol=1e-5)
+        else:
+            total, (count, sums) = summed[name]
+            loss, logged_aux = float(total / count), float(sums["aux_loss"] / count)
+            # ... and each layer's load, which the train step takes for the routers' bias.
+            assert set(sums) - set(pair_sums) == moe_metrics | {"moe_layer_load"}, name
+        np.testing.assert_allclose(loss, preference_loss + coef * aux, rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(logged_aux, aux, rtol=1e-5, err_msg=name)

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl; the hf extra)")
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="TRL runs on torch (the hf extra)")
 
 from chat_fixtures import write_tokenizer_dir  # noqa: E402
 
@@ -55,11 +55,14 @@ RTOL = 1e-4
 def dirs(tmp_path_factory):
     """A policy (tiny Llama with the Llama 3 chat template) and a reference whose weights
     differ from it by N(0, 0.01): DPO's rewards are then not all zero."""
+    return _policy_and_reference(tmp_path_factory.mktemp("preference_trl"), "tiny")
+
+
+def _policy_and_reference(root, preset: str) -> dict:
     from safetensors.numpy import load_file, save_file
 
-    root = tmp_path_factory.mktemp("preference_trl")
     policy, reference = str(root / "policy"), str(root / "reference")
-    write_tiny_llama(policy, "llama", max_seq_len=256)
+    write_tiny_llama(policy, "llama", max_seq_len=256, preset=preset)
     write_tokenizer_dir(policy, "llama3")
     shutil.copytree(policy, reference)
     weights = load_file(os.path.join(policy, "model.safetensors"))
@@ -148,7 +151,9 @@ def _ours(dirs, records, tmp_path, objective, model=None, mesh=None):
 
         total, (count, sums) = run(model, batch, reference)
     assert int(count) == len(records)  # every pair read, each once
-    return {"loss": float(total / count), **{k: float(v / count) for k, v in sums.items()}}
+    # (An MoE model's sums also hold each expert's load, a vector: not TRL's.)
+    scalars = {k: float(v / count) for k, v in sums.items() if jnp.ndim(v) == 0}
+    return {"loss": float(total / count), **scalars}
 
 
 def _ours_with(model, mesh, dirs, records, tmp_path, objective):
@@ -256,6 +261,20 @@ def _reward_metrics(reward_c, reward_r, chosen, rejected, loss) -> dict:
         "logps/chosen": float(chosen.mean()),
         "logps/rejected": float(rejected.mean()),
     }
+
+
+def test_moe_dpo_adds_the_router_loss_as_trl(tmp_path_factory, tmp_path):
+    """A tiny Qwen3-MoE (router_aux_loss_coef 0.01): TRL's DPOTrainer adds coef x the
+    policy forward's `aux_loss` to the loss and logs `aux_loss`; so does this project."""
+    moe = _policy_and_reference(tmp_path_factory.mktemp("preference_moe"), "qwen3-moe-tiny")
+    from nnx_zoo.training.preference import Objective
+
+    theirs, _, model = _trl_dpo(moe, PAIRS, tmp_path)
+    assert model.config.router_aux_loss_coef == 0.01 and "aux_loss" in theirs
+    ours = _ours(moe, PAIRS, tmp_path, Objective("dpo", dpo_beta=BETA))
+    # The aux loss is a real part of the loss: far above the tolerance.
+    assert 0.01 * theirs["aux_loss"] > 1e-2 * theirs["loss"]
+    _assert_close(ours, theirs, (*TRL_METRICS, "aux_loss"), "dpo (Qwen3-MoE)")
 
 
 def test_lora_dpo_peft_export_equals_trl(dirs, tmp_path):

@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from _serving_helpers import FailOnce, perturbed_model
+from _serving_helpers import FailOnce, dying_engine, perturbed_model
 from flax import nnx
 
 from nnx_zoo.data.tokenizers import ByteTokenizer
@@ -283,17 +283,7 @@ def test_an_engine_thread_that_dies_fails_every_request_and_refuses_new_ones(one
     request waiting gets an error at once, not never; a new one is refused; `stopped` says
     why. (A second engine over the same slots; it dies before any device call.)"""
     _, _, live = one_device
-    engine = Engine(live.slots, TOKENIZER, max_queue=4)
-    reached, go = threading.Event(), threading.Event()
-
-    def admit():
-        reached.set()
-        go.wait(30)
-        raise KeyError("injected: a scheduler bug")
-
-    engine.scheduler.admit = admit
-    engine.start()
-    try:
+    with dying_engine(live.slots, TOKENIZER, max_queue=4) as (engine, reached, go):
         _, finals = _submit(engine, SHORT[:1])
         assert reached.wait(30)  # the request is in, the engine thread about to fail
         go.set()
@@ -303,9 +293,6 @@ def test_an_engine_thread_that_dies_fails_every_request_and_refuses_new_ones(one
         assert engine.status()["stopped"] == engine.stopped()
         with pytest.raises(EngineStoppedError, match="a scheduler bug"):
             _submit(engine, SHORT[:1])
-    finally:
-        go.set()
-        engine.stop()
 
 
 def test_the_counters_are_written_under_the_lock(one_device, monkeypatch):

@@ -17,7 +17,7 @@ import time
 
 import jax
 import pytest
-from _serving_helpers import FailOnce, perturbed_model
+from _serving_helpers import FailOnce, dying_engine, perturbed_model
 
 from nnx_zoo.data.tokenizers import ByteTokenizer
 from nnx_zoo.serving.api import DEFAULT_MAX_REQUEST_BYTES, create_app
@@ -156,37 +156,26 @@ def test_a_failed_device_call_is_a_500_with_its_cause_and_the_next_request_is_se
 def test_an_engine_thread_that_dies_is_a_503_health_and_500s_never_a_hang(server, slots):
     """A second engine over the same slots (it dies before any device call), its own app."""
     _, live_port = server
-    engine = Engine(slots, _Tokenizer(), max_queue=MAX_QUEUE)
-    reached, go = threading.Event(), threading.Event()
-
-    def admit():
-        reached.set()
-        go.wait(30)
-        raise KeyError("injected: a scheduler bug")
-
-    engine.scheduler.admit = admit
-    engine.start()
-    try:
-        with _serving(create_app(engine, served_model=NAME)) as port:
-            waiting = _in_thread(_post, port, _ask(), timeout=30)
-            assert reached.wait(30)
-            go.set()
-            start = time.monotonic()
-            status, error = waiting(timeout=5)
-            assert status == 500 and "injected: a scheduler bug" in error["error"]["message"]
-            assert time.monotonic() - start < 1.0
-            status, health = _get(port)
-            assert status == 503 and health["status"] == "error"
-            assert "injected: a scheduler bug" in health["stopped"]
-            start = time.monotonic()
-            status, error = _post(port, _ask(), timeout=5)
-            assert status == 500 and "the engine stopped" in error["error"]["message"]
-            streamed = _post(port, _ask(stream=True), timeout=5)
-            assert streamed[0] == 500
-            assert time.monotonic() - start < 1.0
-    finally:
+    with (
+        dying_engine(slots, _Tokenizer(), MAX_QUEUE) as (engine, reached, go),
+        _serving(create_app(engine, served_model=NAME)) as port,
+    ):
+        waiting = _in_thread(_post, port, _ask(), timeout=30)
+        assert reached.wait(30)
         go.set()
-        engine.stop()
+        start = time.monotonic()
+        status, error = waiting(timeout=5)
+        assert status == 500 and "injected: a scheduler bug" in error["error"]["message"]
+        assert time.monotonic() - start < 1.0
+        status, health = _get(port)
+        assert status == 503 and health["status"] == "error"
+        assert "injected: a scheduler bug" in health["stopped"]
+        start = time.monotonic()
+        status, error = _post(port, _ask(), timeout=5)
+        assert status == 500 and "the engine stopped" in error["error"]["message"]
+        streamed = _post(port, _ask(stream=True), timeout=5)
+        assert streamed[0] == 500
+        assert time.monotonic() - start < 1.0
     assert _get(live_port)[0] == 200  # the other engine is untouched
 
 

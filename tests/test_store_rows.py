@@ -5,6 +5,7 @@ bench/data_scale.py (separate processes, bytes read) runs at a small size at the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -159,7 +160,8 @@ def test_splits_are_disjoint_and_evaluation_has_fixed_batches(store):
     assert len(val.documents) + len(train.documents) == 400 and len(val.documents) > 10
     count = -(-val.num_rows(pad_last=True) // BATCH) + 2
 
-    one = data.make_dataset(
+    validation = functools.partial(
+        data.make_dataset,
         store,
         "validation",
         BYTE,
@@ -167,28 +169,13 @@ def test_splits_are_disjoint_and_evaluation_has_fixed_batches(store):
         BATCH,
         validation_fraction=0.1,
         num_batches=count,
-        process_index=0,
-        process_count=1,
     )
-    batches = list(one)
+    batches = list(validation(process_index=0, process_count=1))
     assert len(batches) == count
     assert (batches[-1]["segment_ids"] == 0).all() and (batches[0]["segment_ids"] > 0).any()
     real = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
     assert real == val.total_tokens
-    two = [
-        data.make_dataset(
-            store,
-            "validation",
-            BYTE,
-            SEQ_LEN,
-            BATCH,
-            validation_fraction=0.1,
-            num_batches=count,
-            process_index=p,
-            process_count=2,
-        )
-        for p in range(2)
-    ]
+    two = [validation(process_index=p, process_count=2) for p in range(2)]
     for want in batches:
         _same(_global(two), want)
 
@@ -235,25 +222,17 @@ def test_worker_processes_change_neither_the_batches_nor_the_position(store, tmp
     assert proc.returncode == 0 and "WORKERS_OK" in proc.stdout, proc.stderr[-3000:]
 
 
+def _data_scale(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [sys.executable, "-m", "bench.data_scale", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
 def test_data_scale_bench_at_a_small_size(tmp_path):
     """bench/data_scale.py: 1, 2 and 4 processes read the batches of one (checked by the
     bench), and each of N reads less than the one-process run's bytes / N * 1.3 at N=2."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.data_scale",
-            f"--make_store={tmp_path}",
-            "--batches=20",
-            "--batch_size=8",
-            "--seq_len=512",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
+    proc = _data_scale(
+        f"--make_store={tmp_path}", "--batches=20", "--batch_size=8", "--seq_len=512"
     )
     out = proc.stdout
     for n in (1, 2, 4):
@@ -274,22 +253,7 @@ def test_data_scale_zoo_data_part_at_a_small_size(tmp_path):
     """bench/data_scale.py --part=zoo_data (bench/zoo_data_memory.py) on a 4 MB JSONL: zoo-data
     with a trained BPE tokenizer.json and two workers; the index's token count is the
     tokenizer's own (the bench exits 1 otherwise), and each worker's tokens/s is reported."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.data_scale",
-            "--part=zoo_data",
-            "--gb=0.004",
-            f"--dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
+    proc = _data_scale("--part=zoo_data", "--gb=0.004", f"--dir={tmp_path}")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-2000:]
     row = next(line for line in out.splitlines() if re.match(r"\| [\d.]+ GB \|", line))

@@ -205,7 +205,7 @@ def test_a_bad_line_found_mid_training_is_exit_2_and_keeps_what_was_saved(tmp_pa
     written before it are whole, and once the line is fixed the same workdir resumes from the
     last checkpoint and finishes."""
     import grain
-    from _train_helpers import SMALL_SHAPES, cli_flags, run_train_main
+    from _train_helpers import QUIET_LOGS, SMALL_SHAPES, cli_flags, run_train_main
 
     count = 3000  # documents of about 12 tokens: some 90 a step of 16 x 64
     # data.validation_source makes the training split all of the file, so the training order
@@ -228,10 +228,7 @@ def test_a_bad_line_found_mid_training_is_exit_2_and_keeps_what_was_saved(tmp_pa
         "training.eval_every": 0,
         "training.eval_batches": 1,
         "checkpoint.every": 4,
-        "logging.log_every": 1,
-        "logging.progress_bar": False,
-        "logging.tensorboard": False,
-        "logging.loss_curve": False,
+        **QUIET_LOGS,
     }
     result = run_train_main([f"--workdir={workdir}", *cli_flags(flags)])
     assert result.returncode == 2, result.stderr[-3000:]

@@ -12,7 +12,7 @@ import shutil
 import _entry
 import numpy as np
 import pytest
-from _train_helpers import SMALL_SHAPES, cli_flags, run_train_main, train_losses
+from _train_helpers import QUICK_RUN, cli_flags, run_train_main, train_losses
 
 from nnx_zoo import data
 from nnx_zoo.data import sources, token_store
@@ -190,6 +190,30 @@ def test_a_non_empty_out_is_refused(corpus, store, tmp_path):
     _exit_2(_zoo_data(["--source=/no/such/file.jsonl", f"--out={tmp_path / 'x'}"]), "/no/such")
 
 
+def test_overwrite_keeps_the_old_store_until_the_new_one_is_whole(corpus, store, tmp_path):
+    """--overwrite of a finished store that fails half-way (a bad record in the second
+    file) leaves the old store readable and whole; one that succeeds replaces it."""
+    finished = str(tmp_path / "finished")
+    shutil.copytree(store, finished)
+    before = _records(finished)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.jsonl").write_text("".join(json.dumps({"text": f"ok {i}"}) + "\n" for i in range(30)))
+    (bad / "b.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    args = ["--tokenizer=byte", "--shard_bytes=200", "--num_workers=1", "--overwrite"]
+    result = _zoo_data([f"--source={bad}", f"--out={finished}", *args])
+    assert result.returncode == 2, result.stderr
+    assert _records(finished) == before
+    assert sorted(os.listdir(tmp_path)) == ["bad", "finished"]  # no half-made store beside it
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "a.jsonl").write_text(json.dumps({"text": "only this"}) + "\n")
+    result = _zoo_data([f"--source={good}", f"--out={finished}", *args])
+    assert result.returncode == 0, result.stderr
+    assert _records(finished) == [list(b"only this")]
+    assert sorted(os.listdir(tmp_path)) == ["bad", "finished", "good"]
+
+
 def test_a_text_store_is_a_source_like_its_text(corpus, store):
     """load_documents reads the store's documents, split by the ArrayRecord hash; its
     records are the byte ids of the corpus's documents."""
@@ -233,23 +257,9 @@ def test_prompt_completion_store_gives_the_batches_of_its_records(tmp_path):
         data.build_dataset(out, "train", ByteTokenizer(), 32, 4, process_index=0, process_count=1)
 
 
-QUICK = {
-    **SMALL_SHAPES,
-    "training.steps": 3,
-    "optimizer.warmup_steps": 0,
-    "training.eval_every": 0,
-    "training.eval_batches": 1,
-    "logging.log_every": 1,
-    "logging.progress_bar": False,
-    "logging.tensorboard": False,
-    "logging.loss_curve": False,
-    "checkpoint.enabled": False,
-}
-
-
 def test_train_main_reads_a_store_and_refuses_another_tokenizer(store, tmp_path):
     result = run_train_main(
-        [f"--workdir={tmp_path / 'run'}", *cli_flags({**QUICK, "data.source": store})]
+        [f"--workdir={tmp_path / 'run'}", *cli_flags({**QUICK_RUN, "data.source": store})]
     )
     assert result.returncode == 0, result.stderr[-3000:]
     losses = train_losses(str(tmp_path / "run"))
@@ -258,7 +268,7 @@ def test_train_main_reads_a_store_and_refuses_another_tokenizer(store, tmp_path)
     result = run_train_main(
         [
             f"--workdir={tmp_path / 'other'}",
-            *cli_flags({**QUICK, "data.source": store, "data.tokenizer": bpe}),
+            *cli_flags({**QUICK_RUN, "data.source": store, "data.tokenizer": bpe}),
         ]
     )
     _exit_2(result, f"data.source={store!r} was tokenized with 'byte' (vocab 257", bpe, "vocab 300")

@@ -5,6 +5,7 @@ from zoo import (  # noqa: F401
     deepseek_v3,
     gemma3,
     gpt2,
+    gpt_oss,
     llama,
     mistral,
     mixtral,

@@ -17,6 +17,7 @@ import numpy as np
 
 from nnx_zoo.errors import UsageError
 from zoo.layers.config import RUNTIME_FIELDS, DecoderConfig
+from zoo.layers.rope import YARN_ENTRIES
 from zoo.registry import FAMILIES, Family, family_for_config
 
 CONFIG_FILE = "config.json"
@@ -170,7 +171,8 @@ def rope_parameters(hf: dict, layer_type: str | None = None) -> dict:
 
 
 def rope_scaling(params: dict) -> tuple | None:
-    """Our `rope_scaling` from a RoPE dict: None, (factor,) linear, or Llama 3's 4-tuple."""
+    """Our `rope_scaling` from a RoPE dict: None, (factor,) linear, Llama 3's 4-tuple or YaRN's
+    5-tuple."""
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         return None
@@ -183,8 +185,29 @@ def rope_scaling(params: dict) -> tuple | None:
             float(params["high_freq_factor"]),
             int(params["original_max_position_embeddings"]),
         )
+    if rope_type == "yarn":
+        return yarn_scaling(params)
     raise UsageError(
-        f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
+        f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3, yarn"
+    )
+
+
+def yarn_scaling(params: dict) -> tuple:
+    """YaRN's 5-tuple (zoo/layers/rope.py) from a RoPE dict, with transformers' defaults
+    (beta_fast 32, beta_slow 1, truncate true). An `attention_factor` or `mscale` other than
+    what the factor implies is refused: the zoo derives the attention factor from it."""
+    for key in ("attention_factor", "mscale", "mscale_all_dim"):
+        if params.get(key) is not None:
+            raise UsageError(
+                f"yarn rope_parameters.{key}={params[key]} is not supported; the attention "
+                "factor is derived from `factor` (0.1 ln(factor) + 1)"
+            )
+    return (
+        float(params["factor"]),
+        float(params.get("beta_fast") or 32.0),
+        float(params.get("beta_slow") or 1.0),
+        int(params["original_max_position_embeddings"]),
+        bool(params.get("truncate", True)),
     )
 
 
@@ -192,6 +215,16 @@ def rope_to_hf(theta: float, scaling: tuple | None) -> dict:
     params = {"rope_type": "default", "rope_theta": float(theta)}
     if scaling is not None and len(scaling) == 1:
         params.update(rope_type="linear", factor=float(scaling[0]))
+    elif scaling is not None and len(scaling) == YARN_ENTRIES:
+        factor, beta_fast, beta_slow, original, truncate = scaling
+        params.update(
+            rope_type="yarn",
+            factor=float(factor),
+            beta_fast=float(beta_fast),
+            beta_slow=float(beta_slow),
+            original_max_position_embeddings=int(original),
+            truncate=bool(truncate),
+        )
     elif scaling is not None:
         factor, low, high, original = scaling
         params.update(

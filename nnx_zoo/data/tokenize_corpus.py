@@ -13,7 +13,9 @@ tokenizer identity, format, text field, shard size) when a run starts; each fini
 into place), and `index.json` comes last, so a killed run leaves no index and a second run with
 the same arguments tokenizes only the pieces without a done marker. A non-empty OUT that is
 neither is refused; `overwrite` replaces an earlier store or unfinished run (only the files
-zoo-data writes: anything else there is refused).
+zoo-data writes: anything else there is refused). A finished store is replaced whole: the new
+one is made beside it (`OUT.zoo-data-new`) and renamed into place once its index is written, so
+a run that fails or is killed on the way leaves the old store as it was.
 """
 
 from __future__ import annotations
@@ -356,7 +358,7 @@ def _prepare_out(request: Request, record: dict) -> bool:
             f"--out={out!r} is not empty and holds files zoo-data did not write "
             f"({', '.join(sorted(foreign or names)[:3])}); give a new or empty directory"
         )
-    if request.overwrite:
+    if request.overwrite:  # an unfinished run's files: nothing readable is lost
         for name in names:
             os.remove(os.path.join(out, name))
         return False
@@ -408,6 +410,9 @@ def tokenize_corpus(request: Request, *, log=None) -> dict:
             "template), not 'byte'"
         )
     record = _run_record(request, files, tokenizer)
+    _restore_if_swap_was_cut(request.out, log)
+    if request.overwrite and token_store.is_store(request.out):
+        return _replace_store(request, log)
     resuming = _prepare_out(request, record)
     out = request.out
     write_json_atomic(os.path.join(out, RUN_FILE), record)
@@ -423,6 +428,42 @@ def tokenize_corpus(request: Request, *, log=None) -> dict:
     results.update(_run_pieces(request, pieces, todo, log))
     index = _index(request, record, pieces, results)
     token_store.write_index(out, index)
+    return index
+
+
+def _restore_if_swap_was_cut(out: str, log) -> None:
+    """A replacement killed between its two renames leaves OUT missing and the old store
+    beside it: that store goes back in place before anything else."""
+    out = os.path.normpath(out)
+    old = out + ".zoo-data-old"
+    if not os.path.exists(out) and token_store.is_store(old):
+        os.rename(old, out)
+        log(f"restored {out} (a replacement of it was stopped before it finished)")
+
+
+def _replace_store(request: Request, log) -> dict:
+    """--overwrite of a finished store: readers keep the old one until the new one is whole."""
+    import shutil
+
+    out = os.path.normpath(request.out)
+    foreign = [n for n in os.listdir(out) if not _OURS.match(n)]
+    if foreign:
+        raise UsageError(
+            f"--out={out!r} is not empty and holds files zoo-data did not write "
+            f"({', '.join(sorted(foreign)[:3])}); give a new or empty directory"
+        )
+    new, old = out + ".zoo-data-new", out + ".zoo-data-old"
+    for leftover in (new, old):  # a replacement killed before its swap (our names only)
+        if os.path.isdir(leftover):
+            shutil.rmtree(leftover)
+    try:
+        index = tokenize_corpus(dataclasses.replace(request, out=new, overwrite=False), log=log)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    os.rename(out, old)
+    os.rename(new, out)
+    shutil.rmtree(old)
     return index
 
 

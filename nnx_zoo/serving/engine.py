@@ -173,20 +173,10 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
 
-    def generate(
-        self,
-        prompts: Sequence[list[int]],
-        *,
-        max_tokens: int,
-        sampling: Sequence[Sampling] | Sampling = GREEDY,
-        stop=(),
-        ignore_eos: bool = False,
-    ) -> list[TextStream]:
-        """Run `prompts` concurrently and wait for them all (tests, scripts)."""
-        jobs = self.run_jobs(
-            prompts, max_tokens=max_tokens, sampling=sampling, stop=stop, ignore_eos=ignore_eos
-        )
-        return [job.stream for job in jobs]
+    def generate(self, prompts: Sequence[list[int]], **options) -> list[TextStream]:
+        """Run `prompts` concurrently and wait for them all (tests, scripts); `options` as
+        `run_jobs`' (max_tokens, sampling, stop, ignore_eos)."""
+        return [job.stream for job in self.run_jobs(prompts, **options)]
 
     def run_jobs(
         self,

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.training import preference
 from nnx_zoo.training.optim import accumulate_gradients
+from nnx_zoo.training.router_loss import objective_from_sums
 from zoo import pipelined
 
 Batch = Mapping[str, jax.Array]
@@ -106,29 +107,6 @@ def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0
 def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
     """`objective_from_sums` from the per-token NLL and which positions count."""
     return objective_from_sums(jnp.sum(nll_BT), jnp.sum(mask_BT), moe, aux_coef)
-
-
-def objective_from_sums(total, count, moe, aux_coef: float):
-    """`train_loss_sum` from the summed NLL and the count. The aux loss is added once per
-    counted token, so that dividing by the count gives transformers' `loss + coef *
-    aux_loss`; the sums carry the aux loss and the per-expert load (mean over layers), each
-    times the count.
-    """
-    sums = {}
-    if moe is not None:
-        total = total + aux_coef * moe.aux_loss * count
-        # Load-balance spread: the busiest expert's share over the mean share, worst layer
-        # (1 is balanced; the busiest expert shard's work and received rows scale with it).
-        spread = jnp.max(jnp.max(moe.load, axis=1) * moe.load.shape[1])
-        sums = {
-            "aux_loss": moe.aux_loss * count,
-            "expert_load": jnp.mean(moe.load, 0) * count,
-            "moe_load_spread": spread * count,
-            "moe_dropped": moe.dropped * count,  # share of assignments dropped (0: dropless)
-            # [L, E]: each MoE layer's load, for the routers' step-level bias update.
-            "moe_layer_load": moe.load * count,
-        }
-    return total, (count, sums)
 
 
 def _loss_and_grad(
@@ -253,6 +231,7 @@ class Trainer:
                 self.loss_chunk_size,
                 self.pipeline,
                 self._reference(ref_state),
+                router_aux=False,
             )
             return total, count
         return loss_sum(model, batch, self.packed, self.loss_chunk_size, self.pipeline)

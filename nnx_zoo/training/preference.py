@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.training.router_loss import objective_from_sums
 from zoo import loss, pipelined
 from zoo.layers.lora import LoraParam, has_lora
 
@@ -145,8 +146,9 @@ def pair_logps(nll_BT, mask_BT, batch) -> PairLogps:
 
 
 def model_pair_logps(model, batch, *, packed: bool, chunk_size: int, pipeline=None):
-    """`pair_logps` of `model` on `batch` (under a pipeline strategy, its schedule)."""
-    nll_BT, mask_BT, _ = pipelined.token_nll(
+    """(`pair_logps` of `model` on `batch` (under a pipeline strategy, its schedule), the
+    model's MoE routing statistics or None for a dense model)."""
+    nll_BT, mask_BT, router_stats = pipelined.token_nll(
         model,
         pipeline,
         batch["tokens"],
@@ -155,7 +157,7 @@ def model_pair_logps(model, batch, *, packed: bool, chunk_size: int, pipeline=No
         chunk_size=chunk_size,
         packed=packed,
     )
-    return pair_logps(nll_BT, mask_BT, batch)
+    return pair_logps(nll_BT, mask_BT, batch), router_stats
 
 
 def _log1mexp(x):
@@ -261,14 +263,27 @@ def loss_sum(
     chunk_size: int = 0,
     pipeline=None,
     reference=None,
+    router_aux: bool = True,
 ):
     """`objective_sums` of `model` on `batch`: what the step differentiates. `reference`:
-    `frozen_copy`'s (graphdef, state), or None (LoRA: the adapters zeroed)."""
+    `frozen_copy`'s (graphdef, state), or None (LoRA: the adapters zeroed).
+
+    An MoE policy's load-balancing loss, times the config's `router_aux_loss_coef`, is
+    added to the mean over pairs and logged as `aux_loss` (with the router's load), as the
+    next-token loss does and as TRL's DPOTrainer / CPOTrainer / ORPOTrainer add their
+    policy forward's `aux_loss`; the reference's routing is not a training signal.
+    `router_aux=False` leaves it out (validation: the objective alone, as SFT's val_loss).
+    """
     kw = dict(packed=packed, chunk_size=chunk_size, pipeline=pipeline)
-    policy = model_pair_logps(model, batch, **kw)
+    policy, router_stats = model_pair_logps(model, batch, **kw)
     ref = None
     if objective.needs_reference:
         ref_model = without_adapters(model) if reference is None else _rebuilt(*reference)
         ref_model = nnx.view(ref_model, deterministic=True, raise_if_not_found=False)
-        ref = jax.tree.map(jax.lax.stop_gradient, model_pair_logps(ref_model, batch, **kw))
-    return objective_sums(objective, policy, ref)
+        ref = jax.tree.map(jax.lax.stop_gradient, model_pair_logps(ref_model, batch, **kw)[0])
+    total, (count, sums) = objective_sums(objective, policy, ref)
+    if router_stats is None or not router_aux:
+        return total, (count, sums)
+    coef = model.cfg.router_aux_loss_coef
+    total, (count, moe_sums) = objective_from_sums(total, count, router_stats, coef)
+    return total, (count, {**sums, **moe_sums})

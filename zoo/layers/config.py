@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 
 from nnx_zoo.errors import UsageError
-from zoo.layers import quant, remat
+from zoo.layers import quant, remat, rope
 from zoo.layers.pipeline_schedules import resolve_schedule
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -36,6 +36,9 @@ RUNTIME_FIELDS = (
     "pipeline_schedule",
     "quantization",
 )
+
+# moe_activation values: the experts' gated activation (zoo/layers/moe.py).
+MOE_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 # context_parallel values: how attention sees the keys of a T split over `context`
 # (zoo/layers/attention/context_parallel.py and ring.py).
@@ -78,7 +81,8 @@ class DecoderConfig:
     position: str = "rope"  # 'rope' | 'learned' (GPT-2)
     rope_theta: float = 500_000.0
     # Llama 3 frequency scaling, as (factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings), or None; linear scaling as (factor,).
+    # original_max_position_embeddings), or None; linear scaling as (factor,); YaRN as
+    # (factor, beta_fast, beta_slow, original_max_position_embeddings, truncate).
     rope_scaling: tuple | None = None
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding-window layers
 
@@ -112,6 +116,21 @@ class DecoderConfig:
     # metrics); 0 is dropless (C = all rows).
     moe_exchange: str = "auto"
     moe_capacity_factor: float = 0.0
+
+    # --- GPT-OSS (zoo/gpt_oss/) ---
+    # A learned logit per query head that joins every query's softmax denominator and
+    # takes no value (attention sinks): probs = exp(l) / (sum exp(l) + exp(sink)).
+    attention_sinks: bool = False
+    # Biases on the q/k/v/o projections alone (`use_bias` puts them on every projection).
+    attention_bias: bool = False
+    # Biases on the MoE router's logits and on each expert's gate, up and down projections.
+    moe_bias: bool = False
+    # The experts' activation: 'swiglu' (silu(gate) * up) or 'clamped_swiglu' (GPT-OSS:
+    # gate clamped above at `swiglu_limit`, up to +-limit, gate * sigmoid(alpha * gate) *
+    # (up + 1)).
+    moe_activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     dtype: str = "float32"  # compute dtype; parameters stay float32
     scan_layers: bool = True  # stack layers and run them with nnx.scan (one compiled block)
@@ -200,6 +219,10 @@ class DecoderConfig:
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                 f"{self.num_experts}"
             )
+        if self.moe_activation not in MOE_ACTIVATIONS:
+            raise UsageError(
+                f"moe_activation={self.moe_activation!r}; valid: {', '.join(MOE_ACTIVATIONS)}"
+            )
         if self.moe_exchange not in ("auto", "ragged", "padded"):
             raise UsageError(f"moe_exchange={self.moe_exchange!r}; valid: auto, ragged, padded")
         if not self.moe_capacity_factor >= 0:
@@ -229,7 +252,9 @@ class DecoderConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+        scale = self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+        # YaRN scales cos and sin, so q and k, by its attention factor: the logits by its square.
+        return scale * rope.attention_factor(self.rope_scaling) ** 2
 
     def layer_windows(self) -> list[int]:
         """Per-layer window (0 = global), from `sliding_window` and `layer_types` or
@@ -259,7 +284,8 @@ class DecoderConfig:
         M = self.hidden_dim
         if not self.is_moe:
             return M * self.ffn_dim * (3 if self.glu else 2)
-        return experts * 3 * M * self.moe_ffn_dim + M * self.num_experts
+        biases = (experts * (2 * self.moe_ffn_dim + M) + self.num_experts) if self.moe_bias else 0
+        return experts * 3 * M * self.moe_ffn_dim + M * self.num_experts + biases
 
     def replace(self, **changes) -> DecoderConfig:
         return dataclasses.replace(self, **changes)
@@ -279,7 +305,10 @@ class DecoderConfig:
         norm_size = M * (2 if self.norm == "layer" else 1)
         norms = norm_size * (4 if self.post_norms else 2) + (2 * D if self.qk_norm else 0)
         biases = (N * D + 2 * K * D + M + F * (2 if self.glu else 1) + M) if self.use_bias else 0
-        per_layer = attn + mlp + norms + biases
+        if self.attention_bias and not self.use_bias:
+            biases = N * D + 2 * K * D + M
+        sinks = N if self.attention_sinks else 0
+        per_layer = attn + mlp + norms + biases + sinks
         total = self.num_layers * per_layer + norm_size + (0 if self.tie_embeddings else M * V)
         if include_embedding:
             total += V * M

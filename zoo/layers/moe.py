@@ -86,12 +86,44 @@ def route(logits_BTE, k: int, norm_topk_prob: bool):
     return weights_BTk, experts_BTk, probs_BTE
 
 
-def swiglu_experts(x_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E):
+def swiglu_experts(x_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E, biases=(), act=None):
     """Rows of x sorted by expert, `group_sizes_E[e]` of them for expert e (rows past the
-    groups' total come out zero) -> each row through its expert's SwiGLU."""
+    groups' total come out zero) -> each row through its expert's SwiGLU.
+
+    `biases`: () or the experts' (gate [E, F], up [E, F], down [E, M]) biases, each row
+    taking its expert's. `act(g, u)`: the gated activation (None: silu(g) * u)."""
     g_XF = jax.lax.ragged_dot(x_XM, gate_EMF, group_sizes_E)
     u_XF = jax.lax.ragged_dot(x_XM, up_EMF, group_sizes_E)
-    return jax.lax.ragged_dot(jax.nn.silu(g_XF) * u_XF, down_EFM, group_sizes_E)
+    if biases:
+        expert_X = _row_experts(group_sizes_E, x_XM.shape[0])
+        gate_b, up_b, down_b = (_per_row(b, expert_X).astype(g_XF.dtype) for b in biases)
+        g_XF, u_XF = g_XF + gate_b, u_XF + up_b
+    h_XF = jax.nn.silu(g_XF) * u_XF if act is None else act(g_XF, u_XF)
+    y_XM = jax.lax.ragged_dot(h_XF, down_EFM, group_sizes_E)
+    return y_XM + down_b.astype(y_XM.dtype) if biases else y_XM
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """GPT-OSS's activation, as transformers' GptOssExperts applies it: the gate clamped
+    above at `limit`, up to [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    def act(g_XF, u_XF):
+        g_XF = jnp.minimum(g_XF, limit)
+        u_XF = jnp.clip(u_XF, -limit, limit)
+        return g_XF * jax.nn.sigmoid(g_XF * alpha) * (u_XF + 1)
+
+    return act
+
+
+def _row_experts(group_sizes_E, rows: int):
+    """[X] each sorted row's expert; E for rows past the groups' total."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(rows), side="right")
+
+
+def _per_row(bias_E_, expert_X):
+    """Each row's expert's bias; zero for rows past the groups (expert E), which must stay zero."""
+    padded = jnp.concatenate([bias_E_, jnp.zeros_like(bias_E_[:1])])
+    return padded[expert_X]
 
 
 def _local_moe(
@@ -101,6 +133,7 @@ def _local_moe(
     gate_EMF,
     up_EMF,
     down_EFM,
+    biases=(),
     *,
     num_experts: int,
     expert_axis: str | None,
@@ -109,9 +142,10 @@ def _local_moe(
     exchange: str,
     capacity_factor: float,
     packet_rows: int,
+    act=None,
 ):
     """One device's tokens through their experts (runs inside shard_map): (y_BTM, [1] the
-    assignments this device's exchange dropped)."""
+    assignments this device's exchange dropped). `biases`, `act` as in `swiglu_experts`."""
     B, T, M = x_BTM.shape
     k = experts_BTk.shape[-1]
     x_NM = x_BTM.reshape(B * T, M)
@@ -121,8 +155,17 @@ def _local_moe(
     x_XM = x_NM[token_X]
     counts_E = jnp.bincount(expert_X, length=num_experts).astype(jnp.int32)
 
+    if biases and ffn_axis is not None:
+        # F split: each device's down projection is a partial sum, reduced below; the down
+        # bias joins only one of them.
+        gate_b, up_b, down_b = biases
+        first = jax.lax.axis_index(ffn_axis) == 0
+        biases = (gate_b, up_b, jnp.where(first, down_b, jnp.zeros_like(down_b)))
+
     def experts(rows_XM, group_sizes_E):
-        return swiglu_experts(rows_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E)
+        return swiglu_experts(
+            rows_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E, biases=biases, act=act
+        )
 
     dropped = jnp.zeros((), jnp.int32)
     if expert_axis is None:
@@ -148,6 +191,11 @@ class Moe(nnx.Module):
         M, E, F = cfg.hidden_dim, cfg.num_experts, cfg.moe_ffn_dim
         if cfg.activation != "silu" or not cfg.glu:
             raise UsageError("MoE experts are SwiGLU: needs activation='silu' and glu=True")
+        self.act = (
+            clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
+            if cfg.moe_activation == "clamped_swiglu"
+            else None
+        )
         self.sharding = sharding
         self.num_experts = E
         self.k = cfg.num_experts_per_tok
@@ -155,7 +203,14 @@ class Moe(nnx.Module):
         self.dtype = cfg.compute_dtype
         self.exchange = cfg.moe_exchange
         self.capacity_factor = cfg.moe_capacity_factor
-        self.router = Einsum("BTM,ME->BTE", (M, E), sharding.router, rngs=rngs, dtype=self.dtype)
+        self.router = Einsum(
+            "BTM,ME->BTE",
+            (M, E),
+            sharding.router,
+            rngs=rngs,
+            dtype=self.dtype,
+            use_bias=cfg.moe_bias,
+        )
 
         def param(shape, spec):
             return nnx.Param(_normal(rngs, shape, spec), out_sharding=spec)
@@ -163,6 +218,18 @@ class Moe(nnx.Module):
         self.gate = param((E, M, F), sharding.gate)
         self.up = param((E, M, F), sharding.up)
         self.down = param((E, F, M), sharding.down)
+        if cfg.moe_bias:
+
+            def bias(shape, spec):
+                return nnx.Param(
+                    jnp.zeros(shape, jnp.float32, out_sharding=spec), out_sharding=spec
+                )
+
+            self.gate_bias = bias((E, F), sharding.gate_bias)
+            self.up_bias = bias((E, F), sharding.gate_bias)
+            self.down_bias = bias((E, M), sharding.down_bias)
+        else:
+            self.gate_bias = self.up_bias = self.down_bias = None
 
     def route(self, x_BTM):
         """(weights_BTk, experts_BTk, probs_BTE): softmax routing. A router of another form
@@ -183,6 +250,14 @@ class Moe(nnx.Module):
         gate_EMF = weight(self.gate, s.gate_compute)
         up_EMF = weight(self.up, s.up_compute)
         down_EFM = weight(self.down, s.down_compute)
+        biases, bias_specs = (), ()
+        if self.gate_bias is not None:
+            biases = (
+                weight(self.gate_bias, s.gate_bias_compute),
+                weight(self.up_bias, s.gate_bias_compute),
+                weight(self.down_bias, s.down_bias_compute),
+            )
+            bias_specs = (s.gate_bias_compute, s.gate_bias_compute, s.down_bias_compute)
         scatter_out = s.ffn_axis is not None and normalize(s.out, 3)[2] == s.ffn_axis
         routing = jax.sharding.PartitionSpec(*tuple(normalize(s.tokens, 3))[:2], None)
         platform = compile_platform()
@@ -196,15 +271,26 @@ class Moe(nnx.Module):
                 exchange=resolve_exchange(self.exchange, platform),
                 capacity_factor=self.capacity_factor,
                 packet_rows=packet_rows(platform, x_BTM.shape[-1] * jnp.dtype(self.dtype).itemsize),
+                act=self.act,
             ),
-            in_specs=(s.tokens, routing, routing, s.gate_compute, s.up_compute, s.down_compute),
+            in_specs=(
+                s.tokens,
+                routing,
+                routing,
+                s.gate_compute,
+                s.up_compute,
+                s.down_compute,
+                bias_specs,
+            ),
             # One count of dropped assignments per device holding distinct tokens.
             out_specs=(s.out if scatter_out else s.tokens, _token_devices(s.tokens)),
         )
         x_BTM = jax.sharding.reshard(x_BTM.astype(self.dtype), s.tokens)
         experts_BTk = jax.sharding.reshard(experts_BTk, routing)
         weights_BTk = jax.sharding.reshard(weights_BTk, routing)
-        y_BTM, dropped_D = compute(x_BTM, experts_BTk, weights_BTk, gate_EMF, up_EMF, down_EFM)
+        y_BTM, dropped_D = compute(
+            x_BTM, experts_BTk, weights_BTk, gate_EMF, up_EMF, down_EFM, biases
+        )
         B, T, _ = x_BTM.shape
         stats = RouterStats(
             counts=counts_E,

@@ -145,6 +145,7 @@ def attention(
     method: str = "all_gather",
     balanced: bool = True,
     interpret: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal self-attention of a T-split block, each device's queries against every key:
     K/V (and their segment ids / positions) all-gathered over `axis` (`method='all_gather'`)
@@ -153,6 +154,12 @@ def attention(
     need it)."""
     if method not in ("all_gather", "ring"):
         raise UsageError(f"context_parallel={method!r}; valid: all_gather, ring")
+    if sinks is not None and method == "ring":
+        # The ring's running log-sum-exp would need the sink term; all_gather passes them on.
+        raise UsageError(
+            "attention sinks (GPT-OSS) under context_parallel='ring' are not supported; use "
+            "context_parallel='all_gather' or a strategy without a context axis"
+        )
     kernel = "xla"
     if method == "ring":
         c = jax.sharding.get_abstract_mesh().shape[axis]
@@ -181,7 +188,7 @@ def attention(
     tok_spec = P(q_spec[0], q_spec[1])
     static_window = sliding_window is None or isinstance(sliding_window, int | np.integer)
 
-    def local(q, k, v, seg, pos, *window):
+    def local(q, k, v, seg, pos, local_sinks, *window):
         if method == "ring":
             return ring.ring_attention(
                 q,
@@ -208,6 +215,7 @@ def attention(
             sliding_window=sliding_window if static_window else window[0],
             implementation=implementation,
             site=f"context-parallel all_gather block over {axis}",
+            sinks=None if sinks is None else local_sinks,
         )
 
     args = [q_BTND, k_BTKD, v_BTKD, segment_ids_BT, positions_BT]
@@ -216,6 +224,10 @@ def attention(
         args.append(jnp.asarray(sliding_window, jnp.int32))
         specs.append(P())
     args = [reshard_to(x, s) for x, s in zip(args, specs, strict=True)]
+    # Attention sinks [N] split as q's heads (each device's queries take their heads' sinks).
+    sinks_spec = () if sinks is None else P(q_spec[2])
+    args.insert(5, () if sinks is None else reshard_to(sinks, sinks_spec))
+    specs.insert(5, sinks_spec)
     # Pallas kernels (the ring's splash blocks) carry no varying-axes types: unchecked.
     out_BTND = jax.shard_map(
         local, in_specs=tuple(specs), out_specs=q_spec, check_vma=kernel != "splash"

@@ -63,6 +63,7 @@ def attention(
     implementation: str = "xla",
     interpret: bool = False,
     site: str | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention of q over k/v under the segment/position mask; out_BTND, q's dtype.
 
@@ -73,6 +74,9 @@ def attention(
     interpret: let Pallas backends run in interpret mode (on CPU; tests and debugging).
     site: what kind of call this is, for the record and errors (default: self-attention when
       queries and keys share their segment ids, else attention).
+    sinks: None, or [N] attention-sink logits (GPT-OSS): one more logit per query head in
+      every softmax denominator, with no value; only backends registered with `sinks=True`
+      take them (`auto` runs such a call on one that does).
     """
     _check_shapes(q_BTND, k_BSKD, v_BSKD, segments)
     call = CallInfo(
@@ -86,13 +90,16 @@ def attention(
     what = describe_call(
         q_BTND, k_BSKD, segments, causal=causal, sliding_window=sliding_window, site=site
     )
+    if sinks is not None:
+        what += ", attention sinks"
+    has_sinks = sinks is not None
     if implementation == "auto":
-        name, why = _auto(call, q_BTND, k_BSKD, segments, sliding_window)
+        name, why = _auto(call, q_BTND, k_BSKD, segments, sliding_window, has_sinks)
     else:
         backend = named_backend(implementation)
         # What the call asks that the masks cannot say comes first: it is the reason that
         # holds on every platform.
-        reason = _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window)
+        reason = _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window, has_sinks)
         reason = reason or _why_unavailable(backend, call)
         if reason is not None:
             raise refusal(implementation, what, reason)
@@ -101,6 +108,8 @@ def attention(
     backend = _BACKENDS[name]
 
     options = dict(scale=scale, causal=causal, interpret=interpret)
+    if sinks is not None:
+        options["sinks"] = sinks
     if backend.keeps_layout or not explicit_axes():
         out_BTND = backend.fn(
             q_BTND,
@@ -120,8 +129,12 @@ def attention(
     return out_BTND.astype(q_BTND.dtype)
 
 
-def _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window) -> str | None:
+def _cannot_express(
+    backend, q_BTND, k_BSKD, segments, sliding_window, has_sinks=False
+) -> str | None:
     """Why `backend` cannot compute this particular call exactly, or None."""
+    if has_sinks and not backend.sinks:
+        return "takes no attention-sink logits (GPT-OSS's per-head extra softmax term)"
     if segments.packed and not backend.packed_rows:
         return (
             "cannot keep the documents of packed rows apart (it takes sequence lengths, not "
@@ -140,14 +153,18 @@ def _cannot_express(backend, q_BTND, k_BSKD, segments, sliding_window) -> str | 
     return None
 
 
-def _auto(call: CallInfo, q_BTND, k_BSKD, segments, sliding_window) -> tuple[str, str]:
+def _auto(
+    call: CallInfo, q_BTND, k_BSKD, segments, sliding_window, has_sinks=False
+) -> tuple[str, str]:
     """(backend, why): the platform's flash backend where it can express and run this call,
     else xla. What the call asks that the backend's masks cannot say (a decode step, a traced
     window) is the reason given before whether it can run here at all: a decode step of a TPU
     model is 'needs T == S', not 'needs lengths that are multiples of 128'."""
     pick = _AUTO.get(call.platform)
     if pick in _BACKENDS:
-        reason = _cannot_express(_BACKENDS[pick], q_BTND, k_BSKD, segments, sliding_window)
+        reason = _cannot_express(
+            _BACKENDS[pick], q_BTND, k_BSKD, segments, sliding_window, has_sinks
+        )
         if reason is not None:
             return "xla", f"auto: {pick} {reason}"
     return auto_choice(call)

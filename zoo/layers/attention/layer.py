@@ -12,7 +12,7 @@ from shardings.specs import AttentionSharding
 from zoo.layers import kv_cache, remat, rope
 from zoo.layers.attention import context_parallel, dispatch
 from zoo.layers.attention.mask import Segments
-from zoo.layers.basic import Einsum, Norm, projection_options
+from zoo.layers.basic import Einsum, Norm, _normal, projection_options
 
 
 class Attention(nnx.Module):
@@ -25,6 +25,8 @@ class Attention(nnx.Module):
         self.interpret = cfg.attention_interpret
         self.context_parallel = cfg.context_parallel
         common = projection_options(cfg, rngs)
+        if cfg.attention_bias:  # GPT-OSS: biases on q/k/v/o, none elsewhere
+            common["use_bias"] = True
         self.q = Einsum("BTM,MND->BTND", (M, N, D), sharding.q, **common)
         self.k = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.k, **common)
         self.v = Einsum("BTM,MKD->BTKD", (M, K, D), sharding.v, **common)
@@ -35,6 +37,12 @@ class Attention(nnx.Module):
             self.k_norm = Norm(D, sharding.k_norm, **norm)
         else:
             self.q_norm = self.k_norm = None
+        # GPT-OSS's attention sinks: one logit per query head (dispatch.attention's `sinks`).
+        self.sinks = (
+            nnx.Param(_normal(rngs, (N,), sharding.sinks), out_sharding=sharding.sinks)
+            if cfg.attention_sinks
+            else None
+        )
 
     def __call__(self, x_BTM, segments: Segments, *, window, inv_freq_R, kv=None):
         """`segments`: this call's tokens (ids, positions, whether rows are packed). `kv`:
@@ -60,6 +68,7 @@ class Attention(nnx.Module):
             kv = kv._replace(k=k_BTKD, v=v_BTKD)
         # --- context-parallel hook: T split over a mesh axis (training / eval forward) ---
         cp_axis = context_parallel.seq_axis(self.sharding.q.out) if kv is None else None
+        sinks = None if self.sinks is None else self.sinks[...]
         if cp_axis is not None:
             out_BTND = context_parallel.attention(
                 q_BTND,
@@ -74,6 +83,7 @@ class Attention(nnx.Module):
                 out_sharding=self.sharding.q.out,
                 method=self.context_parallel,
                 interpret=self.interpret,
+                sinks=sinks,
             )
             return self._out(out_BTND), kv
         # --- end of hook ---
@@ -89,6 +99,7 @@ class Attention(nnx.Module):
             implementation=self.implementation,
             interpret=self.interpret,
             site=None if kv is None else "attention over a KV cache",
+            sinks=sinks,
         )
         return self._out(out_BTND), kv
 

@@ -53,12 +53,17 @@ def per_shard(fn, q_BTND, k_BSKD, v_BSKD, segments, sliding_window, **options):
         lay.kv,
         Segments(lay.q_tokens, lay.kv_tokens, lay.q_tokens, lay.kv_tokens, segments.packed),
     ]
+    # Attention sinks [N] split as q's heads: each device's kernel takes its heads' sinks.
+    sinks = options.pop("sinks", None)
+    args.append(() if sinks is None else reshard_to(sinks, P(tuple(lay.q)[2])))
+    specs.append(() if sinks is None else P(tuple(lay.q)[2]))
     static = is_static(sliding_window)
     if not static:  # a traced per-layer window enters as an argument, replicated
         args.append(jnp.asarray(sliding_window, jnp.int32))
         specs.append(P())
 
-    def local(q, k, v, segs, *window):
+    def local(q, k, v, segs, local_sinks, *window):
+        extra = {} if sinks is None else {"sinks": local_sinks}
         return fn(
             q,
             k,
@@ -67,6 +72,7 @@ def per_shard(fn, q_BTND, k_BSKD, v_BSKD, segments, sliding_window, **options):
             sliding_window=sliding_window if static else window[0],
             out_sharding=None,  # no explicit axes inside: layouts are shard_map's
             **options,
+            **extra,
         )
 
     return jax.shard_map(local, in_specs=tuple(specs), out_specs=lay.out, check_vma=False)(*args)

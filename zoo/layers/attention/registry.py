@@ -60,6 +60,8 @@ class AttentionBackend:
     # True: needs the window as a Python int (not the traced per-layer value under a scan).
     static_window: bool = False
     unavailable: UnavailableFn | None = None
+    # True: takes `sinks=` ([N] attention-sink logits, GPT-OSS) beside its other arguments.
+    sinks: bool = False
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
@@ -75,6 +77,7 @@ def register_backend(
     static_window: bool = False,
     unavailable: UnavailableFn | None = None,
     replace: bool = False,
+    sinks: bool = False,
 ) -> AttentionBackend:
     """Adds `fn` as implementation `name`; `replace=True` to swap out an existing one."""
     if name == "auto":
@@ -89,6 +92,7 @@ def register_backend(
         equal_lengths=equal_lengths,
         static_window=static_window,
         unavailable=unavailable,
+        sinks=sinks,
     )
     _BACKENDS[name] = backend
     return backend

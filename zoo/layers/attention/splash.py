@@ -114,8 +114,11 @@ def splash_attention(
     sliding_window,
     out_sharding,
     interpret: bool = False,
+    sinks=None,
 ):
-    """Local (per-device) splash attention; GQA/MQA by fewer kv heads, as the kernel takes."""
+    """Local (per-device) splash attention; GQA/MQA by fewer kv heads, as the kernel takes.
+    `sinks` ([N], this device's heads): the kernel's own attention-sink input, compared with
+    the logits after the scale (q is pre-scaled), as transformers adds them."""
     del out_sharding  # runs inside shard_map; the dispatcher gives the output its layout
     _, T, N, _ = q_BTND.shape
     S = k_BSKD.shape[1]
@@ -125,8 +128,11 @@ def splash_attention(
     k_BKSD = jnp.swapaxes(k_BSKD, 1, 2)
     v_BKSD = jnp.swapaxes(v_BSKD, 1, 2)
 
+    extra = {} if sinks is None else {"sinks": sinks.astype(jnp.float32)}
+
     def one_row(q_NTD, k_KSD, v_KSD, q_ids_T, kv_ids_S):
-        return kernel(q_NTD, k_KSD, v_KSD, segment_ids=splash.SegmentIds(q=q_ids_T, kv=kv_ids_S))
+        ids = splash.SegmentIds(q=q_ids_T, kv=kv_ids_S)
+        return kernel(q_NTD, k_KSD, v_KSD, segment_ids=ids, **extra)
 
     out_BNTD = jax.vmap(one_row)(q_BNTD, k_BKSD, v_BKSD, segments.q_ids_BT, segments.kv_ids_BS)
     return jnp.swapaxes(out_BNTD, 1, 2)
@@ -139,4 +145,5 @@ register_backend(
     equal_lengths=True,
     static_window=True,
     unavailable=unavailable,
+    sinks=True,
 )

@@ -67,7 +67,9 @@ def xla_attention(
     sliding_window,
     out_sharding,
     interpret: bool = False,
+    sinks=None,
 ):
+    """`sinks`: None or [N] attention-sink logits, each joining its head's softmax denominator."""
     del interpret
     # Before any reshard: the same ids array for queries and keys is self-attention.
     self_attention = segments.q_ids_BT is segments.kv_ids_BS
@@ -88,8 +90,11 @@ def xla_attention(
     q_BTKGD = jnp.reshape(q_BTND, (B, T, K, G, D), out_sharding=spec("grouped"))
 
     blocks = causal_blocks(T, k_BSKD.shape[1], causal, sliding_window, self_attention, lay)
+    sinks_KG = None if sinks is None else sinks.astype(jnp.float32).reshape(K, G)
     if self_attention:
-        out_BTKGD = _heads_major(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, blocks, scale, lay)
+        # Shaped as the heads-major logits [B, K, T, G, S] without S.
+        sinks_BKTG = None if sinks_KG is None else sinks_KG[None, :, None, :]
+        out_BTKGD = _heads_major(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, blocks, scale, lay, sinks_BKTG)
     else:
         out_BTKGD = _attend(
             "BTKGD,BSKD->BKGTS",
@@ -101,6 +106,7 @@ def xla_attention(
             scale,
             spec("logits"),
             spec("grouped"),
+            None if sinks_KG is None else sinks_KG[None, :, :, None],  # [B, K, G, T]
         )
     out_BTND = jnp.reshape(out_BTKGD, (B, T, N, D), out_sharding=spec("out"))
     out_BTND = out_BTND.astype(q_BTND.dtype)
@@ -111,8 +117,12 @@ def xla_attention(
     return out_BTND
 
 
-def _attend(logits_eq, out_eq, q, k, v, mask, scale, logits_spec, out_spec):
+def _attend(logits_eq, out_eq, q, k, v, mask, scale, logits_spec, out_spec, sinks=None):
     """softmax(mask(q.k * scale)).v with the two einsums given; `mask` broadcasts to the logits.
+
+    `sinks` (broadcasting to the logits without their key dim): one more logit per row in the
+    denominator, with no value -- transformers' GPT-OSS concatenates it to the logits,
+    softmaxes and drops its column, which is this.
 
     Logits, softmax and the weighted sum accumulate in float32 whatever the input dtype (as
     jax.nn.dot_product_attention and the cuDNN kernel do); probabilities are cast back to
@@ -122,11 +132,18 @@ def _attend(logits_eq, out_eq, q, k, v, mask, scale, logits_spec, out_spec):
         logits_eq, q, k, preferred_element_type=jnp.float32, out_sharding=logits_spec
     )
     logits = jnp.where(mask, logits * scale, _MASKED_LOGIT)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    else:
+        top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sinks[..., None])
+        top = jax.lax.stop_gradient(top)
+        e = jnp.exp(logits - top)
+        denominator = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sinks[..., None] - top)
+        probs = (e / denominator).astype(v.dtype)
     return jnp.einsum(out_eq, probs, v, preferred_element_type=jnp.float32, out_sharding=out_spec)
 
 
-def _heads_major(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, blocks, scale, lay):
+def _heads_major(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, blocks, scale, lay, sinks=None):
     """Self-attention with heads ahead of positions: logits [B, K, T, G, S], S minor.
 
     The [T, D]-sized q, k and v are transposed once so each (b, k) pair is a plain
@@ -154,6 +171,7 @@ def _heads_major(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, blocks, scale, lay):
             scale,
             grouped,
             grouped,
+            sinks,
         )
 
     if blocks is None:
@@ -172,4 +190,4 @@ def _heads_major(q_BTKGD, k_BSKD, v_BSKD, mask_BTS, blocks, scale, lay):
     return jnp.transpose(out_BKTGD, (0, 2, 1, 3, 4))
 
 
-register_backend("xla", xla_attention, keeps_layout=True)
+register_backend("xla", xla_attention, keeps_layout=True, sinks=True)
