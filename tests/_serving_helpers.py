@@ -5,7 +5,11 @@ are varied and their logits have clear winners (as a trained model's), built in 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
+import socket
 import threading
+import time
 
 import jax
 from flax import nnx
@@ -78,3 +82,37 @@ def dying_engine(slots, tokenizer, max_queue: int):
     finally:
         go.set()
         engine.stop()
+
+
+@contextlib.contextmanager
+def http_server(app):
+    """uvicorn serving `app` on a thread, on a free port of 127.0.0.1: yields the port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def post_json(port, body, *, timeout=60.0, path="/v1/completions"):
+    """(status, JSON body) of a POST."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+        connection.request("POST", path, payload, {"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()

@@ -8,7 +8,6 @@ tokenizing a prompt does not hold up the event loop."""
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import socket
@@ -17,7 +16,7 @@ import time
 
 import jax
 import pytest
-from _serving_helpers import FailOnce, dying_engine, perturbed_model
+from _serving_helpers import FailOnce, dying_engine, http_server, perturbed_model, post_json
 
 from nnx_zoo.data.tokenizers import ByteTokenizer
 from nnx_zoo.serving.api import DEFAULT_MAX_REQUEST_BYTES, create_app
@@ -46,26 +45,6 @@ class _Tokenizer(ByteTokenizer):
         return super().encode(text)
 
 
-@contextlib.contextmanager
-def _serving(app):
-    """uvicorn serving `app` on a thread, on a free port of 127.0.0.1: yields the port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-
 @pytest.fixture(scope="module")
 def slots():
     strategy = get_strategy("fsdp_tp")
@@ -78,22 +57,10 @@ def slots():
 def server(slots):
     engine = Engine(slots, _Tokenizer(), max_queue=MAX_QUEUE).start()
     try:
-        with _serving(create_app(engine, served_model=NAME)) as port:
+        with http_server(create_app(engine, served_model=NAME)) as port:
             yield engine, port
     finally:
         engine.stop()
-
-
-def _post(port, body, *, timeout=60.0, path="/v1/completions"):
-    """(status, JSON body) of a POST."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-        connection.request("POST", path, payload, {"content-type": "application/json"})
-        response = connection.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        connection.close()
 
 
 def _get(port, path="/health", timeout=60.0):
@@ -137,17 +104,17 @@ def test_a_failed_device_call_is_a_500_with_its_cause_and_the_next_request_is_se
     server, slots, monkeypatch
 ):
     engine, port = server
-    status, want = _post(port, _ask(ignore_eos=True))
+    status, want = post_json(port, _ask(ignore_eos=True))
     assert status == 200
     decode = slots.compile_decode()
     fail = FailOnce(at=2)
     monkeypatch.setattr(slots, "compile_decode", lambda: fail.wrap(decode))
-    status, error = _post(port, _ask(ignore_eos=True))
+    status, error = post_json(port, _ask(ignore_eos=True))
     assert status == 500 and fail.failed
     assert error["error"]["type"] == "server_error"
     assert "injected: the device call failed" in error["error"]["message"]
     for _ in range(2):  # the cache rebuilt: served again, the same tokens
-        status, again = _post(port, _ask(ignore_eos=True))
+        status, again = post_json(port, _ask(ignore_eos=True))
         assert status == 200 and again["choices"] == want["choices"]
     assert _get(port)[0] == 200
     assert engine.status()["cache_resets"] >= 1
@@ -158,9 +125,9 @@ def test_an_engine_thread_that_dies_is_a_503_health_and_500s_never_a_hang(server
     _, live_port = server
     with (
         dying_engine(slots, _Tokenizer(), MAX_QUEUE) as (engine, reached, go),
-        _serving(create_app(engine, served_model=NAME)) as port,
+        http_server(create_app(engine, served_model=NAME)) as port,
     ):
-        waiting = _in_thread(_post, port, _ask(), timeout=30)
+        waiting = _in_thread(post_json, port, _ask(), timeout=30)
         assert reached.wait(30)
         go.set()
         start = time.monotonic()
@@ -171,9 +138,9 @@ def test_an_engine_thread_that_dies_is_a_503_health_and_500s_never_a_hang(server
         assert status == 503 and health["status"] == "error"
         assert "injected: a scheduler bug" in health["stopped"]
         start = time.monotonic()
-        status, error = _post(port, _ask(), timeout=5)
+        status, error = post_json(port, _ask(), timeout=5)
         assert status == 500 and "the engine stopped" in error["error"]["message"]
-        streamed = _post(port, _ask(stream=True), timeout=5)
+        streamed = post_json(port, _ask(stream=True), timeout=5)
         assert streamed[0] == 500
         assert time.monotonic() - start < 1.0
     assert _get(live_port)[0] == 200  # the other engine is untouched
@@ -182,28 +149,28 @@ def test_an_engine_thread_that_dies_is_a_503_health_and_500s_never_a_hang(server
 def test_more_prompts_x_n_than_the_server_holds_is_a_400(server):
     _, port = server
     capacity = MAX_BATCH + MAX_QUEUE
-    status, error = _post(port, _ask(prompt=["x = 1"] * 100, n=8))
+    status, error = post_json(port, _ask(prompt=["x = 1"] * 100, n=8))
     assert status == 400, error
     message = error["error"]["message"]
     assert "100 prompts x n=8 = 800 sequences" in message and f"at most {capacity}" in message
     assert error["error"]["param"] == "prompt"
-    status, error = _post(port, _ask(n=capacity + 1))
+    status, error = post_json(port, _ask(n=capacity + 1))
     assert status == 400 and error["error"]["param"] == "n"
     # Exactly the capacity: admitted (all at once, on an idle server).
-    status, body = _post(port, _ask(prompt=["x = 1", "y = 2"], n=capacity // 2, max_tokens=2))
+    status, body = post_json(port, _ask(prompt=["x = 1", "y = 2"], n=capacity // 2, max_tokens=2))
     assert status == 200 and len(body["choices"]) == capacity
 
 
 def test_stop_strings_past_the_bound_are_a_400(server):
     _, port = server
-    status, error = _post(port, _ask(stop=["x" * 200] * 5000))
+    status, error = post_json(port, _ask(stop=["x" * 200] * 5000))
     assert status == 400 and error["error"]["param"] == "stop"
     assert f"at most {MAX_STOP_STRINGS}" in error["error"]["message"]
-    status, error = _post(port, _ask(stop=["y" * (MAX_STOP_CHARS + 1)]))
+    status, error = post_json(port, _ask(stop=["y" * (MAX_STOP_CHARS + 1)]))
     assert status == 400 and f"at most {MAX_STOP_CHARS}" in error["error"]["message"]
     # The bound itself is served.
     stops = [chr(0x4E00 + i) * MAX_STOP_CHARS for i in range(MAX_STOP_STRINGS)]
-    status, body = _post(port, _ask(stop=stops, ignore_eos=True))
+    status, body = post_json(port, _ask(stop=stops, ignore_eos=True))
     assert status == 200 and body["usage"]["completion_tokens"] == 8
 
 
@@ -240,18 +207,18 @@ def test_a_body_past_the_limit_is_a_413_before_it_is_read(server):
     chunks = [start] + [chunk] * (DEFAULT_MAX_REQUEST_BYTES // len(chunk) + 1)
     status, error = _raw(port, head, [b"%x\r\n%s\r\n" % (len(c), c) for c in chunks])
     assert status == 413
-    assert _post(port, _ask())[0] == 200  # and the server goes on
+    assert post_json(port, _ask())[0] == 200  # and the server goes on
 
 
 def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(server):
     """A prompt that takes 1.5 s to tokenize: meanwhile /health answers at once and another
     request is served."""
     _, port = server
-    slow = _in_thread(_post, port, _ask(prompt=SLOW + "x"), timeout=30)
+    slow = _in_thread(post_json, port, _ask(prompt=SLOW + "x"), timeout=30)
     time.sleep(0.2)  # the slow request is tokenizing
     start = time.monotonic()
     assert _get(port, timeout=30)[0] == 200
     assert time.monotonic() - start < SLOW_SECONDS / 3
-    status, body = _post(port, _ask(max_tokens=4, ignore_eos=True), timeout=30)
+    status, body = post_json(port, _ask(max_tokens=4, ignore_eos=True), timeout=30)
     assert status == 200 and time.monotonic() - start < SLOW_SECONDS
     assert slow(timeout=30)[0] == 200
