@@ -171,6 +171,67 @@ def test_matrix_dims_follow_the_einsums():
     assert checked == 7  # q, k, v, o, gate, up, down
 
 
+# What Muon trains in deepseek-v3-tiny: in both stacks (`dense_blocks`, its dense first layer,
+# and `blocks`) the MLA projections, the dense layer's mlp, the MoE layers' experts and their
+# shared experts. The latent norms, the router and its score-correction bias are AdamW's.
+_MLA = ("q_a", "q_b", "kv_a", "kv_b", "o")
+DSV3_MUON_PARAMS = {
+    *(f"{stack}/attention/{w}/weight" for stack in ("dense_blocks", "blocks") for w in _MLA),
+    *(f"dense_blocks/mlp/{w}/weight" for w in ("gate", "up", "down")),
+    *(f"blocks/moe/{w}" for w in ("gate", "up", "down")),
+    *(f"blocks/moe/shared/{w}/weight" for w in ("gate", "up", "down")),
+}
+
+
+def test_every_layer_stack_is_muons_deepseek_v3():
+    """deepseek-v3-tiny: the partition is DSV3_MUON_PARAMS; each of its einsums' matrix dims
+    follow the equation; and one update of the real optimizer moves Muon's matrices by
+    Muon's RMS (0.2 x lr, orthogonalized) and everything else by Adam's (~1.5 x lr on a
+    first Nesterov step), so the paths reach the transformation they name."""
+    with jax.set_mesh(one_device_mesh()):
+        model = create_model(get_config("deepseek-v3-tiny"), get_strategy("dp"), rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    matrices, _ = muon._split(params)
+    got = {"/".join(muon._names(p)) for p, _ in jax.tree_util.tree_flatten_with_path(matrices)[0]}
+    assert got == DSV3_MUON_PARAMS
+
+    checked = 0
+    for path, module in nnx.iter_graph(model):
+        names = [str(p) for p in path]
+        if not isinstance(module, Einsum) or not muon.dimension_numbers([*names, "weight"]):
+            continue
+        dims = muon.dimension_numbers([*names, "weight"])
+        inputs, out = module.eq.split("->")
+        x, w = inputs.split(",")
+        as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
+        assert as_tuple(dims.reduction_axis) == tuple(
+            w.index(c) - len(w) for c in w if c in x and c not in out
+        ), names
+        assert as_tuple(dims.output_axis) == tuple(w.index(c) - len(w) for c in w if c in out)
+        checked += 1
+    assert checked == len(DSV3_MUON_PARAMS) - 3  # every one but the expert stacks
+
+    tx, _ = make_optimizer(
+        learning_rate=LR,
+        warmup_steps=0,
+        total_steps=STEPS,
+        weight_decay=0.0,
+        clip_grad_norm=0,
+        muon=muon.MuonOptions(),
+    )
+    grads = jax.tree.map(
+        lambda x: jax.random.normal(jax.random.key(x.size), x.shape, x.dtype), params
+    )
+    with jax.set_mesh(one_device_mesh()):
+        updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        name = "/".join(muon._names(path))
+        rms = float(np.sqrt(np.mean(np.square(np.asarray(u))))) / LR
+        # Newton-Schulz leaves singular values in ~[0.7, 1.2]: RMS 0.2 x that.
+        want = (0.1, 0.3) if name in DSV3_MUON_PARAMS else (1.0, 2.0)
+        assert want[0] < rms < want[1], f"{name}: update RMS {rms:.3f} x lr"
+
+
 def test_one_device_equals_optax_contrib_muon(one_device):
     """Ten steps of our Muon and of optax.contrib.muon given the same partition and the same
     dimension numbers, from the same parameters, on one device, for both models."""

@@ -43,7 +43,8 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 # (module, weight) -> which dims of the weight's trailing matrix dims are rows (contracted:
 # the projection's input) and which are columns (its output); dims before them are batch.
-# Names as the zoo's blocks spell them (zoo/layers/attention/layer.py, mlp.py, moe.py).
+# Names as the zoo's blocks spell them (zoo/layers/attention/layer.py, mla.py, mlp.py, moe.py,
+# moe_grouped.py).
 HIDDEN_MATRICES: dict[tuple[str, str], MuonDimensionNumbers] = {
     # [.., M, N, D] / [.., M, K, D]: x_M -> heads x head_dim. Rows M, columns N*D (K*D).
     ("attention", "q"): MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1)),
@@ -59,7 +60,24 @@ HIDDEN_MATRICES: dict[tuple[str, str], MuonDimensionNumbers] = {
     ("moe", "gate"): MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
     ("moe", "up"): MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
     ("moe", "down"): MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
+    # An MoE layer's shared experts (an Mlp named `shared`): as the mlp's.
+    ("shared", "gate"): MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
+    ("shared", "up"): MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
+    ("shared", "down"): MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
+    # Multi-head latent attention (zoo/layers/mla.py); its `o` is the attention's above.
+    # [.., M, Q] / [.., M, C + r]: x_M -> the query / key-value latent.
+    ("attention", "q_a"): MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
+    ("attention", "kv_a"): MuonDimensionNumbers(reduction_axis=-2, output_axis=-1),
+    # [.., Q, N, D] / [.., C, N, d + Dv]: a latent -> heads x head dims.
+    ("attention", "q_b"): MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1)),
+    ("attention", "kv_b"): MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1)),
 }
+
+
+def in_layer_stack(names: Sequence[str]) -> bool:
+    """Whether a parameter path runs through a stack of layers: `blocks`, or any stack
+    named `*_blocks` (deepseek_v3's `dense_blocks`, its dense first layers)."""
+    return any(n == "blocks" or n.endswith("_blocks") for n in names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +107,13 @@ def _names(path: Sequence[Any]) -> list[str]:
 def dimension_numbers(path: Sequence[Any], leaf: Any = None) -> MuonDimensionNumbers | None:
     """The matrix dims of the parameter at `path` if Muon trains it, else None (AdamW).
 
-    A hidden matrix is a projection inside the blocks: an einsum module's `weight`
-    (`blocks/attention/q/weight`, `blocks/0/mlp/down/weight` unscanned) or an MoE expert
-    stack (`blocks/moe/gate`).
+    A hidden matrix is a projection inside a layer stack (`in_layer_stack`): an einsum
+    module's `weight` (`blocks/attention/q/weight`, `blocks/0/mlp/down/weight` unscanned,
+    `dense_blocks/attention/kv_b/weight`) or an MoE expert stack (`blocks/moe/gate`).
     """
     del leaf
     names = _names(path)
-    if "blocks" not in names or len(names) < 3:
+    if not in_layer_stack(names) or len(names) < 3:
         return None
     key = tuple(names[-3:-1]) if names[-1] == "weight" else tuple(names[-2:])
     return HIDDEN_MATRICES.get(key)

@@ -38,6 +38,7 @@ from nnx_zoo.errors import UsageError
 from shardings.mesh import compile_platform
 from shardings.specs import MoeSharding, normalize
 from zoo.layers.basic import Einsum, _normal
+from zoo.layers.grouped_matmul import grouped_matmul, resolve_matmul
 from zoo.layers.moe_exchange import (
     packet_rows,
     padded_exchange,
@@ -86,20 +87,23 @@ def route(logits_BTE, k: int, norm_topk_prob: bool):
     return weights_BTk, experts_BTk, probs_BTE
 
 
-def swiglu_experts(x_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E, biases=(), act=None):
+def swiglu_experts(
+    x_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E, biases=(), act=None, matmul="ragged_dot"
+):
     """Rows of x sorted by expert, `group_sizes_E[e]` of them for expert e (rows past the
     groups' total come out zero) -> each row through its expert's SwiGLU.
 
     `biases`: () or the experts' (gate [E, F], up [E, F], down [E, M]) biases, each row
-    taking its expert's. `act(g, u)`: the gated activation (None: silu(g) * u)."""
-    g_XF = jax.lax.ragged_dot(x_XM, gate_EMF, group_sizes_E)
-    u_XF = jax.lax.ragged_dot(x_XM, up_EMF, group_sizes_E)
+    taking its expert's. `act(g, u)`: the gated activation (None: silu(g) * u). `matmul`:
+    the grouped matmul's form (zoo/layers/grouped_matmul.py)."""
+    g_XF = grouped_matmul(x_XM, gate_EMF, group_sizes_E, matmul)
+    u_XF = grouped_matmul(x_XM, up_EMF, group_sizes_E, matmul)
     if biases:
         expert_X = _row_experts(group_sizes_E, x_XM.shape[0])
         gate_b, up_b, down_b = (_per_row(b, expert_X).astype(g_XF.dtype) for b in biases)
         g_XF, u_XF = g_XF + gate_b, u_XF + up_b
     h_XF = jax.nn.silu(g_XF) * u_XF if act is None else act(g_XF, u_XF)
-    y_XM = jax.lax.ragged_dot(h_XF, down_EFM, group_sizes_E)
+    y_XM = grouped_matmul(h_XF, down_EFM, group_sizes_E, matmul)
     return y_XM + down_b.astype(y_XM.dtype) if biases else y_XM
 
 
@@ -143,6 +147,7 @@ def _local_moe(
     capacity_factor: float,
     packet_rows: int,
     act=None,
+    matmul: str = "ragged_dot",
 ):
     """One device's tokens through their experts (runs inside shard_map): (y_BTM, [1] the
     assignments this device's exchange dropped). `biases`, `act` as in `swiglu_experts`."""
@@ -164,7 +169,14 @@ def _local_moe(
 
     def experts(rows_XM, group_sizes_E):
         return swiglu_experts(
-            rows_XM, gate_EMF, up_EMF, down_EFM, group_sizes_E, biases=biases, act=act
+            rows_XM,
+            gate_EMF,
+            up_EMF,
+            down_EFM,
+            group_sizes_E,
+            biases=biases,
+            act=act,
+            matmul=matmul,
         )
 
     dropped = jnp.zeros((), jnp.int32)
@@ -272,6 +284,7 @@ class Moe(nnx.Module):
                 capacity_factor=self.capacity_factor,
                 packet_rows=packet_rows(platform, x_BTM.shape[-1] * jnp.dtype(self.dtype).itemsize),
                 act=self.act,
+                matmul=resolve_matmul(platform),
             ),
             in_specs=(
                 s.tokens,
