@@ -33,6 +33,7 @@ from nnx_zoo.planning.compile import (
     Plan,
     Target,
     compile_plan,
+    has_reference,
     layout_state_bytes,
     run_for,
 )
@@ -224,6 +225,7 @@ def search(
             remat=c.remat,
             chip=target.chip,
             pipeline=_schedule(run_for(run, c).model.decoder_config(), c),
+            reference=has_reference(run),
         )
         for c in candidates
     }
