@@ -70,6 +70,8 @@ LOGICAL_DIMS: dict[str, str | None] = {
     "layers": "num_layers",  # L of the stacked layer weights (the pipeline's stages)
 }
 
+EXPERT_DIM_FIELD = LOGICAL_DIMS["expert"]
+
 Axes = str | tuple[str, ...] | None
 
 # Tensor parallelism stays inside one NVLink/ICI domain: 8 devices on a GPU node.
@@ -127,7 +129,8 @@ class Strategy:
         `config` size the axis splits (the config fields of the dims its rules name: heads,
         kv heads, FFN width, M; not the vocab, which is padded to fit), at most its cap;
         `data` takes the rest. Without a config those sizes are unknown, so such an axis
-        gets 1: the one mesh every model accepts (pass `config` to get a split).
+        gets 1: the one mesh every model accepts (pass `config` to get a split). An axis that
+        splits the experts is 1 for a model without experts (it would only repeat fsdp).
         """
         sizes = {}
         if REPLICA in self.axes:
@@ -150,7 +153,11 @@ class Strategy:
                 # nothing, so an axis that splits only such dims stays 1.
                 dims = [getattr(config, f) for f in fields]
                 present = [d for d in dims if d]
-                sizes[axis] = _largest_divisor(left, present, cap) if present or not dims else 1
+                # An axis that splits the experts is for them: a model without any (a dense
+                # model under fsdp_ep) leaves it 1, whatever else it would split as FSDP.
+                expertless = EXPERT_DIM_FIELD in fields and not getattr(config, EXPERT_DIM_FIELD)
+                split = (present or not dims) and not expertless
+                sizes[axis] = _largest_divisor(left, present, cap) if split else 1
             left //= sizes[axis]
         sizes[DATA] = left
         return tuple(sizes[a] for a in self.axes)
