@@ -498,7 +498,10 @@ def smallest_change(
     activations = lowest.required_bytes - state
     tried = []  # what was compiled and would not fit, said beside the advice given instead
     if state < memory and activations > 0:
-        data = lowest.mesh.get("data", 1)
+        # Rows split over the batch axes (fsdp_ep's: data and expert), in every micro-batch.
+        strategy = get_strategy(c.strategy)
+        sizes = {axis: lowest.mesh.get(axis, 1) for axis in strategy.axes}
+        data = entry_size(strategy.batch_spec()[0], sizes)
         k_needed = _micro_batches_needed(lowest, memory, batch, data)
         if k_needed:
             advice = f"use more micro-batches: --micro_batches={k_needed}"
@@ -506,7 +509,8 @@ def smallest_change(
                 return f"{least}; {advice}"
             checked = _checked(compile, run, dataclasses.replace(c, micro_batches=k_needed))
             if checked is not None and checked.fits:
-                return f"{least}; {advice} ({_gib(checked.required_bytes)} GiB, compiled)"
+                fits = f"--micro_batches={k_needed} compiled: {_gib(checked.required_bytes)} GiB"
+                return f"{least}; {fits}; {advice}"
             if checked is not None:
                 extra = accumulator_bytes(lowest.state, c.micro_batches, k_needed)
                 tried.append(
@@ -522,8 +526,8 @@ def smallest_change(
                 return f"{least}; {advice}"
             checked = _checked(compile, _with_batch(run, smaller), c)
             if checked is not None and checked.fits:
-                fits = f"{_gib(checked.required_bytes)} GiB, compiled"
-                return f"{least}; {tried_text(tried)}{advice} ({fits})"
+                fits = f"--batch_size={smaller} compiled: {_gib(checked.required_bytes)} GiB"
+                return f"{least}; {tried_text(tried)}{fits}; {advice}"
             if checked is not None:
                 needs = _gib(checked.required_bytes)
                 tried.append(f"--batch_size={smaller} would need {needs} GiB")
