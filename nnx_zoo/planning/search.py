@@ -549,15 +549,19 @@ def _checked(compile, run, candidate: Candidate) -> Plan | None:
 
 def _micro_batches_needed(lowest: Plan, memory: int, batch: int, data: int) -> int:
     """The fewest micro-batches (a power of two, above the plan's) that the memory model says
-    fit: the arguments, the gradient accumulator and the rest of the plan's step shrunk as
-    1/k; 0 where none that the batch splits into does."""
+    fit, 0 where none that the batch splits into does. The model: the arguments, the
+    gradient accumulator (`accumulator_bytes`), one micro-batch's gradients (and the plan's
+    own accumulator) kept whole, the rest of the plan's step shrunk as 1/k. Optimistic (the
+    rest need not shrink), so the search compiles the count before advising it."""
     c = lowest.candidate
     arguments = lowest.state.params + lowest.state.optimizer
     rest = lowest.required_bytes - arguments
+    grads = lowest.state.gradients
+    fixed = min(rest, grads * (2 if c.micro_batches > 1 else 1))
     k = _next_power_of_two(c.micro_batches + 1)
     while k <= batch and batch % k == 0 and (batch // k) % data == 0:
-        need = arguments + accumulator_bytes(lowest.state, c.micro_batches, k)
-        if need + rest * c.micro_batches / k <= memory:
+        need = arguments + accumulator_bytes(lowest.state, c.micro_batches, k) + fixed
+        if need + (rest - fixed) * c.micro_batches / k <= memory:
             return k
         k *= 2
     return 0
