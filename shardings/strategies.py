@@ -64,8 +64,14 @@ LOGICAL_DIMS: dict[str, str | None] = {
     "vocab": None,
     "expert": "num_experts",  # E of the stacked MoE expert weights
     "expert_ffn": "moe_ffn_dim",  # F of one MoE expert
+    # M of the stacked MoE expert weights (their FSDP split); a strategy without this rule
+    # splits it as `embed_fsdp`. Expert parallelism needs both: its `expert` axis splits E of
+    # the experts and, as a further FSDP axis, M of every other weight (`FSDP_EP`).
+    "expert_embed": "hidden_dim",
     "layers": "num_layers",  # L of the stacked layer weights (the pipeline's stages)
 }
+
+EXPERT_DIM_FIELD = LOGICAL_DIMS["expert"]
 
 Axes = str | tuple[str, ...] | None
 
@@ -124,7 +130,8 @@ class Strategy:
         `config` size the axis splits (the config fields of the dims its rules name: heads,
         kv heads, FFN width, M; not the vocab, which is padded to fit), at most its cap;
         `data` takes the rest. Without a config those sizes are unknown, so such an axis
-        gets 1: the one mesh every model accepts (pass `config` to get a split).
+        gets 1: the one mesh every model accepts (pass `config` to get a split). An axis that
+        splits the experts is 1 for a model without experts (it would only repeat fsdp).
         """
         sizes = {}
         if REPLICA in self.axes:
@@ -147,7 +154,11 @@ class Strategy:
                 # nothing, so an axis that splits only such dims stays 1.
                 dims = [getattr(config, f) for f in fields]
                 present = [d for d in dims if d]
-                sizes[axis] = _largest_divisor(left, present, cap) if present or not dims else 1
+                # An axis that splits the experts is for them: a model without any (a dense
+                # model under fsdp_ep) leaves it 1, whatever else it would split as FSDP.
+                expertless = EXPERT_DIM_FIELD in fields and not getattr(config, EXPERT_DIM_FIELD)
+                split = (present or not dims) and not expertless
+                sizes[axis] = _largest_divisor(left, present, cap) if split else 1
             left //= sizes[axis]
         sizes[DATA] = left
         return tuple(sizes[a] for a in self.axes)
@@ -239,11 +250,12 @@ def _lm(s: Strategy) -> LmSharding:
     # an expert's matmul; tokens travel instead), F as the dense MLP's, M over FSDP and
     # gathered for the compute like any FSDP weight.
     expert_axis, expert_ffn_axis = s.rules.get("expert"), s.rules.get("expert_ffn")
+    expert_embed = "expert_embed" if "expert_embed" in s.rules else "embed_fsdp"
     moe = MoeSharding(
         router=_linear(s.spec("embed_fsdp", None), s.spec("batch", "seq", None)),
-        gate=s.spec("expert", "embed_fsdp", "expert_ffn"),
-        up=s.spec("expert", "embed_fsdp", "expert_ffn"),
-        down=s.spec("expert", "expert_ffn", "embed_fsdp"),
+        gate=s.spec("expert", expert_embed, "expert_ffn"),
+        up=s.spec("expert", expert_embed, "expert_ffn"),
+        down=s.spec("expert", "expert_ffn", expert_embed),
         gate_compute=s.spec("expert", None, "expert_ffn"),
         up_compute=s.spec("expert", None, "expert_ffn"),
         down_compute=s.spec("expert", "expert_ffn", None),
@@ -501,20 +513,25 @@ FSDP_TP_CP = Strategy(
     },
 )
 
-# Expert parallelism for MoE models (as MaxText / torchtitan shard experts). Dense layers are
-# FSDP over `data`; the batch is split over `data` and `expert` alike, so no device repeats
-# another's attention work, and a dense model runs as fsdp with more data parallelism.
+# Expert parallelism for MoE models (as MaxText / torchtitan shard experts). The batch is
+# split over `data` and `expert` alike, so no device repeats another's attention work, and
+# the dense weights (attention, router, embeddings, head) are FSDP over both, as fsdp's over
+# every device (MaxText's and DeepSpeed-MoE's expert axis doubles as a data axis for the
+# non-expert parameters): kept whole over `expert` they would sit whole on every device of a
+# data 1 x expert 8 mesh. A dense model runs as fsdp over all the devices.
 FSDP_EP = Strategy(
     name="fsdp_ep",
     axes=(DATA, EXPERT),
     axis_caps={EXPERT: _at_most_node},  # two all-to-alls per MoE layer: keep them on ICI/NVLink
     rules={
         "batch": (DATA, EXPERT),
-        "embed_fsdp": DATA,  # as fsdp, replicated over `expert`; gradients all-reduced over it
-        "table_embed": DATA,
-        # Each device holds E/expert whole experts; after routing, each token's hidden
-        # state goes to the device of each chosen expert and back (all-to-all over `expert`).
+        "embed_fsdp": (DATA, EXPERT),  # gathered per matmul, gradients reduce-scattered
+        "table_embed": (DATA, EXPERT),
+        # Each device holds E/expert whole experts, their M FSDP over `data`; after routing,
+        # each token's hidden state goes to the device of each chosen expert and back
+        # (all-to-all over `expert`).
         "expert": EXPERT,
+        "expert_embed": DATA,
     },
 )
 

@@ -29,7 +29,7 @@ from nnx_zoo.planning.estimate import (
 )
 from nnx_zoo.planning.hlo_traffic import Traffic, traffic
 from nnx_zoo.planning.targets import TargetError, target_devices
-from nnx_zoo.training import finetune
+from nnx_zoo.training import finetune, preference
 from nnx_zoo.training.step_memory import StepMemory, step_memory
 from shardings import get_strategy, hlo
 from zoo.layers import pipeline
@@ -346,6 +346,14 @@ def compile_or_oom(built) -> Compiled:
     return Compiled(compiled, seconds)
 
 
+def has_reference(run) -> bool:
+    """Whether the run's objective runs a frozen reference's forward each step (DPO; with
+    LoRA the base without adapters), which the step-time model counts beside the config's
+    training FLOPs."""
+    objective = preference.Objective.from_training(run.training)
+    return objective is not None and objective.needs_reference
+
+
 def _estimate(run, candidate, target, mesh, pp, exposed, overlapped):
     return estimate_step(
         run.model.decoder_config(),
@@ -357,6 +365,7 @@ def _estimate(run, candidate, target, mesh, pp, exposed, overlapped):
         exposed_comm=exposed,
         overlapped_comm=overlapped,
         pipeline=pp,
+        reference=has_reference(run),
     )
 
 

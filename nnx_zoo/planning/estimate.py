@@ -5,7 +5,12 @@ negative or no times).
     compute  = quantized FLOPs / chip peak at model.quantization's precision
                + the other executed FLOPs per device / chip peak bf16 FLOP/s
     executed = model FLOPs (the config's formula: 6 * matmul params + causal attention, per
-               token, times the step's tokens) + what rematerialisation recomputes:
+               token, times the step's tokens; for DPO one more forward of every token,
+               the frozen reference's: 2 * matmul params + the attention forward, a third of
+               the formula, with LoRA too, the base without adapters being a forward as
+               large; ORPO and SimPO have no reference. A pair's two sequences are packed
+               side by side in the batch's rows, so the step's tokens already count both)
+               + what rematerialisation recomputes:
                  remat 'full': every block's forward pass again (its matmuls and attention);
                  remat 'dots': the attention score/value products (they have batch dims, so
                    the policy does not save them); the projections are saved;
@@ -177,6 +182,13 @@ def _chip_key(chip: Chip) -> str:
     raise ValueError(f"no matmul efficiency for {chip.name}")
 
 
+def reference_flops_per_token(cfg, seq_len: int, reference: bool) -> float:
+    """FLOPs per token of a frozen reference's forward (DPO): a third of the training
+    formula (2 of its 6 FLOPs per weight, the attention forward of its 3x); 0 without one.
+    No backward and no remat: its log probabilities are constants to the loss's gradient."""
+    return cfg.flops_per_token(seq_len) / 3.0 if reference else 0.0
+
+
 def recompute_flops_per_token(cfg, seq_len: int, remat: str) -> float:
     """FLOPs per token that rematerialisation adds to the config's training FLOPs.
 
@@ -208,10 +220,11 @@ def recompute_flops_per_token(cfg, seq_len: int, remat: str) -> float:
     return block_matmuls_forward - kept[remat] + attention_forward
 
 
-def quantized_flops_per_token(cfg, remat: str) -> float:
+def quantized_flops_per_token(cfg, remat: str, reference: bool = False) -> float:
     """Executed FLOPs per token of the projections `cfg.quantization` quantizes: q/k/v/o and
     the dense MLP (not MoE experts), 6 FLOPs per weight for training plus 2 per weight that
-    `remat` recomputes (as `recompute_flops_per_token` counts it)."""
+    `remat` recomputes (as `recompute_flops_per_token` counts it) and 2 per weight for a
+    reference's forward (`reference_flops_per_token`)."""
     if getattr(cfg, "quantization", "none") == "none":
         return 0.0
     M, N, K, D, L = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
@@ -226,7 +239,7 @@ def quantized_flops_per_token(cfg, remat: str) -> float:
         "save_qkv_proj": per_layer - qkv,
         "save_out_proj": per_layer - out,
     }[remat]
-    return L * (6.0 * per_layer + 2.0 * recomputed)
+    return L * ((8.0 if reference else 6.0) * per_layer + 2.0 * recomputed)
 
 
 def axis_bandwidth(devices_grid: np.ndarray, axis_index: tuple[int, ...], chip: Chip, dims=None):
@@ -294,10 +307,14 @@ def estimate_step(
     exposed_comm: float,
     overlapped_comm: float,
     pipeline=None,
+    reference: bool = False,
 ) -> StepEstimate:
-    """`pipeline`: the schedule (zoo.layers.pipeline.PipelinePlan) of a pipeline strategy."""
+    """`pipeline`: the schedule (zoo.layers.pipeline.PipelinePlan) of a pipeline strategy;
+    `reference`: the objective runs a frozen reference's forward (DPO), model FLOPs too (work
+    the objective needs, not the implementation's choice, as remat is)."""
     tokens = global_batch * seq_len
-    model = cfg.flops_per_token(seq_len) * tokens / num_devices
+    per_token = cfg.flops_per_token(seq_len) + reference_flops_per_token(cfg, seq_len, reference)
+    model = per_token * tokens / num_devices
     executed = model + recompute_flops_per_token(cfg, seq_len, remat) * tokens / num_devices
     bubble = 0.0
     if pipeline is not None:
@@ -305,10 +322,11 @@ def estimate_step(
         # The layers run every iteration, bubble included; the LM head runs once, on each
         # stage's own rows (zoo/layers/pipeline.py), or under 1F1B on every row's on one
         # stage (`head_factor`: S, zoo/layers/pipeline_1f1b.py).
-        head = 6.0 * cfg.hidden_dim * cfg.vocab_size * tokens / num_devices
+        head = (8.0 if reference else 6.0) * cfg.hidden_dim * cfg.vocab_size
+        head *= tokens / num_devices
         work = pipeline.microbatches * pipeline.repeats
         executed = (executed - head) * pipeline.iterations / work + head * pipeline.head_factor
-    quantized = quantized_flops_per_token(cfg, remat) * tokens / num_devices
+    quantized = quantized_flops_per_token(cfg, remat, reference) * tokens / num_devices
     peak_low = peak_flops(chip, getattr(cfg, "quantization", "none"))
     compute = (executed - quantized) / chip.peak_bf16_flops + quantized / peak_low
     step = compute + exposed_comm + max(0.0, overlapped_comm - compute)
@@ -327,7 +345,7 @@ def estimate_step(
 
 
 def compute_lower_bound(
-    cfg, *, seq_len, global_batch, num_devices, remat, chip, pipeline=None
+    cfg, *, seq_len, global_batch, num_devices, remat, chip, pipeline=None, reference=False
 ) -> float:
     """Seconds no candidate with this remat (and pipeline schedule) can beat: its compute
     alone, a pipeline's bubble included."""
@@ -341,6 +359,7 @@ def compute_lower_bound(
         exposed_comm=0.0,
         overlapped_comm=0.0,
         pipeline=pipeline,
+        reference=reference,
     ).step_seconds
 
 
@@ -401,6 +420,7 @@ def forecast_step(
     exposed_comm: float,
     overlapped_comm: float,
     pipeline=None,
+    reference: bool = False,
 ) -> Forecast | None:
     """The forecast for one step; None for a chip without the figures (the simulated CPU).
 
@@ -409,7 +429,9 @@ def forecast_step(
     SPMD stages compute on stale values there), so the layers' matmul, attention and
     memory-bound time stretch by iterations / (Mb*R); the LM head runs once, on the stage's
     own rows (1F1B: S times that, `PipelinePlan.head_factor`). `memory_bytes` is then the
-    in-stage twin's (planning.forecast._in_stage)."""
+    in-stage twin's (planning.forecast._in_stage). `reference`: one more forward of every
+    token (DPO's frozen reference, `reference_flops_per_token`): its matmuls and its
+    attention forward join those terms, and the model FLOPs (as `estimate_step` counts)."""
     if chip.hbm_bytes_per_s is None or chip.platform not in KERNEL_GAP_SECONDS:
         return None
     tokens = global_batch * seq_len
@@ -420,8 +442,11 @@ def forecast_step(
     attention_recompute = attention_fwd if remat != "none" else 0.0
     # Forward, backward (2x; a flash kernel's backward recomputes the scores: 2.5x), remat.
     attention = attention_fwd * (3.5 if flash else 3.0) + attention_recompute
-    model_per_token = cfg.flops_per_token(seq_len)
+    reference_fwd = reference_flops_per_token(cfg, seq_len, reference)
+    attention += attention_fwd if reference else 0.0
+    model_per_token = cfg.flops_per_token(seq_len) + reference_fwd
     matmul = model_per_token - 3.0 * attention_fwd + recompute - attention_recompute
+    matmul -= attention_fwd if reference else 0.0
     matmul_flops, attention_flops = matmul * per_device, attention * per_device
     # Rows a device's matmuls see: its data shard of one micro-batch (tensor parallelism
     # splits the weights, not the rows).
@@ -431,14 +456,14 @@ def forecast_step(
         head_factor = pipeline.head_factor
         rows *= pipeline.stages / pipeline.microbatches
         stretch = pipeline.iterations / (pipeline.microbatches * pipeline.repeats)
-        head_share = 6.0 * cfg.hidden_dim * cfg.vocab_size / matmul
+        head_share = (8.0 if reference else 6.0) * cfg.hidden_dim * cfg.vocab_size / matmul
         # A stage launches its L/(S*R) layers' kernels once per iteration.
         launches = pipeline.iterations / (pipeline.stages * pipeline.repeats)
     m_eff = matmul_efficiency(chip, narrowest_matmul_dim(cfg, rows, tensor_parallel))
     a_eff = flash_efficiency(chip, cfg.head_dim) if flash else matmul_efficiency(chip, cfg.head_dim)
     # The projections model.quantization runs in fp8 / int8 go at that precision's peak, at a
     # lower efficiency (QUANTIZED_EFFICIENCY_RATIO).
-    quantized = quantized_flops_per_token(cfg, remat) * per_device
+    quantized = quantized_flops_per_token(cfg, remat, reference) * per_device
     peak_low = peak_flops(chip, getattr(cfg, "quantization", "none"))
     q_eff = m_eff * QUANTIZED_EFFICIENCY_RATIO.get(chip.platform, 1.0) if quantized else m_eff
     matmul_s = (matmul_flops - quantized) / (chip.peak_bf16_flops * m_eff) + quantized / (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from nnx_zoo.planning.compile import Plan, compile_plan
+from nnx_zoo.planning.compile import Plan, compile_plan, has_reference
 from nnx_zoo.planning.estimate import Forecast, forecast_step
 from nnx_zoo.planning.hlo_traffic import Traffic
 from shardings import get_strategy
@@ -76,5 +76,6 @@ def add_forecast(run, plan: Plan) -> Forecast | None:
         exposed_comm=e.exposed_comm_seconds,
         overlapped_comm=e.overlapped_comm_seconds,
         pipeline=plan.schedule,
+        reference=has_reference(run),
     )
     return plan.forecast

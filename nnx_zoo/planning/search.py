@@ -33,6 +33,7 @@ from nnx_zoo.planning.compile import (
     Plan,
     Target,
     compile_plan,
+    has_reference,
     layout_state_bytes,
     run_for,
 )
@@ -224,6 +225,7 @@ def search(
             remat=c.remat,
             chip=target.chip,
             pipeline=_schedule(run_for(run, c).model.decoder_config(), c),
+            reference=has_reference(run),
         )
         for c in candidates
     }
@@ -285,7 +287,13 @@ def search(
             if best is None or plan.predicted.step_seconds < best.predicted.step_seconds:
                 best = plan
     if best is None:
-        return SearchResult(None, plans, skipped, smallest_change(run, target, plans, state_cache))
+
+        def verify(r, c: Candidate) -> Plan:
+            log(f"compiling {c.describe()} (batch {r.data.global_batch_size}) to check advice ...")
+            return cached_compile(r, c, target)
+
+        reason = smallest_change(run, target, plans, state_cache, compile=verify)
+        return SearchResult(None, plans, skipped, reason)
     return SearchResult(best, plans, skipped, _why(best, plans, skipped))
 
 
@@ -354,10 +362,12 @@ def _cannot_fit(c: Candidate, failed: list[Plan], memory: int) -> str | None:
             continue
         arguments = plan.state.params + plan.state.optimizer
         least = arguments + (plan.required_bytes - arguments) * f.micro_batches / c.micro_batches
+        least += accumulator_bytes(plan.state, f.micro_batches, c.micro_batches)
         if least > memory:
             return (
                 f"needs at least {least / GiB:.1f} GiB ({f.describe()} needs "
-                f"{plan.required_bytes / GiB:.1f}; activations shrink at most as 1/k)"
+                f"{plan.required_bytes / GiB:.1f}; activations shrink at most as 1/k, and "
+                "more than one micro-batch adds a gradient accumulator)"
             )
     return None
 
@@ -426,9 +436,34 @@ def _schedule_why(best: Plan, plans: list[Plan], skipped) -> str:
     return mine
 
 
-def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -> str:
+def accumulator_bytes(state, k_from: int, k_to: int) -> int:
+    """Bytes a step with `k_to` micro-batches holds beyond one with `k_from`: the gradient
+    accumulator (`training.optim.accumulate_gradients`: the gradients' shapes and dtypes,
+    float32 for float32 parameters), live through every micro-batch, which a step of one
+    micro-batch does not have. Its activations shrink at most as 1/k; this never does."""
+    return state.gradients if k_from == 1 < k_to else 0
+
+
+def _with_batch(run, batch: int):
+    return dataclasses.replace(run, data=dataclasses.replace(run.data, global_batch_size=batch))
+
+
+def smallest_change(
+    run,
+    target: Target,
+    plans: list[Plan],
+    state_cache: dict,
+    compile: Callable[[object, Candidate], Plan] | None = None,
+) -> str:
     """One line: the least disruptive change that should fit (more remat, then more
-    micro-batches, then a smaller batch, then more chips)."""
+    micro-batches, then a smaller batch, then more chips).
+
+    More micro-batches add a float32 gradient accumulator (`accumulator_bytes`) and shrink
+    only what scales with the rows, which a compiled step does not tell apart from what does
+    not (gathered weights, the MoE exchange's buffers); so with `compile` (the search's own
+    compile, cached) a micro-batch count or a smaller batch is compiled before it is advised,
+    and advised only where it fits. A change that would not lower the peak is never advised;
+    without `compile` the advice is the model's alone."""
     memory = target.chip.memory_bytes
     n = len(target.devices)
     batch = run.data.global_batch_size
@@ -456,33 +491,80 @@ def smallest_change(run, target: Target, plans: list[Plan], state_cache: dict) -
         # Full remat was compiled and did not fit either: advise from there, not "use it".
         lowest = min(most_remat, key=lambda p: p.required_bytes)
     c = lowest.candidate
+    least = f"{head} (least: {_gib(lowest.required_bytes)} GiB with {c.describe()})"
     if c.remat not in ("full", "offload"):
-        return (
-            f"{head} (least: {_gib(lowest.required_bytes)} GiB with {c.describe()}); "
-            f"use more remat: --remat=full"
-        )
+        return f"{least}; use more remat: --remat=full"
     state = lowest.state.params + lowest.state.optimizer + lowest.state.gradients
     activations = lowest.required_bytes - state
+    tried = []  # what was compiled and would not fit, said beside the advice given instead
     if state < memory and activations > 0:
+        # Rows split over the batch axes (fsdp_ep's: data and expert), in every micro-batch.
+        strategy = get_strategy(c.strategy)
+        sizes = {axis: lowest.mesh.get(axis, 1) for axis in strategy.axes}
+        data = entry_size(strategy.batch_spec()[0], sizes)
+        k_needed = _micro_batches_needed(lowest, memory, batch, data)
+        if k_needed:
+            advice = f"use more micro-batches: --micro_batches={k_needed}"
+            if compile is None:
+                return f"{least}; {advice}"
+            checked = _checked(compile, run, dataclasses.replace(c, micro_batches=k_needed))
+            if checked is not None and checked.fits:
+                fits = f"--micro_batches={k_needed} compiled: {_gib(checked.required_bytes)} GiB"
+                return f"{least}; {fits}; {advice}"
+            if checked is not None:
+                extra = accumulator_bytes(lowest.state, c.micro_batches, k_needed)
+                tried.append(
+                    f"--micro_batches={k_needed} would need {_gib(checked.required_bytes)} GiB"
+                    + (f" (its float32 gradient accumulator: {_gib(extra)})" if extra else "")
+                )
         fraction = (memory - state) / activations
-        data = lowest.mesh.get("data", 1)
-        k_needed = _next_power_of_two(math.ceil(c.micro_batches / max(fraction, 1e-9)))
-        if batch % k_needed == 0 and (batch // k_needed) % data == 0:
-            return (
-                f"{head} (least: {_gib(lowest.required_bytes)} GiB with {c.describe()}); "
-                f"use more micro-batches: --micro_batches={k_needed}"
-            )
-        smaller = int(batch * fraction) // data * data
-        if smaller >= data:
-            return (
-                f"{head} (least: {_gib(lowest.required_bytes)} GiB with {c.describe()}); "
-                f"use a smaller batch: --batch_size={smaller} or less"
-            )
+        step = data * c.micro_batches
+        smaller = int(batch * fraction) // step * step
+        if step <= smaller < batch:
+            advice = f"use a smaller batch: --batch_size={smaller} or less"
+            if compile is None:
+                return f"{least}; {advice}"
+            checked = _checked(compile, _with_batch(run, smaller), c)
+            if checked is not None and checked.fits:
+                fits = f"--batch_size={smaller} compiled: {_gib(checked.required_bytes)} GiB"
+                return f"{least}; {tried_text(tried)}{fits}; {advice}"
+            if checked is not None:
+                needs = _gib(checked.required_bytes)
+                tried.append(f"--batch_size={smaller} would need {needs} GiB")
     chips = _next_power_of_two(math.ceil(n * lowest.required_bytes / (0.8 * memory)))
-    return (
-        f"{head} (least: {_gib(lowest.required_bytes)} GiB with {c.describe()}); "
-        f"use more chips (about {chips})"
-    )
+    return f"{least}; {tried_text(tried)}use more chips (about {chips})"
+
+
+def tried_text(tried: list[str]) -> str:
+    return "".join(f"{t}; " for t in tried)
+
+
+def _checked(compile, run, candidate: Candidate) -> Plan | None:
+    """The compiled plan of a change about to be advised; None where it cannot be laid out."""
+    try:
+        return compile(run, candidate)
+    except ValueError:
+        return None
+
+
+def _micro_batches_needed(lowest: Plan, memory: int, batch: int, data: int) -> int:
+    """The fewest micro-batches (a power of two, above the plan's) that the memory model says
+    fit, 0 where none that the batch splits into does. The model: the arguments, the
+    gradient accumulator (`accumulator_bytes`), one micro-batch's gradients (and the plan's
+    own accumulator) kept whole, the rest of the plan's step shrunk as 1/k. Optimistic (the
+    rest need not shrink), so the search compiles the count before advising it."""
+    c = lowest.candidate
+    arguments = lowest.state.params + lowest.state.optimizer
+    rest = lowest.required_bytes - arguments
+    grads = lowest.state.gradients
+    fixed = min(rest, grads * (2 if c.micro_batches > 1 else 1))
+    k = _next_power_of_two(c.micro_batches + 1)
+    while k <= batch and batch % k == 0 and (batch // k) % data == 0:
+        need = arguments + accumulator_bytes(lowest.state, c.micro_batches, k) + fixed
+        if need + (rest - fixed) * c.micro_batches / k <= memory:
+            return k
+        k *= 2
+    return 0
 
 
 def _next_power_of_two(x: int) -> int:
