@@ -60,6 +60,24 @@ class AttentionSharding:
 
 
 @dataclasses.dataclass(frozen=True)
+class MlaSharding:
+    """Multi-head latent attention (DeepSeek-V2/V3; zoo/layers/mla.py). Q is the query
+    latent's width (q_lora_rank), C the key/value latent's (kv_lora_rank), r the rotary key
+    dims shared by every head; D is a head's q/k width, or v's in `kv_b` and `o`."""
+
+    q: LinearSharding  # [M, N, D] -> [B, T, N, D] (no query latent)
+    q_a: LinearSharding  # [M, Q] -> [B, T, Q]
+    q_a_norm: NormSharding  # over Q
+    q_b: LinearSharding  # [Q, N, D] -> [B, T, N, D]
+    kv_a: LinearSharding  # [M, C + r] -> [B, T, C + r]
+    kv_a_norm: NormSharding  # over C
+    kv_b: LinearSharding  # [C, N, D_k + D_v] -> [B, T, N, D_k + D_v]
+    o: LinearSharding  # [N, D_v, M] -> residual [B, T, M]
+    heads: P  # [B, T, N, D]: queries, expanded keys and values, the attention output
+    cache: P  # [B, S, 1, C] the latent and [B, S, 1, r] the rotary key, for generation
+
+
+@dataclasses.dataclass(frozen=True)
 class MlpSharding:
     gate: LinearSharding  # [M, F] -> [B, T, F]
     up: LinearSharding  # [M, F] -> [B, T, F]
@@ -107,6 +125,8 @@ class BlockSharding:
     mlp: MlpSharding
     post_mlp_norm: NormSharding
     moe: MoeSharding  # used instead of `mlp` by MoE configs
+    # Multi-head latent attention, used instead of `attention` by MLA configs (DeepSeek-V3).
+    mla: MlaSharding | None = None
 
 
 @dataclasses.dataclass(frozen=True)

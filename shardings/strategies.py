@@ -28,6 +28,7 @@ from shardings.specs import (
     EmbeddingSharding,
     LinearSharding,
     LmSharding,
+    MlaSharding,
     MlpSharding,
     MoeSharding,
     NormSharding,
@@ -270,6 +271,7 @@ def _lm(s: Strategy) -> LmSharding:
         mlp=mlp,
         post_mlp_norm=_norm(residual),
         moe=moe,
+        mla=_mla(s, q_heads, residual),
     )
     # Embedding tables [V, M] / [T_max, M]: never split on V, so the row gather needs no
     # communication; their M follows `table_embed`.
@@ -287,6 +289,29 @@ def _lm(s: Strategy) -> LmSharding:
         block=block,
         final_norm=_norm(outer.spec("batch", "seq", None)),
         lm_head=_linear(s.spec("embed_fsdp", "vocab"), outer.spec("batch", "seq", "vocab")),
+    )
+
+
+def _mla(s: Strategy, q_heads: P, residual: P) -> MlaSharding:
+    """Multi-head latent attention's layouts (DeepSeek-V3), in the same logical dims. The
+    latents ([B, T, Q], [B, T, C + r]) are narrow (1536 and 576 of DeepSeek-V3's 7168), so
+    their down-projections split only M (FSDP, gathered per matmul) and every `model` device
+    computes them whole; the up-projections [Q or C, N, D] split their heads as q does, so
+    the heads' keys and values are expanded where they are used, without communication. The
+    latent's width is an input dim like M: stored split over the FSDP axes, gathered."""
+    latent = s.spec("batch", "seq", None)
+    return MlaSharding(
+        q=_linear(s.spec("embed_fsdp", "heads", None), q_heads, feature_dims=2),
+        q_a=_linear(s.spec("embed_fsdp", None), latent),
+        q_a_norm=_norm(latent),
+        q_b=_linear(s.spec("embed_fsdp", "heads", None), q_heads, feature_dims=2),
+        kv_a=_linear(s.spec("embed_fsdp", None), latent),
+        kv_a_norm=_norm(latent),
+        kv_b=_linear(s.spec("embed_fsdp", "heads", None), q_heads, feature_dims=2),
+        o=_linear(s.spec("heads", None, "embed_fsdp"), residual),
+        heads=q_heads,
+        # One latent per token, shared by every head: split only over the batch.
+        cache=s.spec("batch", None, None, None),
     )
 
 

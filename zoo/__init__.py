@@ -2,6 +2,7 @@
 
 # Each family package registers itself on import (zoo/registry.py); this is the one list.
 from zoo import (  # noqa: F401
+    deepseek_v3,
     gemma3,
     gpt2,
     gpt_oss,

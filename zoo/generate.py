@@ -145,7 +145,7 @@ def layer_list(model):
     stacked = dict(nnx.to_flat_state(nnx.state(model)))
     leaves = []
     for path, var in nnx.to_flat_state(twin_state):
-        if path[0] == "blocks":  # ('blocks', i, ...) <- ('blocks', ...)[i]
+        if len(path) > 1 and isinstance(path[1], int):  # ('blocks', i, ...) <- ('blocks', ...)[i]
             value = stacked[(path[0], *path[2:])][...][path[1]]
         else:
             value = stacked[path][...]

@@ -75,10 +75,20 @@ __all__ = [
 # --- the mapping between checkpoint tensors and our params -----------------------------------
 
 
+def _is_stack(name: str) -> bool:
+    """Whether a top-level name is a layer stack: `blocks`, or another `*_blocks`."""
+    return name == "blocks" or name.endswith("_blocks")
+
+
+def _stack_of(key: str) -> str | None:
+    first = key.split("/", 1)[0]
+    return first if _is_stack(first) and "/" in key else None
+
+
 def _param_key(path: tuple) -> tuple[str, int | None]:
     """('blocks', 3, 'mlp', ...) -> ('blocks/mlp/...', 3); stacked or global -> (path, None)."""
     parts = [str(p) for p in path]
-    if len(parts) > 1 and parts[0] == "blocks" and isinstance(path[1], int):
+    if len(parts) > 1 and _is_stack(parts[0]) and isinstance(path[1], int):
         return "/".join([parts[0], *parts[2:]]), path[1]
     return "/".join(parts), None
 
@@ -90,7 +100,12 @@ class _Plan:
     rules: dict[str, tuple[Rule, int]]  # our key -> (rule, index into rule.ours)
     shapes: dict[str, tuple[int, ...]]  # our key -> one layer's shape
     names: dict[str, str]  # canonical HF name -> name in the checkpoint
-    num_layers: int
+    stacks: dict[str, tuple[int, int]]  # our layer stack -> (its first hf layer, its layers)
+
+    def layers(self, key: str) -> range:
+        """The hf layers our stacked param `key` holds, in its order."""
+        first, count = self.stacks[_stack_of(key)]
+        return range(first, first + count)
 
     def hf_name(self, r: Rule, layer: int | None, expert: int | None = None) -> str:
         if r.per_expert:
@@ -122,7 +137,7 @@ def _our_shapes(flat, cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     for var_path, var in flat:
         key, layer = _param_key(var_path)
         shape = tuple(var.get_value().shape)
-        stacked = key.startswith("blocks/") and layer is None
+        stacked = _stack_of(key) is not None and layer is None
         shapes[key] = _on_file(key, shape[1:] if stacked else shape, cfg)
     return shapes
 
@@ -137,10 +152,11 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
     """Checks the checkpoint against the model: every tensor present, of the right shape,
     and nothing left over."""
     rules = fam.hf.rules(cfg)
+    stacks = fam.hf.layer_stacks(cfg)
     by_key = {}
     for r in rules:
         for j, key in enumerate(r.ours):
-            if r.per_layer != key.startswith("blocks/"):
+            if r.per_layer != (_stack_of(key) in stacks):
                 raise ValueError(f"{fam.name}: rule {r.hf} and param {key} disagree on layers")
             by_key[key] = (r, j)
     unmapped = sorted(set(shapes) - set(by_key))
@@ -155,13 +171,14 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
         if r.per_expert:
             num_experts = shapes[r.ours[0]][0]
             shape = _expected_hf_shape(r, [shapes[k][1:] for k in r.ours])
-            _check_expert_count(r, reader, num_experts, fam.name)
-            for i in range(cfg.num_layers):
+            first = stacks[_stack_of(r.ours[0])][0]
+            _check_expert_count(r, reader, num_experts, fam.name, first)
+            for i in _layer_range(stacks, r.ours[0]):
                 for e in range(num_experts):
                     expected[r.hf.format(i=i, e=e)] = shape
             continue
         shape = _expected_hf_shape(r, [shapes[k] for k in r.ours])
-        for i in range(cfg.num_layers) if r.per_layer else [None]:
+        for i in _layer_range(stacks, r.ours[0]) if r.per_layer else [None]:
             expected[r.hf.format(i=i)] = shape
 
     prefix = fam.hf.optional_prefix
@@ -192,17 +209,25 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
         dtype = reader.dtype(actual)
         if dtype not in ("F64", "F32", "F16", "BF16"):
             raise UsageError(f"{actual}: expected a floating-point tensor, found {dtype}")
-    return _Plan(rules=by_key, shapes=shapes, names=present, num_layers=cfg.num_layers)
+    return _Plan(rules=by_key, shapes=shapes, names=present, stacks=stacks)
 
 
-def _check_expert_count(r: Rule, reader: CheckpointReader, num_experts: int, family: str):
-    """One line when the checkpoint's layer 0 holds another number of experts than the config."""
-    pattern = re.compile(re.escape(r.hf.format(i=0, e="@")).replace("@", r"(\d+)"))
+def _layer_range(stacks: dict[str, tuple[int, int]], key: str) -> range:
+    first, count = stacks[_stack_of(key)]
+    return range(first, first + count)
+
+
+def _check_expert_count(
+    r: Rule, reader: CheckpointReader, num_experts: int, family: str, layer: int = 0
+):
+    """One line when the checkpoint's first expert layer holds another number of experts
+    than the config."""
+    pattern = re.compile(re.escape(r.hf.format(i=layer, e="@")).replace("@", r"(\d+)"))
     found = {int(m.group(1)) for n in reader.names() if (m := pattern.fullmatch(n))}
     if found and len(found) != num_experts:
         raise UsageError(
-            f"{family} checkpoint {reader}: layer 0 has {len(found)} experts "
-            f"({r.hf.format(i=0, e='*')}) but its config says num_experts={num_experts}"
+            f"{family} checkpoint {reader}: layer {layer} has {len(found)} experts "
+            f"({r.hf.format(i=layer, e='*')}) but its config says num_experts={num_experts}"
         )
 
 
@@ -212,6 +237,7 @@ def _expert_shard_reader(plan: _Plan, reader: CheckpointReader, key, layer, shap
     Devices holding the same slice (replicated layouts) share one read."""
     r, j = plan.rules[key]
     one_expert = [plan.shapes[k][1:] for k in r.ours]
+    hf_layers = plan.layers(key)
     stacked = layer is None
     e_dim = 1 if stacked else 0
     cache = {}
@@ -227,7 +253,8 @@ def _expert_shard_reader(plan: _Plan, reader: CheckpointReader, key, layer, shap
                     np.stack(
                         [
                             r.transform.load(
-                                reader.read(plan.hf_name(r, i, e)).astype(np.float32), one_expert
+                                reader.read(plan.hf_name(r, hf_layers[i], e)).astype(np.float32),
+                                one_expert,
                             )[j]
                             for e in experts
                         ]
@@ -253,11 +280,14 @@ def _host_param(plan: _Plan, reader: CheckpointReader, key, layer, shape) -> np.
         w = reader.read(plan.hf_name(r, i)).astype(np.float32)
         return r.transform.load(w, shapes)[j]
 
-    if not r.per_layer or layer is not None:
-        return np.ascontiguousarray(one(layer), np.float32)
+    if not r.per_layer:
+        return np.ascontiguousarray(one(None), np.float32)
+    hf_layers = plan.layers(key)
+    if layer is not None:
+        return np.ascontiguousarray(one(hf_layers[layer]), np.float32)
     out = np.empty(shape, np.float32)
-    for i in range(plan.num_layers):
-        out[i] = one(i)
+    for ours, i in enumerate(hf_layers):
+        out[ours] = one(i)
     return out
 
 
@@ -352,19 +382,21 @@ def save_pretrained(model, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHAR
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
         writer = ShardWriter(tmp, max_shard_bytes)
+    stacks = fmt.layer_stacks(cfg)
     try:
         for r in fmt.rules(cfg):
+            layers = _layer_range(stacks, r.ours[0]) if r.per_layer else None
             if r.per_expert:
                 experts = [params[k] for k in r.ours]
-                _save_experts(r, experts, cfg.num_layers, writer_process and writer)
+                _save_experts(r, experts, layers, writer_process and writer)
                 continue
             ours = [_gather(params[k]) for k in r.ours]  # per layer: a list, else one array
             ours = [_drop_vocab_padding(k, o, cfg) for k, o in zip(r.ours, ours, strict=True)]
             if not writer_process:
                 continue
             if r.per_layer:
-                for i in range(cfg.num_layers):
-                    writer.add(r.hf.format(i=i), r.transform.save(*[o[i] for o in ours]))
+                for ours_i, i in enumerate(layers):
+                    writer.add(r.hf.format(i=i), r.transform.save(*[o[ours_i] for o in ours]))
             else:
                 writer.add(r.hf, r.transform.save(*ours))
             del ours
@@ -381,19 +413,19 @@ def save_pretrained(model, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHAR
         multihost_utils.sync_global_devices(f"save_pretrained {path}")
 
 
-def _save_experts(r: Rule, ours: list[dict], num_layers: int, writer) -> None:
+def _save_experts(r: Rule, ours: list[dict], layers: range, writer) -> None:
     """One tensor per layer and expert, each assembled on the host from this process's
     shards (a stacked expert param may not fit one host; with experts split over processes
-    each host holds only its own)."""
+    each host holds only its own). `layers`: the hf layers of the stack, in its order."""
     blocks = [_LocalBlocks(o[None]) if None in o else None for o in ours]
-    for i in range(num_layers):
+    for i, hf_i in enumerate(layers):
         for e in range(next(iter(ours[0].values())).shape[-3]):
             expert = [
                 b.get((i, e)) if b is not None else _LocalBlocks(o[i]).get((e,))
                 for b, o in zip(blocks, ours, strict=True)
             ]
             if writer:
-                writer.add(r.hf.format(i=i, e=e), r.transform.save(*expert))
+                writer.add(r.hf.format(i=hf_i, e=e), r.transform.save(*expert))
 
 
 class _LocalBlocks:

@@ -118,6 +118,13 @@ class HfFormat:
     ignored: tuple[str, ...] = ()
     # A prefix some checkpoints of the family omit (hub GPT-2: `h.0...`; v5: `transformer.h.0...`).
     optional_prefix: str = ""
+    # Which checkpoint layers each of our layer stacks holds: cfg -> {stack: (first hf layer,
+    # layers)}. None: one stack, `blocks`, holding all of them (DeepSeek-V3 has two:
+    # `dense_blocks` then `blocks`).
+    stacks: Callable[[DecoderConfig], dict[str, tuple[int, int]]] | None = None
+
+    def layer_stacks(self, cfg: DecoderConfig) -> dict[str, tuple[int, int]]:
+        return {"blocks": (0, cfg.num_layers)} if self.stacks is None else self.stacks(cfg)
 
 
 def _with_format() -> list[Family]:

@@ -324,6 +324,7 @@ def build(
         pipeline=plan.pipeline,
         objective=objective,
         reference=preference.frozen_copy(model) if needs_copy else None,
+        moe_bias_update_rate=run.training.moe_bias_update_rate,
     )
     if abstract:
         trainer.state = on_mesh(trainer.state, plan.mesh)

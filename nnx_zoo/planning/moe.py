@@ -26,7 +26,7 @@ def routed_payload_bytes(cfg, tokens_per_device: int, remat: str, dtype: str) ->
     per_exchange = tokens_per_device * cfg.num_experts_per_tok * cfg.hidden_dim
     return (
         _EXCHANGES.get(remat, 4)
-        * cfg.num_layers
+        * cfg.moe_layers
         * per_exchange
         * np.dtype("bfloat16" if dtype == "bfloat16" else "float32").itemsize
     )

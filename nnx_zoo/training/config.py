@@ -312,6 +312,12 @@ class TrainingSection:
     orpo_beta: float = 0.1  # ORPO's lambda: the odds-ratio term's weight beside the NLL
     simpo_beta: float = 2.0  # SimPO's beta: the scale of the length-normalized reward
     simpo_gamma: float = 1.0  # SimPO's target reward margin gamma (TRL CPOConfig.simpo_gamma)
+    # DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437, 2.1.2): after each step
+    # every routed expert's correction bias moves by this much towards balance, bias +=
+    # rate * sign(mean load - its load) per layer: an explicit update, not a gradient. 0: the
+    # bias stays as loaded (DeepSeek-V3 used 0.001 for most of its pre-training). Models
+    # without the bias ignore it.
+    moe_bias_update_rate: float = 0.0
 
     def __post_init__(self):
         _finite("training", self)
@@ -323,6 +329,8 @@ class TrainingSection:
                 "training", "dpo_label_smoothing", self.dpo_label_smoothing, "must be in [0, 0.5)"
             )
         _positive("training", self, "steps", "eval_batches")
+        if not self.moe_bias_update_rate >= 0:
+            _fail("training", "moe_bias_update_rate", self.moe_bias_update_rate, "must be >= 0")
         if not 0 <= self.peer_timeout_seconds < math.inf:
             _fail(
                 "training",

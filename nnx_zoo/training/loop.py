@@ -164,8 +164,10 @@ class Trainer:
         pipeline=None,
         objective=None,
         reference=None,
+        moe_bias_update_rate: float = 0.0,
     ):
         self.model, self.optimizer = model, optimizer
+        self.moe_bias_update_rate = moe_bias_update_rate
         self.objective = objective
         self.ref_graphdef, self.ref_state = reference if reference is not None else (None, None)
         self.pipeline = pipeline
@@ -206,6 +208,13 @@ class Trainer:
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)  # before clipping: what the data asked for
             optimizer.update(model, grads)
+        layer_load = means.pop("moe_layer_load", None)
+        if layer_load is not None:
+            # The routers' correction bias (DeepSeek-V3), after the gradient step; None for a
+            # mixture without one.
+            bias_LE = model.balance_routing(layer_load, self.moe_bias_update_rate)
+            if bias_LE is not None:
+                means["moe_router_bias"] = jnp.mean(bias_LE, axis=0)
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": num_tokens, **means}
         return nnx.state((model, optimizer)), metrics
 
@@ -404,6 +413,8 @@ class _Loop:
             record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
             record["moe_load_spread"] = float(fetched["moe_load_spread"])
             record["moe_dropped"] = float(fetched["moe_dropped"])
+        if "moe_router_bias" in fetched:  # each expert's correction bias, mean over layers
+            record["moe_router_bias"] = [round(float(x), 5) for x in fetched["moe_router_bias"]]
         # Preference objectives: TRL's names (rewards/chosen, logps/rejected, ...) and ORPO's
         # terms, each a mean over the step's pairs.
         for name in (*preference.METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"):

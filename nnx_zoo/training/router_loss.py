@@ -26,5 +26,8 @@ def objective_from_sums(total, count, moe, aux_coef: float):
             "expert_load": jnp.mean(moe.load, 0) * count,
             "moe_load_spread": spread * count,
             "moe_dropped": moe.dropped * count,  # share of assignments dropped (0: dropless)
+            # [L, E]: each MoE layer's load, for the routers' step-level bias update
+            # (DecoderLM.balance_routing; the train step takes it out of the metrics).
+            "moe_layer_load": moe.load * count,
         }
     return total, (count, sums)

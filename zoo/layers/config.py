@@ -274,6 +274,11 @@ class DecoderConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose feed-forward is the mixture (DeepSeek-V3's first layers are dense)."""
+        return self.num_layers if self.is_moe else 0
+
     def _ffn_params(self, experts: int) -> int:
         """Per-layer feed-forward weights: the dense MLP, or `experts` experts and the router."""
         M = self.hidden_dim

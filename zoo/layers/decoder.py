@@ -11,6 +11,7 @@ layer stack in place of the model's own loop. zoo/pipelined.py picks the schedul
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -133,6 +134,31 @@ def _traced_call(model, tokens_BT, segment_ids, positions, packed):
     return model(tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed)
 
 
+def make_stack(cfg: DecoderConfig, sharding: LmSharding, rngs: nnx.Rngs, count: int, new_block):
+    """`count` blocks from `new_block(rngs)`: stacked on a leading L dim (`cfg.scan_layers`,
+    created with `nnx.vmap`, L split over the pipeline's stage axis if any) or a list."""
+    if not cfg.scan_layers:
+        return nnx.List([new_block(rngs) for _ in range(count)])
+
+    @nnx.split_rngs(splits=count)
+    # L is split over the pipeline's stage axis, if any (None: never split).
+    @nnx.vmap(
+        in_axes=0,
+        out_axes=0,
+        transform_metadata={nnx.PARTITION_NAME: sharding.stage_axis},
+    )
+    def make_blocks(rngs):
+        return new_block(rngs)
+
+    blocks = make_blocks(rngs)
+    if sharding.stage_axis is not None:
+        # vmap records the stage split in the metadata but creates L unsplit.
+        for _, var in nnx.to_flat_state(nnx.state(blocks)):
+            spec = var.get_metadata().get("out_sharding")
+            var.set_value(jax.sharding.reshard(var.get_value(), P(*spec)))
+    return blocks
+
+
 class DecoderLM(nnx.Module):
     def __init__(self, cfg: DecoderConfig, sharding: LmSharding, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -145,28 +171,8 @@ class DecoderLM(nnx.Module):
             if cfg.position == "learned"
             else None
         )
-        if cfg.scan_layers:
-
-            @nnx.split_rngs(splits=cfg.num_layers)
-            # L is split over the pipeline's stage axis, if any (None: never split).
-            @nnx.vmap(
-                in_axes=0,
-                out_axes=0,
-                transform_metadata={nnx.PARTITION_NAME: sharding.stage_axis},
-            )
-            def make_blocks(rngs):
-                return Block(cfg, sharding.block, rngs=rngs)
-
-            self.blocks = make_blocks(rngs)
-            if sharding.stage_axis is not None:
-                # vmap records the stage split in the metadata but creates L unsplit.
-                for _, var in nnx.to_flat_state(nnx.state(self.blocks)):
-                    spec = var.get_metadata().get("out_sharding")
-                    var.set_value(jax.sharding.reshard(var.get_value(), P(*spec)))
-        else:
-            self.blocks = nnx.List(
-                [Block(cfg, sharding.block, rngs=rngs) for _ in range(cfg.num_layers)]
-            )
+        new_block = functools.partial(type(self).new_block, cfg, sharding)
+        self.blocks = make_stack(cfg, sharding, rngs, type(self).stack_size(cfg), new_block)
         self.final_norm = Norm(
             M,
             sharding.final_norm,
@@ -180,6 +186,16 @@ class DecoderLM(nnx.Module):
             if cfg.tie_embeddings
             else Einsum("BTM,MV->BTV", (M, V), sharding.lm_head, rngs=rngs, dtype=dtype)
         )
+
+    # A family whose blocks differ (zoo/deepseek_v3: latent attention, dense layers first)
+    # overrides these two: the block of the layer stack, and how many layers it holds.
+    @staticmethod
+    def new_block(cfg: DecoderConfig, sharding: LmSharding, rngs: nnx.Rngs) -> nnx.Module:
+        return Block(cfg, sharding.block, rngs=rngs)
+
+    @staticmethod
+    def stack_size(cfg: DecoderConfig) -> int:
+        return cfg.num_layers
 
     # -- per-layer constants -------------------------------------------------------------
 
@@ -397,17 +413,22 @@ class DecoderLM(nnx.Module):
         return call(block, x_BTM)
 
     def _run_scanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
+        caches = (cache.k, cache.v) if cache is not None else None
+        return self._scan_stack(self.blocks, x_BTM, segments, windows, freqs_LR, caches, kv_ctx)
+
+    def _scan_stack(self, blocks, x_BTM, segments, windows, freqs_LR, caches, kv_ctx):
+        """`blocks` (stacked) run by `nnx.scan` over their layers' windows, rope tables and
+        caches (`(k, v)` stacked on L, or None)."""
         uniform_window = len(set(windows)) == 1
         static_window = (windows[0] or None) if uniform_window else None
         windows_L = jnp.asarray(windows, jnp.int32)
         freqs_LR = jnp.asarray(freqs_LR)
-        caches = (cache.k, cache.v) if cache is not None else None
 
         @nnx.scan(
             in_axes=(nnx.Carry, 0, 0, 0, 0),
             out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: None},
-            unroll=self._scan_unroll(),
+            unroll=min(self._scan_unroll(), len(windows)),
         )
         def run(x, block, window, inv_freq_R, layer_kv):
             kv = None if layer_kv is None else LayerCache(*layer_kv, *kv_ctx)
@@ -417,9 +438,9 @@ class DecoderLM(nnx.Module):
             return x, ((None if kv is None else (kv.k, kv.v)), layer_stats)
 
         # Per layer: (kv cache, router stats), stacked on L by the scan.
-        return run(x_BTM, self._compute_dtype_blocks(), windows_L, freqs_LR, caches)
+        return run(x_BTM, self._compute_dtype_blocks(blocks), windows_L, freqs_LR, caches)
 
-    def _compute_dtype_blocks(self):
+    def _compute_dtype_blocks(self, blocks=None):
         """The stacked blocks with their matmul weights cast to the compute dtype once, before
         the layer loop (as MaxText does), rather than per layer inside it: a cast inside the
         scan is a value the backward pass needs, so XLA wrote every layer's bf16 copy out as
@@ -428,14 +449,22 @@ class DecoderLM(nnx.Module):
         (1-D per layer) stay float32, as the norms compute in float32. The gradient flows back
         through the cast unchanged, so the float32 parameters and Adam see the same values."""
         dtype = self.cfg.compute_dtype
+        blocks = self.blocks if blocks is None else blocks
         if jnp.dtype(dtype) == jnp.float32:
-            return self.blocks
-        graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+            return blocks
+        graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
         # The matmul weights: 2+ dims per layer, so 3+ stacked [L, ...]. Unstacked layers
         # (a list) are cast here too: inside a rematerialised block each Einsum's own cast
         # runs again in the backward pass (llama3_1b compiled for H100: 0.4 GB per layer).
         matmul_ndim = 3 if self.cfg.scan_layers else 2
         return nnx.merge(graphdef, _to_compute_dtype(params, dtype, matmul_ndim), rest)
+
+    def balance_routing(self, load_LE, rate: float):
+        """A step-level update of the routers from each MoE layer's load `[L, E]` (shares
+        summing to 1), outside the gradient; returns the routers' bias `[L, E]` after it, or
+        None for routers without one (softmax routing: nothing to update)."""
+        del load_LE, rate
+        return None
 
     # -- the stage contract (zoo/layers/stage.py): what a pipeline schedule runs -----------
 
@@ -526,9 +555,14 @@ class DecoderLM(nnx.Module):
         return cfg.num_layers if cpu and cfg.remat == "none" else 1
 
     def _run_unscanned(self, x_BTM, segments, windows, freqs_LR, cache, kv_ctx):
+        caches = (cache.k, cache.v) if cache is not None else None
+        return self._loop_stack(self.blocks, x_BTM, segments, windows, freqs_LR, caches, kv_ctx)
+
+    def _loop_stack(self, blocks, x_BTM, segments, windows, freqs_LR, caches, kv_ctx):
+        """`blocks` (a list) run one after the other; `caches` as in `_scan_stack`."""
         ks, vs, stats = [], [], []
-        for i, block in enumerate(self._compute_dtype_blocks()):
-            kv = None if cache is None else LayerCache(cache.k[i], cache.v[i], *kv_ctx)
+        for i, block in enumerate(self._compute_dtype_blocks(blocks)):
+            kv = None if caches is None else LayerCache(caches[0][i], caches[1][i], *kv_ctx)
             x_BTM, (kv, layer_stats) = self._call_block(
                 block, x_BTM, segments, windows[i] or None, freqs_LR[i], kv
             )
@@ -536,7 +570,7 @@ class DecoderLM(nnx.Module):
                 ks.append(kv.k)
                 vs.append(kv.v)
             stats.append(layer_stats)
-        new_kv = (jnp.stack(ks), jnp.stack(vs)) if cache is not None else None
+        new_kv = (jnp.stack(ks), jnp.stack(vs)) if caches is not None else None
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if self.cfg.is_moe else None
         return x_BTM, (new_kv, stacked)
 

@@ -231,10 +231,15 @@ class Moe(nnx.Module):
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
 
+    def route(self, x_BTM):
+        """(weights_BTk, experts_BTk, probs_BTE): softmax routing. A router of another form
+        (zoo/layers/moe_grouped.py: DeepSeek-V3's) overrides this; the exchange is shared."""
+        return route(self.router(x_BTM), self.k, self.norm_topk_prob)
+
     def __call__(self, x_BTM, mask_BT):
         """(y_BTM, RouterStats); `mask_BT` marks the tokens the statistics count."""
         s = self.sharding
-        weights_BTk, experts_BTk, probs_BTE = route(self.router(x_BTM), self.k, self.norm_topk_prob)
+        weights_BTk, experts_BTk, probs_BTE = self.route(x_BTM)
         mask_BT = mask_BT.astype(jnp.float32)
         one_hot_BTE = jnp.sum(jax.nn.one_hot(experts_BTk, self.num_experts), axis=2)
         counts_E = jnp.sum(one_hot_BTE * mask_BT[..., None], axis=(0, 1))
