@@ -56,6 +56,31 @@ def load_params(model, params):
     nnx.update(model, nnx.from_flat_state(flat))
 
 
+def build_with_params(build, params, mesh):
+    """`build()`'s model (built under `mesh`) holding `params` ({path: array}, e.g. the
+    one-device model's) instead of its initial values, without compiling the initialiser (on
+    8 simulated devices that compile costs about what a train step's does). The model is
+    traced abstractly (`nnx.eval_shape`), which gives every variable the type the compiled
+    initialiser would: under explicit axes an array's layout is part of its type, so each
+    array put at its variable's traced layout is laid out as `build()` would lay it out, and
+    a layout check on the result still checks the model's own choice. A model holding
+    variables that `params` lacks (state other than parameters) is built and loaded."""
+    with jax.set_mesh(mesh):
+        graphdef, state = nnx.split(nnx.eval_shape(build))
+    flat = nnx.to_flat_state(state)
+    if not {"/".join(map(str, p)) for p, _ in flat} <= set(params):
+        with jax.set_mesh(mesh):
+            model = build()
+        load_params(model, params)
+        return model
+    for path, var in flat:
+        value, abstract = params["/".join(map(str, path))], var.get_value()
+        assert value.shape == abstract.shape, (path, value.shape, abstract.shape)
+        sharding = jax.NamedSharding(mesh, abstract.sharding.spec)
+        var.set_value(jax.device_put(np.asarray(value, abstract.dtype), sharding))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
 def live_spec(x):
     return normalize(jax.typeof(x).sharding.spec, x.ndim)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from model_utils import host_params, load_params, one_device_mesh, packed_batch, put_batch
+from model_utils import build_with_params, host_params, one_device_mesh, packed_batch, put_batch
 
 from shardings import STRATEGIES, check_batch, get_strategy, make_mesh, parse_mesh_shape
 from zoo import create_model, get_config
@@ -23,6 +23,13 @@ DP = get_strategy("dp")
 def _model(cfg=CFG, seed=0, mesh=None, strategy=DP):
     with jax.set_mesh(mesh or one_device_mesh()):
         return create_model(cfg, strategy, rngs=nnx.Rngs(seed))
+
+
+def _loaded(cfg, params):
+    """A one-device model of `cfg` holding `params`, with no init compile (the checks compare
+    one set of weights under two configs)."""
+    build = lambda: create_model(cfg, DP, rngs=nnx.Rngs(0))  # noqa: E731
+    return build_with_params(build, params, one_device_mesh())
 
 
 def _logits(model, tokens, segment_ids, positions, mesh=None):
@@ -112,8 +119,9 @@ def _to_unscanned(params, num_layers):
 
 def test_scanned_equals_unscanned(model):
     batch = packed_batch(batch=2, seq=24, vocab=CFG.vocab_size, seed=3)
-    unscanned = _model(CFG.replace(scan_layers=False))
-    load_params(unscanned, _to_unscanned(host_params(model), CFG.num_layers))
+    unscanned = _loaded(
+        CFG.replace(scan_layers=False), _to_unscanned(host_params(model), CFG.num_layers)
+    )
     a = _logits(model, **batch)
     b = _logits(unscanned, **batch)
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
@@ -132,8 +140,7 @@ def _grads(m, batch):
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_gives_equal_gradients(model, remat):
     batch = packed_batch(batch=2, seq=24, vocab=CFG.vocab_size, seed=4)
-    rematted = _model(CFG.replace(remat=remat))
-    load_params(rematted, host_params(model))
+    rematted = _loaded(CFG.replace(remat=remat), host_params(model))
     ref, got = _grads(model, batch), _grads(rematted, batch)
     for path in ref:
         # Recomputation replays the same ops; only XLA's fusion choices may differ.
@@ -156,10 +163,11 @@ def test_unrolled_layer_scan_equals_rolled(model, remat):
     # scan_unroll=0 (auto, the default) unrolls the layer scan on CPU without remat; 1 keeps
     # XLA's loop.
     batch = packed_batch(batch=2, seq=24, vocab=CFG.vocab_size, seed=7)
-    unrolled = model if remat == "none" else _model(CFG.replace(remat=remat, scan_unroll=2))
-    rolled = _model(CFG.replace(scan_unroll=1, remat=remat))
-    load_params(unrolled, host_params(model))
-    load_params(rolled, host_params(model))
+    params = host_params(model)
+    unrolled = (
+        model if remat == "none" else _loaded(CFG.replace(remat=remat, scan_unroll=2), params)
+    )
+    rolled = _loaded(CFG.replace(scan_unroll=1, remat=remat), params)
     # Same ops in the same order; XLA fuses a loop body and straight-line code differently.
     np.testing.assert_allclose(
         _logits(unrolled, **batch), _logits(rolled, **batch), atol=1e-6, rtol=0
@@ -231,8 +239,7 @@ def test_kv_cache_equals_full_forward(strategy_name, shape, window):
 
 def test_bfloat16_compute_tracks_float32(model):
     batch = packed_batch(batch=2, seq=24, vocab=CFG.vocab_size, seed=6)
-    bf16 = _model(CFG.replace(dtype="bfloat16"))
-    load_params(bf16, host_params(model))
+    bf16 = _loaded(CFG.replace(dtype="bfloat16"), host_params(model))
     a, b = _logits(model, **batch), _logits(bf16, **batch)
     assert b.dtype == np.float32  # logits are float32 for the loss whatever the compute dtype
     # bfloat16 keeps 8 bits of mantissa: ~0.4% relative error per op, a few ops deep.

@@ -24,7 +24,7 @@ import optax
 import pytest
 from _train_helpers import run_config
 from flax import nnx
-from model_utils import host_params, load_params, one_device_mesh, packed_batch, put_batch
+from model_utils import build_with_params, host_params, one_device_mesh, packed_batch, put_batch
 
 from nnx_zoo.errors import UsageError
 from nnx_zoo.launch.build import build
@@ -88,9 +88,11 @@ def _train(cfg, strategy, mesh, tx, init_params=None):
     strategy = get_strategy(strategy)
     batch_np = packed_batch(batch=8, seq=32, vocab=cfg.vocab_size)
     with jax.set_mesh(mesh):
-        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
-        if init_params is not None:
-            load_params(model, init_params)
+        if init_params is None:
+            model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+        else:  # the given values at create_model's layouts, with no init compile
+            build = lambda: create_model(cfg, strategy, rngs=nnx.Rngs(0))  # noqa: E731
+            model = build_with_params(build, init_params, mesh)
         batch = put_batch(batch_np, strategy.batch_spec())
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 

@@ -17,9 +17,9 @@ import optax
 import pytest
 from flax import nnx
 from model_utils import (
+    build_with_params,
     host_params,
     live_spec,
-    load_params,
     one_device_mesh,
     packed_batch,
     put_batch,
@@ -78,9 +78,11 @@ def _run(strategy, mesh, init_params=None, cfg=CFG, objective=_loss_and_grads):
     strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
     batch_np = packed_batch(batch=8, seq=32, vocab=cfg.vocab_size)
     with jax.set_mesh(mesh):
-        model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
-        if init_params is not None:
-            load_params(model, init_params)
+        if init_params is None:
+            model = create_model(cfg, strategy, rngs=nnx.Rngs(0))
+        else:  # the reference's values at the layouts create_model gives, with no init compile
+            build = lambda: create_model(cfg, strategy, rngs=nnx.Rngs(0))  # noqa: E731
+            model = build_with_params(build, init_params, mesh)
         batch = put_batch(batch_np, strategy.batch_spec())
         optimizer = nnx.Optimizer(model, optax.adamw(3e-3, weight_decay=0.1), wrt=nnx.Param)
 
