@@ -1,4 +1,4 @@
-"""DPO through train_main (issue 51, goal 3 and item 3): five steps under fsdp_tp, the
+"""DPO through train_main (issue 51, goal 3 and item 3): ten steps under fsdp_tp, the
 pipeline strategy fsdp_pp and the context-parallel fsdp_cp equal the one-device run, TRL's
 metrics in metrics.jsonl; the reference without LoRA is a frozen copy that the step takes
 as an argument, and with LoRA the base itself (the adapters zeroed, no copy).
@@ -6,8 +6,8 @@ as an argument, and with LoRA the base itself (the adapters zeroed, no copy).
 Tolerance: float32; Adam steps amplify the reassociation of split sums (as in
 tests/test_strategies_equal_one_device.py): 1e-4 relative on the loss sequence.
 
-Five steps, not more: a step costs ~0.5 s here and each of the five runs pays for every one;
-step 1's loss is taken before any update, so steps 2-5 are four updates whose losses and
+Ten steps, the issue's count (a step costs ~0.5 s here and each run pays for every one):
+step 1's loss is taken before any update, so steps 2-10 are nine updates whose losses and
 rewards must agree, which is where a layout bug in the gradient or the reference shows.
 """
 
@@ -30,7 +30,7 @@ RUN = {
     **SMALL_RUN,
     "data.seq_len": 128,
     "data.global_batch_size": 8,
-    "training.steps": 5,
+    "training.steps": 10,
     "training.eval_every": 0,
     "training.loss_chunk_size": 0,
     "optimizer.warmup_steps": 0,
