@@ -115,7 +115,9 @@ def test_h100_temporaries_do_not_grow_with_experts_x_rows():
     """ragged_dot's forward temporaries on XLA:GPU are rows x experts x M (4 MiB an expert
     here); the tiled form's stay under one expert's worth, and its backward adds only a
     float32 gradient accumulator the size of the experts' matrices."""
-    assert gm.resolve_matmul("gpu") == "tiled" and gm.resolve_matmul("tpu") == "ragged_dot"
+    assert gm.resolve_matmul("auto", "gpu") == "tiled"
+    assert gm.resolve_matmul("auto", "tpu") == gm.resolve_matmul("auto", "cpu") == "ragged_dot"
+    assert gm.resolve_matmul("ragged_dot", "gpu") == "ragged_dot"
     ragged = {E: _temp_mib("ragged_dot", E, grad=False) for E in (4, 16)}
     assert ragged[16] - ragged[4] >= 12 * 4  # each expert adds a bf16 copy of the rows
     tiled = {E: _temp_mib("tiled", E, grad=False) for E in (4, 16)}

@@ -92,6 +92,9 @@ class ModelSection:
     # the padded exchange's capacity factor (0: dropless).
     moe_exchange: str = "auto"
     moe_capacity_factor: float = 0.0
+    # The experts' grouped matmul: 'auto' (tiled on GPU, ragged_dot elsewhere) | 'ragged_dot'
+    # | 'tiled' (zoo/layers/grouped_matmul.py, docs/moe.md).
+    moe_matmul: str = "auto"
     # Pipeline strategies (fsdp_pp, fsdp_tp_pp; zoo/layers/pipeline.py): micro-batches each
     # forward pass is cut into (0: one per stage; at least the stages), and repeats (virtual
     # stages per device: 1 is GPipe, more is the circular schedule, bubble
@@ -130,6 +133,7 @@ class ModelSection:
             ("attention_impl", ATTENTION_IMPLEMENTATIONS),
             ("context_parallel", CONTEXT_PARALLEL),
             ("moe_exchange", ("auto", "ragged", "padded")),
+            ("moe_matmul", ("auto", "ragged_dot", "tiled")),
             ("quantization", QUANTIZATIONS),
         ):
             if getattr(self, name) not in valid:

@@ -30,6 +30,7 @@ RUNTIME_FIELDS = (
     "attention_interpret",
     "context_parallel",
     "moe_exchange",
+    "moe_matmul",
     "moe_capacity_factor",
     "pipeline_microbatches",
     "pipeline_repeats",
@@ -116,6 +117,11 @@ class DecoderConfig:
     # metrics); 0 is dropless (C = all rows).
     moe_exchange: str = "auto"
     moe_capacity_factor: float = 0.0
+    # The experts' grouped matmul (zoo/layers/grouped_matmul.py): 'ragged_dot' (TPU's
+    # grouped kernel; XLA:GPU computes every row against every local expert: E_local times
+    # the FLOPs, temporaries X x E x M), 'tiled' (a loop over row tiles: memory flat in E,
+    # each tile re-reading its expert's matrix), 'auto' (tiled on GPU, ragged_dot elsewhere).
+    moe_matmul: str = "auto"
 
     # --- GPT-OSS (zoo/gpt_oss/) ---
     # A learned logit per query head that joins every query's softmax denominator and
@@ -223,6 +229,8 @@ class DecoderConfig:
             raise UsageError(
                 f"moe_activation={self.moe_activation!r}; valid: {', '.join(MOE_ACTIVATIONS)}"
             )
+        if self.moe_matmul not in ("auto", "ragged_dot", "tiled"):
+            raise UsageError(f"moe_matmul={self.moe_matmul!r}; valid: auto, ragged_dot, tiled")
         if self.moe_exchange not in ("auto", "ragged", "padded"):
             raise UsageError(f"moe_exchange={self.moe_exchange!r}; valid: auto, ragged, padded")
         if not self.moe_capacity_factor >= 0:

@@ -55,10 +55,13 @@ def force_matmul(name: str):
         _FORCED["matmul"] = before
 
 
-def resolve_matmul(platform: str) -> str:
-    """'tiled' where ragged_dot is lowered densely over the experts (GPU), else 'ragged_dot'."""
+def resolve_matmul(name: str, platform: str) -> str:
+    """The form a config's `moe_matmul` names; 'auto': 'tiled' where ragged_dot is lowered
+    densely over the experts (GPU), else 'ragged_dot'."""
     if _FORCED["matmul"] is not None:
         return _FORCED["matmul"]
+    if name != "auto":
+        return name
     return "tiled" if platform in ("gpu", "cuda", "rocm") else "ragged_dot"
 
 

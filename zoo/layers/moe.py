@@ -214,6 +214,7 @@ class Moe(nnx.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.dtype = cfg.compute_dtype
         self.exchange = cfg.moe_exchange
+        self.matmul = cfg.moe_matmul
         self.capacity_factor = cfg.moe_capacity_factor
         self.router = Einsum(
             "BTM,ME->BTE",
@@ -284,7 +285,7 @@ class Moe(nnx.Module):
                 capacity_factor=self.capacity_factor,
                 packet_rows=packet_rows(platform, x_BTM.shape[-1] * jnp.dtype(self.dtype).itemsize),
                 act=self.act,
-                matmul=resolve_matmul(platform),
+                matmul=resolve_matmul(self.matmul, platform),
             ),
             in_specs=(
                 s.tokens,
