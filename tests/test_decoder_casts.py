@@ -18,7 +18,11 @@ CFG = get_config("tiny", dtype="bfloat16", remat="full", num_layers=3)
 
 def _loss_and_grads(monkeypatch, cast_before_loop: bool):
     if not cast_before_loop:
-        monkeypatch.setattr(DecoderLM, "_compute_dtype_blocks", lambda self: self.blocks)
+        monkeypatch.setattr(
+            DecoderLM,
+            "_compute_dtype_blocks",
+            lambda self, blocks=None: self.blocks if blocks is None else blocks,
+        )
     strategy = get_strategy("fsdp")
     mesh = strategy.make_mesh()
     with jax.set_mesh(mesh):
