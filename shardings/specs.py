@@ -144,6 +144,9 @@ class LmSharding:
     # Pipeline parallelism: the mesh axis the stacked layers' L dim is split over (stage s
     # holds a contiguous L/stage block and runs it; zoo/layers/pipeline.py), or None.
     stage_axis: str | None = None
+    # Layers run before a pipeline's schedule (DeepSeek-V3's dense first layers), their rows
+    # split over `stage` too; None: no pipeline (such layers are laid out as `block`).
+    before_stack: BlockSharding | None = None
 
 
 def normalize(spec: P | None, rank: int) -> P:

@@ -68,7 +68,7 @@ LOGICAL_DIMS: dict[str, str | None] = {
     # splits it as `embed_fsdp`. Expert parallelism needs both: its `expert` axis splits E of
     # the experts and, as a further FSDP axis, M of every other weight (`FSDP_EP`).
     "expert_embed": "hidden_dim",
-    "layers": "num_layers",  # L of the stacked layer weights (the pipeline's stages)
+    "layers": "stacked_layers",  # L of the stacked layer weights (the pipeline's stages)
 }
 
 EXPERT_DIM_FIELD = LOGICAL_DIMS["expert"]
@@ -205,7 +205,34 @@ def _lm(s: Strategy) -> LmSharding:
     tokens = outer.spec("batch", "seq")
     # Inside a pipeline's stages (the blocks) B is split over the batch axes but `stage`:
     # the pipeline is manual over `stage`, and streams every micro-batch through every stage.
-    s = _inside_stages(s)
+    s = _inside_stages(outer)
+    block = _block(s)
+    # Layers a model runs before the schedule (DeepSeek-V3's dense first layers) see the
+    # rows as the embedding does, split over `stage` too.
+    before = _block(_before_stages(outer)) if outer.rules.get("layers") else None
+    # Embedding tables [V, M] / [T_max, M]: never split on V, so the row gather needs no
+    # communication; their M follows `table_embed`.
+    table = s.spec(None, "table_embed")
+    outer_residual = outer.spec("batch", "residual_seq", "residual")
+    # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
+    return LmSharding(
+        # A split T runs in balanced chunk order inside the model, so that causal attention
+        # gives every device the same work (zoo/layers/attention/context_parallel.py).
+        seq_order="balanced" if s.rules.get("seq") else "natural",
+        stage_axis=outer.rules.get("layers"),
+        tokens=tokens,
+        embed=EmbeddingSharding(table=table, out=outer_residual),
+        position_embed=EmbeddingSharding(table=table, out=outer_residual),
+        block=block,
+        before_stack=before,
+        final_norm=_norm(outer.spec("batch", "seq", None)),
+        lm_head=_linear(s.spec("embed_fsdp", "vocab"), outer.spec("batch", "seq", "vocab")),
+    )
+
+
+def _block(s: Strategy) -> BlockSharding:
+    """The layouts of one layer (every block of the stack), from `s`'s rules as the blocks
+    see them."""
     residual = s.spec("batch", "residual_seq", "residual")
     # Inputs to every matmul are whole on M, because the weights' M is split only for
     # storage (FSDP) and gathered: `B T M`. With a split residual this is the all-gather
@@ -274,7 +301,7 @@ def _lm(s: Strategy) -> LmSharding:
         gate_bias_compute=s.spec("expert", "expert_ffn"),
         down_bias_compute=s.spec("expert", None),
     )
-    block = BlockSharding(
+    return BlockSharding(
         residual=residual,
         attn_norm=_norm(gathered),
         attention=attention,
@@ -284,23 +311,6 @@ def _lm(s: Strategy) -> LmSharding:
         post_mlp_norm=_norm(residual),
         moe=moe,
         mla=_mla(s, q_heads, residual),
-    )
-    # Embedding tables [V, M] / [T_max, M]: never split on V, so the row gather needs no
-    # communication; their M follows `table_embed`.
-    table = s.spec(None, "table_embed")
-    outer_residual = outer.spec("batch", "residual_seq", "residual")
-    # LM head [M, V] -> logits [B, T, V]: the loss handles a split vocab.
-    return LmSharding(
-        # A split T runs in balanced chunk order inside the model, so that causal attention
-        # gives every device the same work (zoo/layers/attention/context_parallel.py).
-        seq_order="balanced" if s.rules.get("seq") else "natural",
-        stage_axis=outer.rules.get("layers"),
-        tokens=tokens,
-        embed=EmbeddingSharding(table=table, out=outer_residual),
-        position_embed=EmbeddingSharding(table=table, out=outer_residual),
-        block=block,
-        final_norm=_norm(outer.spec("batch", "seq", None)),
-        lm_head=_linear(s.spec("embed_fsdp", "vocab"), outer.spec("batch", "seq", "vocab")),
     )
 
 
@@ -337,6 +347,20 @@ def _inside_stages(s: Strategy) -> Strategy:
     batch = tuple(a for a in _as_tuple(s.rules.get("batch")) if a not in _as_tuple(stage))
     rules = {k: v for k, v in s.rules.items() if k != "layers"}
     rules["batch"] = batch[0] if len(batch) == 1 else (batch or None)
+    return dataclasses.replace(s, rules=rules)
+
+
+def _before_stages(s: Strategy) -> Strategy:
+    """`s` as layers run before a pipeline's schedule see it: no `layers` rule; the rows
+    split over the batch axes and `stage` (the embedding's layout), and so, the weights too
+    (their FSDP axes plus `stage`): every device holds other rows there, so for these layers
+    `stage` is one more data axis, and their weights are not whole on every stage."""
+    stage = _as_tuple(s.rules["layers"])
+    rules = {k: v for k, v in s.rules.items() if k != "layers"}
+    for dim in ("embed_fsdp", "expert_embed"):
+        if dim in rules:
+            axes = _as_tuple(rules[dim]) + stage
+            rules[dim] = axes[0] if len(axes) == 1 else axes
     return dataclasses.replace(s, rules=rules)
 
 
@@ -579,6 +603,17 @@ FSDP_TP_PP = Strategy(
     rules={**FSDP_TP.rules, "batch": (DATA, STAGE), "layers": STAGE},
 )
 
+# Expert parallelism inside pipeline stages (DeepSeek-V3 on H100 hosts: stages across nodes,
+# experts within one): fsdp_ep's table inside each stage, the batch over `stage` outside the
+# layer stack as fsdp_pp's. Each MoE layer's all-to-alls stay within its stage's `expert`
+# group; only activations cross `stage`.
+FSDP_EP_PP = Strategy(
+    name="fsdp_ep_pp",
+    axes=(STAGE, DATA, EXPERT),
+    axis_caps={STAGE: _stages_per_node, EXPERT: _at_most_node},
+    rules={**FSDP_EP.rules, "batch": (DATA, EXPERT, STAGE), "layers": STAGE},
+)
+
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
@@ -596,6 +631,7 @@ STRATEGIES: dict[str, Strategy] = {
         FSDP_TP_EP,
         FSDP_PP,
         FSDP_TP_PP,
+        FSDP_EP_PP,
     )
 }
 

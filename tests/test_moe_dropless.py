@@ -58,7 +58,7 @@ def _run(cfg, strategy_name, shape, zero_router, with_dropped=False):
             np.asarray(p.get_value(), np.float64)
             for p in (moe.router.weight, moe.gate, moe.up, moe.down)
         ]
-    y = (np.asarray(y), float(stats.dropped)) if with_dropped else np.asarray(y)
+    y = (np.asarray(y), float(stats.dropped_share)) if with_dropped else np.asarray(y)
     return x_BTM, y, np.asarray(stats.counts), params
 
 

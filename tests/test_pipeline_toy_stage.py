@@ -134,7 +134,9 @@ def test_schedule_equals_the_sequential_stack(schedule, S, mb, R):
         rows = _place(mesh, rows_np, rows_spec)
 
         def forward(weights, x):
-            return pipeline.run_stack(stack._replace(weights=weights), pp, "stage", x, rows)
+            y, stats = pipeline.run_stack(stack._replace(weights=weights), pp, "stage", x, rows)
+            assert stats is None  # the layer returns none
+            return y
 
         def loss(weights, params, x):
             if schedule == "1f1b":
@@ -145,7 +147,7 @@ def test_schedule_equals_the_sequential_stack(schedule, S, mb, R):
                     "stage",
                     x,
                     rows,
-                )
+                )[0]
             y = forward(weights, x)
             return _sequential_loss_on(head, params, y, rows)
 
@@ -175,7 +177,7 @@ def test_1f1b_forward_without_gradient_equals_the_sequential_loss():
         got = jax.jit(
             lambda w, p, x, r: pipeline_1f1b.nll_sum(
                 stack._replace(weights=w), head._replace(params=p), pp, "stage", x, r
-            )
+            )[0]
         )(
             _place(mesh, stack.weights, P("stage")),
             _place(mesh, head.params, P()),
@@ -208,3 +210,63 @@ def test_micro_batches_not_a_multiple_of_the_stages_are_one_line(mb):
     with pytest.raises(UsageError, match=f"pipeline_microbatches={mb} is") as raised:
         pipeline.plan(8, 2 if mb == 3 else 4, mb, 1, "gpipe")
     assert "\n" not in str(raised.value)
+
+
+def _layer_with_stats(w, x, rows, c):
+    """The toy layer, also returning a per-layer sum over its real rows (as an MoE layer
+    returns its routing counts): the schedules add them up over micro-batches."""
+    y = _layer(w, x, rows, c)
+    real = (rows.ids > 0).astype(jnp.float32)
+    return y, {"sq": jnp.sum(jnp.mean(y * y, axis=-1) * real), "rows": jnp.sum(real)}
+
+
+STATS_CASES = [("gpipe", 2, 4, 1), ("circular", 3, 6, 2), ("1f1b", 3, 6, 1)]
+
+
+@pytest.mark.parametrize(
+    "schedule, S, mb, R", STATS_CASES, ids=[f"{c[0]}-S{c[1]}" for c in STATS_CASES]
+)
+def test_layer_statistics_sum_over_microbatches_in_layer_order(schedule, S, mb, R):
+    """Each layer's statistics come back as the whole batch's sum, in layer order (the
+    circular schedule runs chunks out of storage order), bubbles excluded (their NaNs would
+    show)."""
+    L = S * R * 2
+    mesh, stack, head = _toy(S, L)
+    zero = {"sq": jnp.zeros((), jnp.float32), "rows": jnp.zeros((), jnp.float32)}
+    stack = stack._replace(layer=_layer_with_stats, stats=zero, check_vma=False)
+    pp = pipeline.plan(L, S, mb, R, schedule)
+    x_np, rows_np = _rows(mesh, mb, rng_seed=11)
+    want, x = [], x_np
+    for layer in range(L):
+        w = jax.tree.map(lambda a, i=layer: a[i], stack.weights)
+        x, stats = stack.layer(w, x, rows_np, stack.consts[layer])
+        want.append(stats)
+    with jax.set_mesh(mesh):
+        rows_spec = P(("data", "stage"))
+        args = (
+            _place(mesh, stack.weights, P("stage")),
+            _place(mesh, head.params, P()),
+            _place(mesh, x_np, rows_spec),
+            _place(mesh, rows_np, rows_spec),
+        )
+        if schedule == "1f1b":
+
+            def run(w, p, x, r):
+                (_, stats), _ = jax.value_and_grad(
+                    lambda w: pipeline_1f1b.nll_sum(
+                        stack._replace(weights=w), head._replace(params=p), pp, "stage", x, r
+                    ),
+                    has_aux=True,
+                )(w)
+                return stats
+
+        else:
+
+            def run(w, p, x, r):
+                return pipeline.run_stack(stack._replace(weights=w), pp, "stage", x, r)[1]
+
+        got = jax.jit(run)(*args)
+    for key in ("sq", "rows"):
+        np.testing.assert_allclose(
+            np.asarray(got[key]), np.array([float(w[key]) for w in want]), rtol=2e-5
+        )

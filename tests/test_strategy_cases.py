@@ -1,15 +1,17 @@
 """Every strategy in shardings.STRATEGIES has a case in the equality tests (the sharded run
 equals the one-device run): a new strategy without one fails here, not silently untested.
 
-The cases live in three modules, by the model they need: dense strategies on the tiny model
+The cases live in four modules, by the model they need: dense strategies on the tiny model
 (test_strategies_equal_one_device), the expert-parallel ones on the tiny MoE
-(test_moe_strategies), the pipeline ones with their schedules (test_pipeline_equal_one_device).
+(test_moe_strategies), the pipeline ones with their schedules (test_pipeline_equal_one_device)
+and with mixtures of experts (test_pipeline_moe).
 """
 
 from __future__ import annotations
 
 import test_moe_strategies as moe
 import test_pipeline_equal_one_device as pipelined
+import test_pipeline_moe as pipelined_moe
 import test_strategies_equal_one_device as dense
 
 from shardings import STRATEGIES, get_strategy
@@ -21,6 +23,7 @@ def _cases() -> dict[str, list[tuple[str, tuple[int, ...]]]]:
         "test_strategies_equal_one_device": [(s, m) for s, m, *_ in dense.CASES],
         "test_moe_strategies": [(s, m) for s, m in moe.CASES],
         "test_pipeline_equal_one_device": [(s, m) for s, m, *_ in pipelined.CASES],
+        "test_pipeline_moe": [(s, m) for _, s, m, *_ in pipelined_moe.CASES],
     }
 
 

@@ -19,14 +19,15 @@ import jax.numpy as jnp
 from zoo import loss
 from zoo.layers import pipeline, pipeline_1f1b, stage
 from zoo.layers.decoder import LmOutput, NllSum, TokenNll
+from zoo.layers.moe import moe_stats
 from zoo.layers.pipeline import PipelinePlan
 from zoo.layers.stage import Rows
 
 
 def layers(model, pp: PipelinePlan | None):
-    """`layers(x_BTM, segments) -> x_BTM` for the model's `hidden`: the forward schedule
-    (GPipe / circular; 1F1B's forward is GPipe's loop) over the strategy's stage axis, or
-    None (the model's own loop) without a pipeline."""
+    """`layers(x_BTM, segments) -> (x_BTM, per-layer statistics or None)` for the model's
+    `hidden`: the forward schedule (GPipe / circular; 1F1B's forward is GPipe's loop) over
+    the strategy's stage axis, or None (the model's own loop) without a pipeline."""
     if pp is None:
         return None
     stage_axis = model.sharding.stage_axis
@@ -107,15 +108,16 @@ def nll_sum(
     if loss_mask_BT is not None:
         mask_BT = loss.answer_mask(mask_BT, loss_mask_BT)
     stage_axis = model.sharding.stage_axis
-    total = pipeline_1f1b.nll_sum(
+    total, stats = pipeline_1f1b.nll_sum(
         model.layer_stack(packed=packed, seq_len=tokens_BT.shape[1]),
         model.loss_head(chunk_size=chunk_size, manual_axis=stage_axis),
         pp,
         stage_axis,
-        model.embed_tokens(tokens_BT, positions),
+        model.stage_input(tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed),
         Rows(segment_ids, positions, targets_BT, mask_BT),
     )
-    return NllSum(total, jnp.sum(mask_BT), None)
+    stats = None if stats is None else moe_stats(stats, model.cfg.num_experts)
+    return NllSum(total, jnp.sum(mask_BT), stats)
 
 
 def _plain_call_layers(model):

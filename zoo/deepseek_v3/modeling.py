@@ -6,7 +6,9 @@ bias and shared experts (zoo/layers/moe_grouped.py).
 
 The layers are two stacks (each scanned, or a list): `dense_blocks` (the first layers) then
 `blocks` (the MoE layers), since a scan runs one block structure. Checkpoints number the
-layers across both (hf layer i is dense_blocks[i] for i < k, else blocks[i - k]).
+layers across both (hf layer i is dense_blocks[i] for i < k, else blocks[i - k]). Under a
+pipeline strategy the schedule runs `blocks` and the dense layers run before it
+(`before_stack`), on each stage's own rows.
 
 Multi-token prediction is not built: the published checkpoint's extra layer (model.layers.61,
 the MTP module) is ignored on import, as transformers' model ignores it.
@@ -95,6 +97,10 @@ class DeepseekV3Config(DecoderConfig):
         return self.num_layers - self.first_dense_layers
 
     @property
+    def stacked_layers(self) -> int:
+        return self.moe_layers  # `blocks`; the dense first layers are `dense_blocks`
+
+    @property
     def softmax_scale(self) -> float:
         return softmax_scale(self)
 
@@ -160,15 +166,15 @@ class DeepseekV3(DecoderLM):
         super().__init__(cfg, sharding, rngs=rngs)
         k = cfg.first_dense_layers
         dense = functools.partial(_dense_block, cfg, sharding)
-        self.dense_blocks = make_stack(cfg, sharding, rngs, k, dense) if k else None
+        # Under a pipeline strategy the dense layers run before the schedule, on the rows as
+        # embedded (split over `stage` too): whole on every stage, laid out for that.
+        self.dense_blocks = (
+            make_stack(cfg, sharding, rngs, k, dense, split_over_stages=False) if k else None
+        )
 
     @staticmethod
     def new_block(cfg, sharding, rngs):
         return DeepseekBlock(cfg, sharding.block, moe=True, rngs=rngs)
-
-    @staticmethod
-    def stack_size(cfg) -> int:
-        return cfg.num_layers - cfg.first_dense_layers
 
     def _layer_tables(self):
         inv_freq_R, _ = rope_frequencies(self.cfg)
@@ -217,14 +223,16 @@ class DeepseekV3(DecoderLM):
                 var.set_value(jax.sharding.reshard(new, jax.typeof(var[...]).sharding.spec))
         return bias_LE
 
-    def layer_stack(self, *, packed: bool = True, seq_len: int | None = None):
-        if self.dense_blocks is not None:
-            raise UsageError(
-                "a pipeline schedule runs one layer stack; DeepSeek-V3's dense first layers "
-                "are a second (first_dense_layers > 0): use a strategy without `stage`, e.g. "
-                "fsdp_ep"
-            )
-        return super().layer_stack(packed=packed, seq_len=seq_len)
+    def before_stack(self, x_BTM, segments):
+        """Under a pipeline strategy the schedule runs the MoE stack; the dense first layers
+        run before it, here, as the model's own loop runs them."""
+        if self.dense_blocks is None:
+            return x_BTM
+        k = self.cfg.first_dense_layers
+        windows, freqs_LR = self._layer_tables()
+        run = self._scan_stack if self.cfg.scan_layers else self._loop_stack
+        x_BTM, _ = run(self.dense_blocks, x_BTM, segments, windows[:k], freqs_LR[:k], None, None)
+        return x_BTM
 
     def init_cache(self, batch_size: int, max_len: int | None = None, dtype=None):
         """An empty latent cache: `k` [L, B, S, 1, C] the latents, `v` [L, B, S, 1, r] the
@@ -245,7 +253,7 @@ class DeepseekV3(DecoderLM):
 
 
 def _dense_block(cfg, sharding: LmSharding, rngs: nnx.Rngs) -> DeepseekBlock:
-    return DeepseekBlock(cfg, sharding.block, moe=False, rngs=rngs)
+    return DeepseekBlock(cfg, sharding.before_stack or sharding.block, moe=False, rngs=rngs)
 
 
 def _mla(q_lora_rank, kv_lora_rank, nope, rope, v) -> dict:

@@ -287,6 +287,13 @@ class DecoderConfig:
         """Layers whose feed-forward is the mixture (DeepSeek-V3's first layers are dense)."""
         return self.num_layers if self.is_moe else 0
 
+    @property
+    def stacked_layers(self) -> int:
+        """Layers of the main stack (`blocks`: the one a pipeline splits into stages). A
+        family whose first layers differ in structure (DeepSeek-V3's dense ones) stacks
+        those apart, and this is the rest."""
+        return self.num_layers
+
     def _ffn_params(self, experts: int) -> int:
         """Per-layer feed-forward weights: the dense MLP, or `experts` experts and the router."""
         M = self.hidden_dim

@@ -31,7 +31,7 @@ from zoo.layers.basic import Einsum, Embed, Norm
 from zoo.layers.config import DecoderConfig
 from zoo.layers.kv_cache import KVCache, LayerCache
 from zoo.layers.mlp import Mlp
-from zoo.layers.moe import Moe, moe_stats
+from zoo.layers.moe import Moe, moe_stats, zero_stats
 from zoo.layers.stage import LossHead, Rows, Stack
 from zoo.lm_head_loss import Head, chunk_nll, chunked_token_nll, drop_vocab_padding
 
@@ -134,9 +134,19 @@ def _traced_call(model, tokens_BT, segment_ids, positions, packed):
     return model(tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed)
 
 
-def make_stack(cfg: DecoderConfig, sharding: LmSharding, rngs: nnx.Rngs, count: int, new_block):
+def make_stack(
+    cfg: DecoderConfig,
+    sharding: LmSharding,
+    rngs: nnx.Rngs,
+    count: int,
+    new_block,
+    *,
+    split_over_stages: bool = True,
+):
     """`count` blocks from `new_block(rngs)`: stacked on a leading L dim (`cfg.scan_layers`,
-    created with `nnx.vmap`, L split over the pipeline's stage axis if any) or a list."""
+    created with `nnx.vmap`, L split over the pipeline's stage axis if any, unless the
+    blocks run before the schedule: `split_over_stages` False) or a list."""
+    stage_axis = sharding.stage_axis if split_over_stages else None
     if not cfg.scan_layers:
         return nnx.List([new_block(rngs) for _ in range(count)])
 
@@ -145,13 +155,13 @@ def make_stack(cfg: DecoderConfig, sharding: LmSharding, rngs: nnx.Rngs, count: 
     @nnx.vmap(
         in_axes=0,
         out_axes=0,
-        transform_metadata={nnx.PARTITION_NAME: sharding.stage_axis},
+        transform_metadata={nnx.PARTITION_NAME: stage_axis},
     )
     def make_blocks(rngs):
         return new_block(rngs)
 
     blocks = make_blocks(rngs)
-    if sharding.stage_axis is not None:
+    if stage_axis is not None:
         # vmap records the stage split in the metadata but creates L unsplit.
         for _, var in nnx.to_flat_state(nnx.state(blocks)):
             spec = var.get_metadata().get("out_sharding")
@@ -172,7 +182,7 @@ class DecoderLM(nnx.Module):
             else None
         )
         new_block = functools.partial(type(self).new_block, cfg, sharding)
-        self.blocks = make_stack(cfg, sharding, rngs, type(self).stack_size(cfg), new_block)
+        self.blocks = make_stack(cfg, sharding, rngs, cfg.stacked_layers, new_block)
         self.final_norm = Norm(
             M,
             sharding.final_norm,
@@ -187,15 +197,11 @@ class DecoderLM(nnx.Module):
             else Einsum("BTM,MV->BTV", (M, V), sharding.lm_head, rngs=rngs, dtype=dtype)
         )
 
-    # A family whose blocks differ (zoo/deepseek_v3: latent attention, dense layers first)
-    # overrides these two: the block of the layer stack, and how many layers it holds.
+    # A family whose blocks differ (zoo/deepseek_v3: latent attention) overrides this: the
+    # block of the layer stack, which holds `cfg.stacked_layers` layers.
     @staticmethod
     def new_block(cfg: DecoderConfig, sharding: LmSharding, rngs: nnx.Rngs) -> nnx.Module:
         return Block(cfg, sharding.block, rngs=rngs)
-
-    @staticmethod
-    def stack_size(cfg: DecoderConfig) -> int:
-        return cfg.num_layers
 
     # -- per-layer constants -------------------------------------------------------------
 
@@ -326,9 +332,9 @@ class DecoderLM(nnx.Module):
         """(final-normed hidden states x_BTM, updated cache or None, MoeStats or None): the
         model up to its LM head.
 
-        `layers(x_BTM, segments) -> x_BTM`, when given, runs the layer stack in place of the
-        model's own loop (a pipeline schedule: zoo/pipelined.py); no cache, no router
-        statistics then."""
+        `layers(x_BTM, segments) -> (x_BTM, per-layer router statistics or None)`, when
+        given, runs the layer stack in place of the model's own loop (a pipeline schedule:
+        zoo/pipelined.py), after `before_stack`; no cache then."""
         cfg = self.cfg
         # Context parallelism: rows run in load-balanced chunk order inside the model
         # (zoo/layers/attention/context_parallel.py); the residual goes back before the LM head.
@@ -373,7 +379,9 @@ class DecoderLM(nnx.Module):
                     "KV-cache decoding (generation) does not run under a pipeline strategy; "
                     "generate with one without a `stage` axis, e.g. --sharding_strategy=fsdp"
                 )
-            x_BTM, (new_kv, stats) = layers(x_BTM, segments), (None, None)
+            x_BTM = self.before_stack(x_BTM, segments)
+            x_BTM, stats = layers(x_BTM, segments)
+            new_kv = None
         else:
             run = self._run_scanned if cfg.scan_layers else self._run_unscanned
             x_BTM, (new_kv, stats) = run(x_BTM, segments, windows, freqs_LR, cache, kv_ctx)
@@ -387,6 +395,19 @@ class DecoderLM(nnx.Module):
         k_LBSKD, v_LBSKD = new_kv
         new_cache = KVCache(k_LBSKD, v_LBSKD, *kv_ctx[:2], cache.index + tokens_BT.shape[1])
         return x_BTM, new_cache, stats
+
+    def before_stack(self, x_BTM, segments):
+        """The layers a pipeline's schedule does not run, before it (its rows split over
+        `stage` too, laid out by `LmSharding.before_stack`): none here; DeepSeek-V3's dense
+        first layers."""
+        del segments
+        return x_BTM
+
+    def stage_input(self, tokens_BT, *, segment_ids, positions, packed=True):
+        """What a pipeline schedule takes in: the embedded rows through `before_stack`."""
+        x_BTM = self.embed_tokens(tokens_BT, positions)
+        segments = Segments.self_attention(segment_ids, positions, packed=packed)
+        return self.before_stack(x_BTM, segments)
 
     def embed_tokens(self, tokens_BT, positions):
         """The token (and learned position) embeddings, scaled where the family scales them."""
@@ -476,6 +497,9 @@ class DecoderLM(nnx.Module):
         axes)."""
         cfg = self.cfg
         windows, freqs_LR = self._layer_tables()
+        # The stack is the last `stacked_layers` layers (before them: `before_stack`'s).
+        first = cfg.num_layers - cfg.stacked_layers
+        windows, freqs_LR = windows[first:], freqs_LR[first:]
         uniform_window = len(set(windows)) == 1
         static_window = (windows[0] or None) if uniform_window else None
         graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
@@ -485,8 +509,10 @@ class DecoderLM(nnx.Module):
             seg = Segments.self_attention(rows.ids, rows.positions, packed=packed)
             window = static_window if uniform_window else consts.window
             with quant.unquantized_residuals():
-                x_BTM, _ = block(x_BTM, seg, window=window, inv_freq_R=consts.inv_freq, kv=None)
-            return x_BTM
+                x_BTM, (_, router_stats) = block(
+                    x_BTM, seg, window=window, inv_freq_R=consts.inv_freq, kv=None
+                )
+            return x_BTM if router_stats is None else (x_BTM, router_stats)
 
         def cast(w):
             params, rest = w
@@ -499,8 +525,11 @@ class DecoderLM(nnx.Module):
                 remat.check_platform(cfg.remat, device.platform)
             policy = remat.policy(cfg.remat)
         consts = LayerConsts(np.asarray(windows, np.int32), np.asarray(freqs_LR))
-        check_vma = self._attention_keeps_layout(seq_len or cfg.max_seq_len)
-        return Stack(layer, cast, (params, rest), consts, policy, check_vma)
+        # An MoE layer's expert shard_map runs unchecked inside the schedule's (moe.py), so
+        # the schedule's cannot check the cotangents it hands back either.
+        check_vma = self._attention_keeps_layout(seq_len or cfg.max_seq_len) and not cfg.is_moe
+        stats = zero_stats(cfg.num_experts) if cfg.is_moe else None
+        return Stack(layer, cast, (params, rest), consts, policy, check_vma, stats)
 
     def _attention_keeps_layout(self, seq_len: int) -> bool:
         """Whether the attention backend this config runs keeps its layout (no shard_map of

@@ -53,7 +53,14 @@ class RouterStats(NamedTuple):
     counts: jax.Array  # [E] top-k assignments per expert
     probs: jax.Array  # [E] router probabilities per expert
     tokens: jax.Array  # tokens counted
-    dropped: jax.Array  # share of all assignments (padding included) the exchange dropped
+    # Assignments (padding included) the exchange dropped, and all of them: counts, not a
+    # share, so that sums over a pipeline's micro-batches stay exact.
+    dropped: jax.Array
+    assigned: jax.Array
+
+    @property
+    def dropped_share(self) -> jax.Array:
+        return self.dropped / jnp.maximum(self.assigned, 1.0)
 
 
 class MoeStats(NamedTuple):
@@ -62,6 +69,13 @@ class MoeStats(NamedTuple):
     aux_loss: jax.Array  # transformers' load-balancing loss (unweighted)
     load: jax.Array  # [L, E] share of each layer's assignments that went to each expert
     dropped: jax.Array  # share of the assignments dropped (capacity-bounded exchange; else 0)
+
+
+def zero_stats(num_experts: int) -> RouterStats:
+    """One layer's `RouterStats`, all zero: the start of a sum over micro-batches."""
+    scalar = jnp.zeros((), jnp.float32)
+    E = jnp.zeros((num_experts,), jnp.float32)
+    return RouterStats(counts=E, probs=E, tokens=scalar, dropped=scalar, assigned=scalar)
 
 
 def moe_stats(stats: RouterStats, num_experts: int) -> MoeStats:
@@ -75,7 +89,8 @@ def moe_stats(stats: RouterStats, num_experts: int) -> MoeStats:
     prob_per_expert_E = jnp.sum(stats.probs, axis=0) / rows
     aux = num_experts * jnp.sum(tokens_per_expert_E * prob_per_expert_E)
     per_layer = jnp.maximum(jnp.sum(stats.counts, axis=-1, keepdims=True), 1.0)
-    return MoeStats(aux_loss=aux, load=stats.counts / per_layer, dropped=jnp.mean(stats.dropped))
+    dropped = jnp.sum(stats.dropped) / jnp.maximum(jnp.sum(stats.assigned), 1.0)
+    return MoeStats(aux_loss=aux, load=stats.counts / per_layer, dropped=dropped)
 
 
 def route(logits_BTE, k: int, norm_topk_prob: bool):
@@ -298,6 +313,11 @@ class Moe(nnx.Module):
             ),
             # One count of dropped assignments per device holding distinct tokens.
             out_specs=(s.out if scatter_out else s.tokens, _token_devices(s.tokens)),
+            # Inside a pipeline's shard_map (manual over `stage`) jax 0.10.2 types this
+            # one's residuals as varying over `stage` ahead of its own free axes, which
+            # Shardy's verifier refuses ("manual axes must come before free axes"); without
+            # the check they carry no such type. Outside one, the check stays on.
+            check_vma=not _inside_manual_axes(),
         )
         x_BTM = jax.sharding.reshard(x_BTM.astype(self.dtype), s.tokens)
         experts_BTk = jax.sharding.reshard(experts_BTk, routing)
@@ -310,9 +330,15 @@ class Moe(nnx.Module):
             counts=counts_E,
             probs=probs_E,
             tokens=jnp.sum(mask_BT),
-            dropped=jnp.sum(dropped_D).astype(jnp.float32) / (B * T * self.k),
+            dropped=jnp.sum(dropped_D).astype(jnp.float32),
+            assigned=jnp.asarray(B * T * self.k, jnp.float32),
         )
         return jax.sharding.reshard(y_BTM, s.out), stats
+
+
+def _inside_manual_axes() -> bool:
+    """Whether this trace runs inside a shard_map manual over some mesh axis."""
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
 def _token_devices(tokens: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:

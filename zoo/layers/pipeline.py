@@ -182,10 +182,16 @@ def plan_for(cfg, sharding, mesh) -> PipelinePlan | None:
         return None
     if not cfg.scan_layers:
         raise UsageError("a pipeline strategy splits the stacked layers: set scan_layers=True")
-    if cfg.is_moe:
-        raise UsageError("MoE layers do not run under a pipeline strategy yet; use fsdp_ep")
+    if cfg.is_moe and cfg.pipeline_schedule == "1f1b" and cfg.router_aux_loss_coef:
+        # 1F1B computes its gradients inside the loop from the loss alone: a loss term
+        # made of the layers' statistics would get none.
+        raise UsageError(
+            f"pipeline_schedule=1f1b does not differentiate the router's auxiliary loss "
+            f"(router_aux_loss_coef={cfg.router_aux_loss_coef}); set router_aux_loss_coef=0 "
+            "or use pipeline_schedule=gpipe / circular"
+        )
     return plan(
-        cfg.num_layers,
+        cfg.stacked_layers,
         mesh.shape[axis],
         cfg.pipeline_microbatches,
         cfg.pipeline_repeats,
@@ -401,7 +407,8 @@ def layer_weights(stack: Stack, weights_RL, r, j, valid):
 
 def run_layers(stack: Stack, policy, weights_RL, consts_RL, x, rows: Rows, r, valid):
     """Repeat r's Lc layers of this stage on one micro-batch, inside the pipeline's
-    shard_map. A bubble iteration (`valid` False) runs on zeros.
+    shard_map: (x, the layers' statistics `[Lc, ...]`, zero in a bubble; None without).
+    A bubble iteration (`valid` False) runs on zeros.
 
     Each layer's weights are sliced from the stage's stack inside the layer's own checkpoint,
     under the model's remat policy, which never saves them: so the backward pass re-slices
@@ -413,10 +420,41 @@ def run_layers(stack: Stack, policy, weights_RL, consts_RL, x, rows: Rows, r, va
         w = layer_weights(stack, weights_RL, r, j, valid)
         return stack.layer(w, x, rows, jax.tree.map(lambda c: c[r, j], consts_RL))
 
+    def one(x, j):
+        if stack.stats is None:
+            return layer(weights_RL, x, j), None
+        x, stats = layer(weights_RL, x, j)
+        return x, pick(valid, stats, jax.tree.map(jnp.zeros_like, stats))
+
     x = jnp.where(valid, x, jnp.zeros_like(x))
     Lc = jax.tree.leaves(weights_RL)[0].shape[1]
-    x, _ = jax.lax.scan(lambda x, j: (layer(weights_RL, x, j), None), x, jnp.arange(Lc))
-    return x
+    return jax.lax.scan(one, x, jnp.arange(Lc))
+
+
+def stats_buffer(stack: Stack, repeats: int, layers_per_chunk: int, stage_axis: str):
+    """Zero sums of each of a stage's layers' statistics, `[R, Lc, ...]` (None without)."""
+    if stack.stats is None:
+        return None
+    zeros = jax.tree.map(
+        lambda z: jnp.zeros((repeats, layers_per_chunk, *jnp.shape(z)), jnp.float32), stack.stats
+    )
+    return varying(zeros, stage_axis)
+
+
+def layer_order_stats(stats, pp: PipelinePlan):
+    """The shard_map's statistics out, `[S*R, Lc, ...]` in schedule order (stage s, repeat
+    r, layer j), -> `[L, ...]` in layer order (None stays None). A few floats per layer:
+    gathered whole first."""
+    if stats is None:
+        return None
+    L = pp.stages * pp.repeats * pp.layers_per_chunk
+    position_of = np.argsort(chunk_order(L, pp.stages, pp.repeats))
+
+    def reorder(a):
+        a = jax.sharding.reshard(a, P())
+        return a.reshape(L, *a.shape[2:])[position_of]
+
+    return jax.tree.map(reorder, stats)
 
 
 def to_stage_0(a, stage_axis: str, S: int):
@@ -468,6 +506,7 @@ class _Carry(NamedTuple):
 
     outputs: jax.Array  # stage 0's Mb micro-batches: the inputs, then each one's result
     arrived: Hop  # what the previous stage sent at the last iteration
+    stats: object  # this stage's layers' statistics summed so far, `[R, Lc, ...]`, or None
 
 
 def schedule_weights(stack: Stack, weights, s, stage_axis: str, pp: PipelinePlan):
@@ -499,7 +538,14 @@ def _iteration_fn(stack, pp, stage_axis, s, weights_RL, consts_RL, feed: Hop):
         # Stage 0 reads its buffer (the inputs, or repeat r-1's result); the others what
         # arrived.
         mine = pick(s == 0, Hop(at(carry.outputs, m), at(feed.rows, m)), carry.arrived)
-        y = run_layers(stack, policy, weights_RL, consts_RL, mine.x, mine.rows, r, valid)
+        y, stats_L = run_layers(stack, policy, weights_RL, consts_RL, mine.x, mine.rows, r, valid)
+        stats = carry.stats
+        if stats is not None:
+            stats = jax.tree.map(
+                lambda acc, v: jax.lax.dynamic_update_index_in_dim(acc, at(acc, r) + v, r, 0),
+                stats,
+                stats_L,
+            )
         arrived = jax.lax.ppermute(Hop(y, mine.rows), stage_axis, ring)
         # Stage 0 receives the last stage's result of item t - (S-1).
         k_last = t - (S - 1)
@@ -507,7 +553,7 @@ def _iteration_fn(stack, pp, stage_axis, s, weights_RL, consts_RL, feed: Hop):
         slot = k_last % Mb
         kept = jnp.where(done, arrived.x, at(carry.outputs, slot))
         outputs = jax.lax.dynamic_update_index_in_dim(carry.outputs, kept, slot, 0)
-        return _Carry(outputs, arrived), None
+        return _Carry(outputs, arrived, stats), None
 
     return iteration
 
@@ -515,8 +561,9 @@ def _iteration_fn(stack, pp, stage_axis, s, weights_RL, consts_RL, feed: Hop):
 def run_stack(stack: Stack, pp: PipelinePlan, stage_axis: str, x_BTM, rows: Rows):
     """The forward pipeline (GPipe / circular) `pp` over `stage_axis` of `stack` on `x_BTM`
     and its `rows` (rows split over (batch axes, stage), as the strategy's `batch` rule says
-    for everything outside the layer stack); the same rows out. Under
-    `pipeline_schedule=1f1b` this is the forward alone (evaluation, logits)."""
+    for everything outside the layer stack): (the same rows out, the layers' statistics
+    summed over the micro-batches `[L, ...]` or None). Under `pipeline_schedule=1f1b` this
+    is the forward alone (evaluation, logits)."""
     mesh = jax.sharding.get_abstract_mesh()
     S, Mb = pp.stages, pp.microbatches
     check_batch(
@@ -537,17 +584,18 @@ def run_stack(stack: Stack, pp: PipelinePlan, stage_axis: str, x_BTM, rows: Rows
         feed = jax.tree.map(lambda a: to_stage_0(a, stage_axis, S), inputs)
         iteration = _iteration_fn(stack, pp, stage_axis, s, weights_RL, consts_RL, feed)
         # zeros_like keeps the varying type of what it copies.
-        start = _Carry(feed.x, jax.tree.map(jnp.zeros_like, at(feed, 0)))
+        stats = stats_buffer(stack, pp.repeats, pp.layers_per_chunk, stage_axis)
+        start = _Carry(feed.x, jax.tree.map(jnp.zeros_like, at(feed, 0)), stats)
         carry, _ = jax.lax.scan(iteration, start, jnp.arange(pp.iterations))
         # Stage 0 holds the outputs; each stage gets back the rows it brought in.
-        return from_stage_0(carry.outputs, s, stage_axis, S)
+        return from_stage_0(carry.outputs, s, stage_axis, S), carry.stats
 
     split = P(stage_axis)
-    out = jax.shard_map(
+    out, stats = jax.shard_map(
         local,
         in_specs=(split, split, split),
-        out_specs=split,
+        out_specs=(split, split),
         axis_names={stage_axis},
         check_vma=stack.check_vma,
     )(stack.weights, inputs, tables)
-    return unmicrobatch(out, stage_axis)
+    return unmicrobatch(out, stage_axis), layer_order_stats(stats, pp)

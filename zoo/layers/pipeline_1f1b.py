@@ -71,9 +71,12 @@ from zoo.layers.stage import LossHead, Rows, Stack
 
 
 def nll_sum(stack: Stack, head: LossHead, pp: PipelinePlan, stage_axis: str, x_BTM, rows: Rows):
-    """`head.loss` summed over every micro-batch of `stack`'s output on the embedded rows
+    """(`head.loss` summed over every micro-batch of `stack`'s output on the embedded rows
     `x_BTM` (split over (batch axes, stage)), whose gradient the 1F1B loop computes as it
-    runs. `rows` carries the ids, positions, targets and mask of `x_BTM`'s rows."""
+    runs; the layers' statistics summed over the micro-batches `[L, ...]`, or None). `rows`
+    carries the ids, positions, targets and mask of `x_BTM`'s rows. The statistics are
+    outputs, not losses: no gradient flows from them (the loop's gradients are the loss's
+    alone; `pipeline.plan_for` refuses a loss term made of them)."""
     w_leaves, w_def = jax.tree.flatten(stack.weights)
     h_leaves, h_def = jax.tree.flatten(head.params)
 
@@ -88,15 +91,19 @@ def nll_sum(stack: Stack, head: LossHead, pp: PipelinePlan, stage_axis: str, x_B
         # Not differentiated (evaluation): the GPipe forward, then the loss on each stage's
         # own rows.
         stack, head = with_leaves(w_leaves, h_leaves)
-        y = pipeline.run_stack(stack, pp, stage_axis, x_BTM, Rows(rows.ids, rows.positions))
-        return _loss_on_own_rows(head, pp, stage_axis, y, rows)
+        rows_in = Rows(rows.ids, rows.positions)
+        y, stats = pipeline.run_stack(stack, pp, stage_axis, x_BTM, rows_in)
+        return _loss_on_own_rows(head, pp, stage_axis, y, rows), stats
 
     def summed_fwd(w_leaves, h_leaves, x_BTM, rows):
         stack, head = with_leaves(w_leaves, h_leaves)
-        return _run(stack, head, pp, stage_axis, x_BTM, rows)
+        total, grads, stats = _run(stack, head, pp, stage_axis, x_BTM, rows)
+        return (total, stats), grads
 
-    def summed_bwd(grads, g):
-        # The loss is a sum: its cotangent g scales every gradient the loop computed.
+    def summed_bwd(grads, cotangents):
+        # The loss is a sum: its cotangent g scales every gradient the loop computed. The
+        # statistics' cotangent is dropped (see above).
+        g, _ = cotangents
         d_w, d_h, d_x = jax.tree.map(lambda d: (d * g).astype(d.dtype), grads)
         return d_w, d_h, d_x, None
 
@@ -184,7 +191,9 @@ class _Stage(NamedTuple):
             return stack.layer(pipeline._named(stack.cast(w)), x, rows, consts_j)
 
         def vjp(w, x):
-            return jax.vjp(layer, jax.tree.unflatten(self.w_def, w), x)
+            # With statistics: (y, pullback, the layer's statistics).
+            w = jax.tree.unflatten(self.w_def, w)
+            return jax.vjp(layer, w, x, has_aux=stack.stats is not None)
 
         return vjp
 
@@ -194,11 +203,12 @@ class _Stage(NamedTuple):
 
 
 def _stage_forward(st: _Stage, x, rows: Rows):
-    """(y, the residuals kept per layer, stacked over the stage's layers)."""
+    """(y, (the residuals kept per layer, the layers' statistics or None), each stacked over
+    the stage's layers)."""
 
     def one(x, j):
-        y, pullback = st.layer_vjp(j, rows)(st.weights(j), x)
-        return y, st.residuals.keep(pullback)
+        y, pullback, *stats = st.layer_vjp(j, rows)(st.weights(j), x)
+        return y, (st.residuals.keep(pullback), stats[0] if stats else None)
 
     return jax.lax.scan(one, x, jnp.arange(len(jax.tree.leaves(st.consts_L)[0])))
 
@@ -235,6 +245,7 @@ class _Forward(NamedTuple):
 
     arrived: Hop  # what the previous stage sent
     ring: tuple  # per kept residual, `[K, Lc, ...]`: slot m mod K holds micro-batch m's
+    stats: Any  # the stage's layers' statistics summed so far, `[Lc, ...]`, or None
 
 
 class _Sums(NamedTuple):
@@ -253,7 +264,11 @@ def _forward_half(st: _Stage, carry: _Forward, t):
     S, Mb, K = st.pp.stages, st.pp.microbatches, st.pp.in_flight
     m = t - st.s
     mine = pick(st.s == 0, at(st.feed, m % Mb), carry.arrived)
-    y, kept = _stage_forward(st, mine.x, mine.rows)
+    y, (kept, stats_L) = _stage_forward(st, mine.x, mine.rows)
+    stats = carry.stats
+    if stats is not None:
+        valid = (m >= 0) & (m < Mb)
+        stats = jax.tree.map(lambda acc, v: acc + jnp.where(valid, v, 0.0), stats, stats_L)
     # Slot m mod K: any slot written while m is in flight belongs to a micro-batch at most
     # 2S-2 apart, so none is live (bubble iterations included, whose m < 0 or m >= Mb).
     ring = tuple(
@@ -262,7 +277,7 @@ def _forward_half(st: _Stage, carry: _Forward, t):
     )
     forward_ring = [(i, (i + 1) % S) for i in range(S)]
     arrived = jax.lax.ppermute(Hop(y, mine.rows), st.stage_axis, forward_ring)
-    return _Forward(arrived, ring), Hop(y, mine.rows)
+    return _Forward(arrived, ring, stats), Hop(y, mine.rows)
 
 
 def _head_half(st: _Stage, sums: _Sums, done: Hop):
@@ -321,7 +336,8 @@ def _cooldown(st: _Stage, ring: tuple, sums: _Sums, t):
 
 def _local(stack, head, pp, stage_axis, w_def, h_def, w_leaves, h_leaves, tables, inputs: Hop):
     """The shard_map body: this stage's share of the loop. (summed loss, weight gradients,
-    head gradients, the embedded rows' gradient)."""
+    head gradients, the embedded rows' gradient, the layers' statistics `[1, Lc, ...]` or
+    None)."""
     S, Mb, K = pp.stages, pp.microbatches, pp.in_flight
     s = jax.lax.axis_index(stage_axis)
     consts_L = jax.tree.map(lambda c: c[0, 0], tables)  # [1, 1, Lc, ...] -> [Lc, ...]
@@ -336,12 +352,18 @@ def _local(stack, head, pp, stage_axis, w_def, h_def, w_leaves, h_leaves, tables
     w0 = st.weights(0)
     st = st._replace(residuals=residual_layout(st.layer_vjp(0, first.rows), w0, first.x))
     # Shapes of the ring's slots, from a trace whose results nothing reads (XLA drops it).
-    _, kept0 = _stage_forward(st, first.x, first.rows)
+    _, (kept0, _) = _stage_forward(st, first.x, first.rows)
     ring = tuple(jnp.zeros((K, *a.shape), a.dtype, out_sharding=_slots(a)) for a in kept0)
+    Lc = w_leaves[0].shape[0]
+    stats = pipeline.stats_buffer(stack, 1, Lc, stage_axis)
 
     # Each loop carries only what it uses, so no buffer lives longer than it must. (zeros_like
     # keeps the varying type of what it copies; the rest starts the same on every stage.)
-    fwd = _Forward(jax.tree.map(jnp.zeros_like, first), varying(ring, stage_axis))
+    fwd = _Forward(
+        jax.tree.map(jnp.zeros_like, first),
+        varying(ring, stage_axis),
+        None if stats is None else jax.tree.map(lambda a: a[0], stats),
+    )
     fwd, _ = jax.lax.scan(functools.partial(_warmup, st), fwd, jnp.arange(S - 1))
     sums = _Sums(
         cot=jnp.zeros_like(first.x),
@@ -361,12 +383,13 @@ def _local(stack, head, pp, stage_axis, w_def, h_def, w_leaves, h_leaves, tables
     total = jax.lax.psum(sums.loss, stage_axis)
     d_head = [jax.lax.psum(d, stage_axis) for d in sums.d_head]
     d_inputs = pipeline.from_stage_0(sums.d_inputs, s, stage_axis, S)
-    return total, sums.d_weights, d_head, d_inputs
+    stats = None if fwd.stats is None else jax.tree.map(lambda a: a[None], fwd.stats)
+    return total, sums.d_weights, d_head, d_inputs, stats
 
 
 def _run(stack: Stack, head: LossHead, pp: PipelinePlan, stage_axis: str, x_BTM, rows: Rows):
     """The 1F1B loop of one step: (summed loss, (weight leaves' gradients, head parameter
-    leaves' gradients, x_BTM's gradient))."""
+    leaves' gradients, x_BTM's gradient), the layers' statistics `[L, ...]` or None)."""
     mesh = jax.sharding.get_abstract_mesh()
     pipeline.check_batch(
         x_BTM.shape[0],
@@ -380,14 +403,15 @@ def _run(stack: Stack, head: LossHead, pp: PipelinePlan, stage_axis: str, x_BTM,
     inputs = Hop(mb(x_BTM), jax.tree.map(mb, rows))
     tables = pipeline.stage_tables(stack.consts, pp, stage_axis)
     split = P(stage_axis)
-    total, d_w, d_h, d_inputs = jax.shard_map(
+    total, d_w, d_h, d_inputs, stats = jax.shard_map(
         functools.partial(_local, stack, head._replace(params=None), pp, stage_axis, w_def, h_def),
         in_specs=(split, P(), split, split),
-        out_specs=(P(), [split] * len(w_leaves), [P()] * len(h_leaves), split),
+        out_specs=(P(), [split] * len(w_leaves), [P()] * len(h_leaves), split, split),
         axis_names={stage_axis},
         check_vma=stack.check_vma,
     )(w_leaves, h_leaves, tables, inputs)
-    return total, (d_w, d_h, pipeline.unmicrobatch(d_inputs, stage_axis))
+    grads = (d_w, d_h, pipeline.unmicrobatch(d_inputs, stage_axis))
+    return total, grads, pipeline.layer_order_stats(stats, pp)
 
 
 def _slots(a) -> P:

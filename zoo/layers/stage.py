@@ -37,9 +37,10 @@ class Stack(NamedTuple):
     """The model's L stacked layers as a schedule runs them: one layer at a time, on one
     micro-batch, from that layer's slice of `weights`."""
 
-    # layer(w, x, rows, consts) -> x: one layer on one micro-batch's `[b, ...]` activations,
-    # `w` being that layer's weights as `cast` returns them, `consts` its row of `consts`.
-    layer: Callable[[Any, jax.Array, Rows, Any], jax.Array]
+    # layer(w, x, rows, consts) -> x (or (x, stats) where `stats` is given): one layer on one
+    # micro-batch's `[b, ...]` activations, `w` being that layer's weights as `cast` returns
+    # them, `consts` its row of `consts`.
+    layer: Callable[[Any, jax.Array, Rows, Any], Any]
     # One layer's weights (a slice of `weights`) -> what `layer` computes with (the model's
     # compute dtype for its matmul weights). Applied per layer inside the layer's remat, so
     # the schedules keep the weights and their gradient sums in the parameters' dtype.
@@ -53,6 +54,11 @@ class Stack(NamedTuple):
     # (attention kernels that are black boxes to sharding types: splash, cuDNN); a checked
     # shard_map around it then refuses their transposes' cotangents.
     check_vma: bool = True
+    # One layer's statistics as zeros (a pytree of float32 arrays: an MoE layer's routing
+    # sums), or None (the layer returns x alone). A schedule sums each layer's over the
+    # micro-batches (bubbles excluded) and returns them stacked on L in layer order: so they
+    # must be sums, whose total over micro-batches is the whole batch's.
+    stats: Any = None
 
 
 class LossHead(NamedTuple):
