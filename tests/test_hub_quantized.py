@@ -216,22 +216,29 @@ def _bits_equal(a, b):
 
 
 @pytest.mark.parametrize(
-    "shape, block",
-    [((576, 7168), (128, 128)), ((200, 300), (128, 128)), ((3, 70, 45), (32, 16))],
-    ids=["kv_a_proj", "cropped", "stacked"],
+    "shape, block, fmt",
+    [
+        ((576, 7168), (128, 128), "e4m3fn"),
+        ((200, 300), (128, 128), "e4m3fn"),
+        ((3, 70, 45), (32, 16), "e4m3fn"),
+        ((200, 300), (128, 128), "e5m2"),
+    ],
+    ids=["kv_a_proj", "cropped", "stacked", "e5m2"],
 )
-def test_fp8_equals_transformers_bit_for_bit(shape, block):
-    """DeepSeek-V3's kv_a_proj_with_mqa is [576, 7168] (576 = 4.5 blocks)."""
+def test_fp8_equals_transformers_bit_for_bit(shape, block, fmt):
+    """Every FP8 bit pattern but NaN's (subnormals and both zeros included); DeepSeek-V3's
+    kv_a_proj_with_mqa is [576, 7168] (576 = 4.5 blocks)."""
     torch = pytest.importorskip("torch", reason="the reference is transformers'")
     fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    dtype = getattr(ml_dtypes, f"float8_{fmt}")
     rng = np.random.default_rng(0)
-    w = rng.standard_normal(shape).astype(np.float32)
+    q = rng.integers(0, 256, shape, dtype=np.uint8).view(dtype)
+    q[np.isnan(q.astype(np.float32))] = 0
     scale_shape = (*shape[:-2], *(-(-d // b) for d, b in zip(shape[-2:], block, strict=True)))
     scale = rng.uniform(1e-4, 1e-1, scale_shape).astype(np.float32)
-    q = np.clip(w * 100, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     ours = hf_dequantize.dequantize_fp8(q, scale, block)
     theirs = fp8._dequantize_fp8_weight(
-        torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn),
+        torch.from_numpy(q.view(np.uint8).copy()).view(getattr(torch, f"float8_{fmt}")),
         torch.from_numpy(scale),
         list(block),
         torch.float32,
