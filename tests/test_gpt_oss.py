@@ -6,7 +6,7 @@ the rows. Checked: logits unpacked and packed (segment ids), the HF export read 
 transformers and by us, greedy KV-cache generation token for token against `generate`, the
 serving engine's and HTTP app's completion, 10 AdamW steps under fsdp_ep, fsdp_tp_ep and
 fsdp_tp equal to one device, splash with sinks (interpret mode) against xla, and the refusals
-(cuDNN, context parallelism, MXFP4 checkpoints).
+(cuDNN, context parallelism); MXFP4 checkpoints: tests/test_hub_quantized.py.
 
 Tolerances: both sides float32, differing by summation order: logits within 2e-4 of the
 largest (seen: about 1e-6); a dropped sink or bias, a wrong interleave of gate/up, or a
@@ -379,14 +379,6 @@ def test_context_parallel_all_gather_takes_sinks_ring_refuses():
                     model(*args, **kwargs)
             else:
                 assert _rel(np.asarray(model(*args, **kwargs)), want) < REL
-
-
-def test_mxfp4_checkpoint_is_refused_naming_it(tmp_path):
-    config = zoo.hf_mapping.config_to_hf(zoo.get_config("gpt-oss-tiny"))
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UsageError, match="mxfp4.*dequantize=True"):
-        zoo.hf_mapping.read_config(str(tmp_path))
 
 
 def test_published_presets():

@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.errors import UsageError
+from zoo.hf_dequantize import dequantizing_reader
 from zoo.hf_mapping import (
     CONFIG_FILE,
     Rule,
@@ -253,7 +254,9 @@ def _expert_shard_reader(plan: _Plan, reader: CheckpointReader, key, layer, shap
                     np.stack(
                         [
                             r.transform.load(
-                                reader.read(plan.hf_name(r, hf_layers[i], e)).astype(np.float32),
+                                reader.read(plan.hf_name(r, hf_layers[i], e)).astype(
+                                    np.float32, copy=False
+                                ),
                                 one_expert,
                             )[j]
                             for e in experts
@@ -277,7 +280,7 @@ def _host_param(plan: _Plan, reader: CheckpointReader, key, layer, shape) -> np.
     shapes = [plan.shapes[k] for k in r.ours]
 
     def one(i):
-        w = reader.read(plan.hf_name(r, i)).astype(np.float32)
+        w = reader.read(plan.hf_name(r, i)).astype(np.float32, copy=False)
         return r.transform.load(w, shapes)[j]
 
     if not r.per_layer:
@@ -327,7 +330,8 @@ def from_pretrained(path: str, strategy, *, mesh=None, **overrides):
         model_plan = plan_model(cfg, strategy, mesh)
     abstract = model_plan.abstract_model()
     cfg = model_plan.cfg  # the vocab padded for the split, where it needs that
-    reader = CheckpointReader(path)
+    # A quantized checkpoint's tensors read dequantized, by their BF16 checkpoint's names.
+    reader = dequantizing_reader(CheckpointReader(path), read_hf_config(path), fam)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     for var_path, var in flat:

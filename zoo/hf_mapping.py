@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from nnx_zoo.errors import UsageError
+from zoo.hf_dequantize import check_quantization
 from zoo.layers.config import RUNTIME_FIELDS, DecoderConfig
 from zoo.layers.rope import YARN_ENTRIES
 from zoo.registry import FAMILIES, Family, family_for_config
@@ -122,6 +123,9 @@ class HfFormat:
     # layers)}. None: one stack, `blocks`, holding all of them (DeepSeek-V3 has two:
     # `dense_blocks` then `blocks`).
     stacks: Callable[[DecoderConfig], dict[str, tuple[int, int]]] | None = None
+    # The config.json `quantization_config.quant_method`s read (dequantized on load,
+    # zoo/hf_dequantize.py); any other is refused.
+    quantizations: tuple[str, ...] = ()
 
     def layer_stacks(self, cfg: DecoderConfig) -> dict[str, tuple[int, int]]:
         return {"blocks": (0, cfg.num_layers)} if self.stacks is None else self.stacks(cfg)
@@ -268,6 +272,7 @@ def family_and_config(path: str, overrides: dict) -> tuple[Family, DecoderConfig
     hf = read_hf_config(path)
     where = os.path.join(path, CONFIG_FILE)
     fam = family_for_hf(hf, where)
+    check_quantization(hf, fam.name, fam.hf.quantizations, where)
     try:
         fields = fam.hf.config_from_hf(hf)
     except KeyError as e:

@@ -29,6 +29,9 @@ _DTYPES = {
     "F32": np.float32,
     "F16": np.float16,
     "BF16": ml_dtypes.bfloat16,
+    # The hub's FP8 checkpoints (read dequantized: zoo/hf_dequantize.py).
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,

@@ -2,12 +2,14 @@
 layout, one tensor per expert, which transformers 5 still writes and reads). Layer i of the
 checkpoint is `dense_blocks[i]` for i < first_dense_layers, else `blocks[i - k]`. The
 checkpoint's multi-token-prediction layer (`model.layers.{L}`, past num_hidden_layers) is
-ignored, as transformers ignores it."""
+ignored, as transformers ignores it. The hub's FP8 weights (block-scaled, `quant_method:
+fp8`) are dequantized as they are read (zoo/hf_dequantize.py)."""
 
 from __future__ import annotations
 
 from nnx_zoo.errors import UsageError
 from zoo.deepseek_v3.modeling import DeepseekV3Config
+from zoo.hf_dequantize import FP8
 from zoo.hf_mapping import LINEAR_IN, LINEAR_OUT, HfFormat, rope_parameters, rule
 from zoo.llama.params import LAYER
 
@@ -101,11 +103,6 @@ def _yarn(rope: dict, max_positions: int) -> tuple | None:
 
 
 def config_from_hf(hf: dict) -> dict:
-    if hf.get("quantization_config"):
-        raise UsageError(
-            "config.json has a quantization_config (the hub's DeepSeek-V3 stores FP8 weights "
-            "with block scales): convert it to BF16 first (DeepSeek's fp8_cast_bf16.py)"
-        )
     if hf.get("attention_bias"):
         raise UsageError("config.json attention_bias=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -217,4 +214,5 @@ HF_FORMAT = HfFormat(
     stacks=stacks,
     # The published checkpoint's multi-token-prediction module, as transformers skips it.
     ignored=(r"model\.layers\.61\..*",),
+    quantizations=(FP8,),
 )

@@ -5,9 +5,9 @@ sinks, a router with a bias (`mlp.router`) and the experts stacked on E in one t
 save_pretrained (and as openai/gpt-oss-* store them before MXFP4).
 
 MXFP4: the published checkpoints store the experts' weights as MXFP4 blocks and scales
-(`gate_up_proj_blocks`, `..._scales`; transformers' integrations/mxfp4.py). They are not read
-here: a config.json whose `quantization_config` says mxfp4 is refused (exit 2) with how to
-dequantize it with transformers first."""
+(`gate_up_proj_blocks`, `..._scales`; transformers' integrations/mxfp4.py). They are
+dequantized as they are read (zoo/hf_dequantize.py) into the BF16 layout above, so the rules
+below read both."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 
 from nnx_zoo.errors import UsageError
 from zoo.gpt_oss.modeling import GptOssConfig
+from zoo.hf_dequantize import MXFP4
 from zoo.hf_mapping import IDENTITY, LINEAR_IN, HfFormat, Transform, rule
 from zoo.layers.config import FULL, SLIDING
 from zoo.llama.params import LAYER, decoder_config_from_hf, decoder_config_to_hf, decoder_rules
@@ -62,15 +63,6 @@ def rules(cfg: GptOssConfig):
 
 
 def _check_supported(hf: dict) -> None:
-    quant = hf.get("quantization_config") or {}
-    if quant:
-        method = quant.get("quant_method", "?")
-        raise UsageError(
-            f"GPT-OSS config.json has quantization_config quant_method={method!r} (the hub's "
-            "MXFP4 experts); only the dequantized layout is read: save it once with "
-            "transformers (GptOssForCausalLM.from_pretrained(path, quantization_config="
-            "Mxfp4Config(dequantize=True)).save_pretrained(out)) and load `out`"
-        )
     if not hf.get("attention_bias", True):
         raise UsageError("GPT-OSS config.json attention_bias=false is not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -125,4 +117,5 @@ HF_FORMAT = HfFormat(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     rules=rules,
+    quantizations=(MXFP4,),
 )
