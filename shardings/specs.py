@@ -130,6 +130,17 @@ class BlockSharding:
 
 
 @dataclasses.dataclass(frozen=True)
+class MtpSharding:
+    """A multi-token-prediction depth (DeepSeek-V3; zoo/deepseek_v3/mtp.py) around its
+    block, which takes `BlockSharding`'s layouts as the model's own blocks do."""
+
+    enorm: NormSharding  # over the embedding of the token k ahead
+    hnorm: NormSharding  # over the previous depth's hidden state
+    eh_proj: LinearSharding  # [2M, M] -> residual [B, T, M]
+    head_norm: NormSharding  # before the shared LM head
+
+
+@dataclasses.dataclass(frozen=True)
 class LmSharding:
     tokens: P  # [B, T] for tokens, segment ids, positions
     embed: EmbeddingSharding
@@ -144,6 +155,8 @@ class LmSharding:
     # Pipeline parallelism: the mesh axis the stacked layers' L dim is split over (stage s
     # holds a contiguous L/stage block and runs it; zoo/layers/pipeline.py), or None.
     stage_axis: str | None = None
+    # Multi-token prediction's own weights (DeepSeek-V3 with mtp_depth > 0).
+    mtp: MtpSharding | None = None
 
 
 def normalize(spec: P | None, rank: int) -> P:

@@ -31,6 +31,7 @@ from shardings.specs import (
     MlaSharding,
     MlpSharding,
     MoeSharding,
+    MtpSharding,
     NormSharding,
     axes_of,
 )
@@ -301,6 +302,15 @@ def _lm(s: Strategy) -> LmSharding:
         block=block,
         final_norm=_norm(outer.spec("batch", "seq", None)),
         lm_head=_linear(s.spec("embed_fsdp", "vocab"), outer.spec("batch", "seq", "vocab")),
+        # Multi-token prediction (DeepSeek-V3): its inputs normed whole on M, as a block's
+        # are; eh_proj [2M, M] like the latents' down-projections (only its input dim split,
+        # FSDP, gathered per matmul) writing the residual; its head norm the final norm's.
+        mtp=MtpSharding(
+            enorm=_norm(gathered),
+            hnorm=_norm(gathered),
+            eh_proj=_linear(s.spec("embed_fsdp", None), residual),
+            head_norm=_norm(outer.spec("batch", "seq", None)),
+        ),
     )
 
 
