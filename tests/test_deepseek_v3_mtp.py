@@ -252,17 +252,20 @@ def _loss_and_grads(model, batch):
     )
 
 
-def test_fsdp_ep_equals_one_device_and_grads_reach_mtp(exported):
-    """Loss, MTP loss and every gradient under fsdp_ep on 8 devices equal one device's;
-    the MTP weights get a gradient, and the objective is main + weight x MTP."""
+# The expert-parallel strategies, and fsdp_tp (heads and every expert's F over `model`).
+SHARDED = [("fsdp_ep", (2, 4)), ("fsdp_tp_ep", (2, 2, 2)), ("fsdp_tp", (4, 2))]
+
+
+def test_sharded_equals_one_device_and_grads_reach_mtp(exported):
+    """Loss, MTP loss and every gradient on 8 devices equal one device's; the MTP weights
+    get a gradient, and the objective is main + weight x MTP."""
     model, _ = exported
     params = host_params(model)
     batch_np = packed_batch(batch=8, seq=32, vocab=CFG.vocab_size)
-    results = []
-    for strategy, mesh in (
-        ("fsdp", one_device_mesh()),
-        ("fsdp_ep", get_strategy("fsdp_ep").make_mesh(shape=(2, 4))),
-    ):
+    results = {}
+    runs = [("fsdp", one_device_mesh())]
+    runs += [(name, get_strategy(name).make_mesh(shape=shape)) for name, shape in SHARDED]
+    for strategy, mesh in runs:
         s = get_strategy(strategy)
 
         def build(s=s):
@@ -271,14 +274,17 @@ def test_fsdp_ep_equals_one_device_and_grads_reach_mtp(exported):
         here = build_with_params(build, params, mesh)
         with jax.set_mesh(mesh):
             batch = put_batch(batch_np, s.lm_sharding().tokens)
-            results.append(_loss_and_grads(here, batch))
+            results[strategy] = _loss_and_grads(here, batch)
             if strategy == "fsdp":
                 main = _nll(here, batch_np)
-    (loss, mtp_loss, grads), (loss8, mtp_loss8, grads8) = results
-    np.testing.assert_allclose(loss8, loss, atol=LOSS_ATOL)
-    np.testing.assert_allclose(mtp_loss8, mtp_loss, atol=LOSS_ATOL)
-    for name, g in grads.items():
-        np.testing.assert_allclose(grads8[name], g, atol=GRAD_ATOL, rtol=GRAD_RTOL, err_msg=name)
+    loss, mtp_loss, grads = results.pop("fsdp")
+    for name, (loss8, mtp_loss8, grads8) in results.items():
+        np.testing.assert_allclose(loss8, loss, atol=LOSS_ATOL, err_msg=name)
+        np.testing.assert_allclose(mtp_loss8, mtp_loss, atol=LOSS_ATOL, err_msg=name)
+        for path, g in grads.items():
+            np.testing.assert_allclose(
+                grads8[path], g, atol=GRAD_ATOL, rtol=GRAD_RTOL, err_msg=f"{name} {path}"
+            )
     np.testing.assert_allclose(
         loss, float(main.total / main.count) + WEIGHT * float(main.mtp.mean()), rtol=1e-5
     )
