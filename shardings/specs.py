@@ -130,6 +130,17 @@ class BlockSharding:
 
 
 @dataclasses.dataclass(frozen=True)
+class MtpSharding:
+    """A multi-token-prediction depth (DeepSeek-V3; zoo/deepseek_v3/mtp.py) around its
+    block, which takes `BlockSharding`'s layouts as the model's own blocks do."""
+
+    enorm: NormSharding  # over the embedding of the token k ahead
+    hnorm: NormSharding  # over the previous depth's hidden state
+    eh_proj: LinearSharding  # [2M, M] -> residual [B, T, M]
+    head_norm: NormSharding  # before the shared LM head
+
+
+@dataclasses.dataclass(frozen=True)
 class LmSharding:
     tokens: P  # [B, T] for tokens, segment ids, positions
     embed: EmbeddingSharding
@@ -147,6 +158,8 @@ class LmSharding:
     # Layers run before a pipeline's schedule (DeepSeek-V3's dense first layers), their rows
     # split over `stage` too; None: no pipeline (such layers are laid out as `block`).
     before_stack: BlockSharding | None = None
+    # Multi-token prediction's own weights (DeepSeek-V3 with mtp_depth > 0).
+    mtp: MtpSharding | None = None
 
 
 def normalize(spec: P | None, rank: int) -> P:

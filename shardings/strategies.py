@@ -31,6 +31,7 @@ from shardings.specs import (
     MlaSharding,
     MlpSharding,
     MoeSharding,
+    MtpSharding,
     NormSharding,
     axes_of,
 )
@@ -227,6 +228,17 @@ def _lm(s: Strategy) -> LmSharding:
         before_stack=before,
         final_norm=_norm(outer.spec("batch", "seq", None)),
         lm_head=_linear(s.spec("embed_fsdp", "vocab"), outer.spec("batch", "seq", "vocab")),
+        # Multi-token prediction (DeepSeek-V3): its inputs normed whole on M, as a block's
+        # are; eh_proj [2M, M] like the latents' down-projections (only its input dim split,
+        # FSDP, gathered per matmul) writing the residual; its head norm the final norm's.
+        mtp=MtpSharding(
+            enorm=_norm(s.spec("batch", "seq", None)),
+            hnorm=_norm(s.spec("batch", "seq", None)),
+            eh_proj=_linear(
+                s.spec("embed_fsdp", None), s.spec("batch", "residual_seq", "residual")
+            ),
+            head_norm=_norm(outer.spec("batch", "seq", None)),
+        ),
     )
 
 

@@ -136,6 +136,30 @@ def test_traffic_of_an_elementwise_layer_is_its_reads_and_writes():
     assert t.matmul_kernels == 0
 
 
+def test_traffic_of_a_tile_added_into_a_buffer_in_place_is_the_tile():
+    """out[i] += y, one tile per iteration (the tiled grouped matmul's accumulation): the
+    buffer is updated in place, so each iteration reads and writes a tile, not the buffer.
+    Counting the buffer made this loop's traffic grow as rows x tiles."""
+    rows, width, tile = 4096, 1024, 128
+    out = jnp.zeros((rows, width), jnp.float32)
+    y = jnp.ones((tile, width), jnp.float32)
+
+    def accumulate(out, y):
+        def body(out, i):
+            before = jax.lax.dynamic_slice_in_dim(out, i * tile, tile)
+            return jax.lax.dynamic_update_slice_in_dim(out, before + y * i, i * tile, 0), None
+
+        return jax.lax.scan(body, out, jnp.arange(rows // tile))[0]
+
+    t = traffic(_compiled_text(accumulate, out, y))
+    tile_bytes = tile * width * 4
+    # Per iteration: read the tile and y, write the tile; one copy of the buffer into the loop
+    # at most (read and write), and scalar counter work.
+    iterations = rows // tile
+    assert t.memory_bytes >= iterations * 3 * tile_bytes
+    assert t.memory_bytes <= iterations * 3 * tile_bytes + 2 * rows * width * 4 + 64 * iterations
+
+
 def test_traffic_of_a_matmul_layer_leaves_the_matmul_to_the_flops_term():
     a = jnp.ones((512, 256), jnp.float32)
     b = jnp.ones((256, 128), jnp.float32)

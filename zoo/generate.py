@@ -145,7 +145,9 @@ def layer_list(model):
     stacked = dict(nnx.to_flat_state(nnx.state(model)))
     leaves = []
     for path, var in nnx.to_flat_state(twin_state):
-        if len(path) > 1 and isinstance(path[1], int):  # ('blocks', i, ...) <- ('blocks', ...)[i]
+        if path in stacked:  # outside the stacks, or a list in both (MTP's `mtp_blocks`)
+            value = stacked[path][...]
+        elif len(path) > 1 and isinstance(path[1], int):  # ('blocks', i, ...) <- ('blocks', ...)[i]
             value = stacked[(path[0], *path[2:])][...][path[1]]
         else:
             value = stacked[path][...]

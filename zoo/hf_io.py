@@ -191,7 +191,7 @@ def _plan(fam: Family, cfg: DecoderConfig, reader: CheckpointReader, shapes: dic
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UsageError(f"missing tensor {missing[0]}{more} in {fam.name} checkpoint {reader}")
-    ignored = [re.compile(p) for p in fam.hf.ignored]
+    ignored = [re.compile(p) for p in fam.hf.ignored_patterns(cfg)]
     unexpected = [
         actual
         for canonical, actual in present.items()
@@ -387,6 +387,7 @@ def save_pretrained(model, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHAR
         tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
         writer = ShardWriter(tmp, max_shard_bytes)
     stacks = fmt.layer_stacks(cfg)
+    copies = fmt.copied(cfg)
     try:
         for r in fmt.rules(cfg):
             layers = _layer_range(stacks, r.ours[0]) if r.per_layer else None
@@ -402,7 +403,10 @@ def save_pretrained(model, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHAR
                 for ours_i, i in enumerate(layers):
                     writer.add(r.hf.format(i=i), r.transform.save(*[o[ours_i] for o in ours]))
             else:
-                writer.add(r.hf, r.transform.save(*ours))
+                tensor = r.transform.save(*ours)
+                writer.add(r.hf, tensor)
+                for name in copies.get(r.hf, ()):  # its own buffer: a file holds no aliases
+                    writer.add(name, np.array(tensor, copy=True))
             del ours
         if writer_process:
             writer.finish()

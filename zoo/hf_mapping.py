@@ -115,8 +115,9 @@ class HfFormat:
     config_from_hf: Callable[[dict], dict]  # config.json -> our Config's fields
     config_to_hf: Callable[[DecoderConfig], dict]  # our Config -> config.json
     rules: Callable[[DecoderConfig], list[Rule]]
-    # Tensors a checkpoint may hold that carry nothing we use (mask buffers, tied heads).
-    ignored: tuple[str, ...] = ()
+    # Tensors a checkpoint may hold that carry nothing we use (mask buffers, tied heads):
+    # patterns, or cfg -> patterns when they depend on the config.
+    ignored: tuple[str, ...] | Callable[[DecoderConfig], tuple[str, ...]] = ()
     # A prefix some checkpoints of the family omit (hub GPT-2: `h.0...`; v5: `transformer.h.0...`).
     optional_prefix: str = ""
     # Which checkpoint layers each of our layer stacks holds: cfg -> {stack: (first hf layer,
@@ -126,6 +127,16 @@ class HfFormat:
     # The config.json `quantization_config.quant_method`s read (dequantized on load,
     # zoo/hf_dequantize.py); any other is refused.
     quantizations: tuple[str, ...] = ()
+    # Tensors the checkpoint also stores under other names: cfg -> {a per-model rule's hf
+    # name: its copies}. Export writes them; import reads the original alone (`ignored`
+    # must name the copies). DeepSeek-V3's MTP layers keep the embedding and the LM head.
+    copies: Callable[[DecoderConfig], dict[str, tuple[str, ...]]] | None = None
+
+    def ignored_patterns(self, cfg: DecoderConfig) -> tuple[str, ...]:
+        return self.ignored(cfg) if callable(self.ignored) else self.ignored
+
+    def copied(self, cfg: DecoderConfig) -> dict[str, tuple[str, ...]]:
+        return {} if self.copies is None else self.copies(cfg)
 
     def layer_stacks(self, cfg: DecoderConfig) -> dict[str, tuple[int, int]]:
         return {"blocks": (0, cfg.num_layers)} if self.stacks is None else self.stacks(cfg)

@@ -27,6 +27,14 @@ def answer_mask(mask_BT, loss_mask_BT):
     return mask_BT & (_next_along_t(loss_mask_BT) != 0)
 
 
+def shift_left(x_BT, k: int):
+    """x[:, t + k] at t (wrapping round; the caller masks the last k columns), laid out as
+    `x_BT`: multi-token prediction's inputs and targets k tokens ahead."""
+    for _ in range(k):
+        x_BT = _next_along_t(x_BT)
+    return x_BT
+
+
 def _next_along_t(x_BT):
     """x[:, t + 1] at t (wrapping round), also when T is split over a mesh axis (context
     parallelism): then a device's last position needs the next device's first token, which

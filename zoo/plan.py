@@ -193,6 +193,12 @@ def plan_model(cfg: DecoderConfig, strategy, mesh=None) -> ModelPlan:
         raise UsageError(
             f"mesh axes {mesh.axis_names} lack {missing}, which strategy {strategy.name!r} uses"
         )
+    if cfg.mtp_depth and strategy.lm_sharding().stage_axis is not None:
+        raise UsageError(
+            f"model.mtp_depth={cfg.mtp_depth}: multi-token prediction does not run under a "
+            f"pipeline strategy ({strategy.name}: a schedule runs one layer stack); use one "
+            "without `stage`, e.g. fsdp_ep, or model.mtp_depth=0"
+        )
     cfg = fit_vocab(cfg, strategy, mesh)
     layout = _layout_model(cfg, strategy)
     check_divisible(_rows(layout), mesh, strategy.name)

@@ -325,6 +325,7 @@ def build(
         objective=objective,
         reference=preference.frozen_copy(model) if needs_copy else None,
         moe_bias_update_rate=run.training.moe_bias_update_rate,
+        mtp_loss_weight=run.training.mtp_loss_weight,
     )
     if abstract:
         trainer.state = on_mesh(trainer.state, plan.mesh)

@@ -164,11 +164,23 @@ def _fusion_bytes(inst, shapes: dict[str, str], computations) -> float:
         size = _arrays_bytes(shapes.get(name, ""))
         param = params.get(index)
         uses = users.get(param, []) if param else []
-        sliced = [u for u in uses if u.opcode in ("dynamic-slice", "slice")]
-        if uses and len(sliced) == len(uses) and all(_operands(u.attrs)[0] == param for u in uses):
+        sliced = [
+            u
+            for u in uses
+            if u.opcode in ("dynamic-slice", "slice") and _operands(u.attrs)[0] == param
+        ]
+        if uses and len(sliced) == len(uses):
             size = sum(_arrays_bytes(u.shape) for u in uses)
-        elif in_place and size == out_bytes and uses and uses[0] is root:
-            size = 0.0  # the aliased buffer: updated in place
+        elif (
+            in_place
+            and size == out_bytes
+            and root in uses
+            and _operands(root.attrs)[0] == param
+            and len(sliced) == len(uses) - 1
+        ):
+            # The aliased buffer, updated in place; what else reads it reads slices (a
+            # read-modify-write of one tile: out[i] = out[i] + y), which cost their size.
+            size = sum(_arrays_bytes(u.shape) for u in sliced)
             out_bytes = 0.0
         total += size
     if in_place and out_bytes == 0.0:

@@ -108,6 +108,10 @@ class ModelSection:
     # Projections (q/k/v/o, MLP) in low precision, forward and backward: none | fp8 (e4m3,
     # e5m2 gradients; fp8 GEMMs on H100/H200) | int8 (TPU's int8 MXU path). zoo/layers/quant.py
     quantization: str = "none"
+    # Multi-token prediction depths (DeepSeek-V3 only; docs/deepseek_v3.md): D extra
+    # next-next-token heads trained beside the model, their loss weighted by
+    # training.mtp_loss_weight. 0: off. Refused under pipeline strategies.
+    mtp_depth: int = 0
 
     # What the model is (a preset's dims, overridden where set) and how it runs (with
     # --init_from a checkpoint fixes the former and the latter still apply).
@@ -121,6 +125,8 @@ class ModelSection:
             _fail("model", "scan_unroll", self.scan_unroll, "valid: 0 (auto), 1 (rolled), or more")
         if self.pipeline_microbatches < 0:
             _fail("model", "pipeline_microbatches", self.pipeline_microbatches, "valid: >= 0")
+        if self.mtp_depth < 0:
+            _fail("model", "mtp_depth", self.mtp_depth, "valid: 0 (off) or >= 1 depths")
         if self.pipeline_repeats < 1:
             _fail("model", "pipeline_repeats", self.pipeline_repeats, "valid: >= 1 (1: GPipe)")
         try:
@@ -322,6 +328,10 @@ class TrainingSection:
     # bias stays as loaded (DeepSeek-V3 used 0.001 for most of its pre-training). Models
     # without the bias ignore it.
     moe_bias_update_rate: float = 0.0
+    # Multi-token prediction's weight (model.mtp_depth > 0): the objective is the next-token
+    # loss + this x the mean over depths of each depth's loss (the report's lambda: 0.3 for
+    # its first 10T tokens, 0.1 for the last 4.8T). Ignored without MTP.
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self):
         _finite("training", self)
@@ -333,6 +343,8 @@ class TrainingSection:
                 "training", "dpo_label_smoothing", self.dpo_label_smoothing, "must be in [0, 0.5)"
             )
         _positive("training", self, "steps", "eval_batches")
+        if not self.mtp_loss_weight >= 0:
+            _fail("training", "mtp_loss_weight", self.mtp_loss_weight, "must be >= 0")
         if not self.moe_bias_update_rate >= 0:
             _fail("training", "moe_bias_update_rate", self.moe_bias_update_rate, "must be >= 0")
         if not 0 <= self.peer_timeout_seconds < math.inf:

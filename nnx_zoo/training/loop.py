@@ -89,19 +89,34 @@ def loss_sum(
     needs (sums add across micro-batches; means would not). `packed=False` states that each
     row is one document from index 0, then padding (attention then needs no document mask).
     `pipeline`: the model's `PipelinePlan` under a pipeline strategy (None: none)."""
-    total, count, _ = _nll_sum(model, batch, packed, chunk_size, pipeline)
-    return total, count
+    out = _nll_sum(model, batch, packed, chunk_size, pipeline)
+    return out.total, out.count
 
 
-def train_loss_sum(model, batch: Batch, packed: bool = True, chunk_size: int = 0, pipeline=None):
+def train_loss_sum(
+    model,
+    batch: Batch,
+    packed: bool = True,
+    chunk_size: int = 0,
+    pipeline=None,
+    mtp_loss_weight: float = 0.0,
+):
     """(the objective summed over counted tokens, (their count, metric sums)).
 
     The objective is the NLL plus, for an MoE model, its load-balancing loss weighted by
-    the config's `router_aux_loss_coef`; see `objective_from_sums`.
+    the config's `router_aux_loss_coef` (see `objective_from_sums`), plus, with multi-token
+    prediction (DeepSeek-V3's model.mtp_depth), `mtp_loss_weight` x the mean over depths of
+    each depth's mean NLL, added once per counted token as the aux loss is; `mtp_loss` (that
+    mean) joins the metric sums.
     """
-    total, count, moe = _nll_sum(model, batch, packed, chunk_size, pipeline)
-    coef = model.cfg.router_aux_loss_coef if moe is not None else 0.0
-    return objective_from_sums(total, count, moe, coef)
+    out = _nll_sum(model, batch, packed, chunk_size, pipeline)
+    coef = model.cfg.router_aux_loss_coef if out.router_stats is not None else 0.0
+    total, (count, sums) = objective_from_sums(out.total, out.count, out.router_stats, coef)
+    if out.mtp is not None:
+        mtp_loss = out.mtp.mean()
+        total = total + mtp_loss_weight * mtp_loss * count
+        sums = {**sums, "mtp_loss": mtp_loss * count}
+    return total, (count, sums)
 
 
 def objective_from_nll(nll_BT, mask_BT, moe, aux_coef: float):
@@ -118,12 +133,13 @@ def _loss_and_grad(
     pipeline=None,
     objective=None,
     reference=None,
+    mtp_loss_weight: float = 0.0,
 ):
     """Gradients of the variables of kind `wrt` (nnx.Param; LoRA adapters: LoraParam).
     `objective`: a preference objective (training/preference.py), None for the NLL."""
     if objective is None:
         grad_fn = nnx.value_and_grad(train_loss_sum, argnums=nnx.DiffState(0, wrt), has_aux=True)
-        return grad_fn(model, batch, packed, chunk_size, pipeline)
+        return grad_fn(model, batch, packed, chunk_size, pipeline, mtp_loss_weight)
     loss_fn = functools.partial(preference.loss_sum, objective, reference=reference)
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
     return grad_fn(model, batch, packed, chunk_size, pipeline)
@@ -165,9 +181,11 @@ class Trainer:
         objective=None,
         reference=None,
         moe_bias_update_rate: float = 0.0,
+        mtp_loss_weight: float = 0.0,
     ):
         self.model, self.optimizer = model, optimizer
         self.moe_bias_update_rate = moe_bias_update_rate
+        self.mtp_loss_weight = mtp_loss_weight
         self.objective = objective
         self.ref_graphdef, self.ref_state = reference if reference is not None else (None, None)
         self.pipeline = pipeline
@@ -198,6 +216,7 @@ class Trainer:
                 pipeline=self.pipeline,
                 objective=self.objective,
                 reference=self._reference(ref_state),
+                mtp_loss_weight=self.mtp_loss_weight,
             ),
             model,
             batch,
@@ -413,6 +432,8 @@ class _Loop:
             record["expert_load"] = [round(float(x), 5) for x in fetched["expert_load"]]
             record["moe_load_spread"] = float(fetched["moe_load_spread"])
             record["moe_dropped"] = float(fetched["moe_dropped"])
+        if "mtp_loss" in fetched:  # multi-token prediction: mean over depths of their NLL
+            record["mtp_loss"] = float(fetched["mtp_loss"])
         if "moe_router_bias" in fetched:  # each expert's correction bias, mean over layers
             record["moe_router_bias"] = [round(float(x), 5) for x in fetched["moe_router_bias"]]
         # Preference objectives: TRL's names (rewards/chosen, logps/rejected, ...) and ORPO's

@@ -10,8 +10,9 @@ layers across both (hf layer i is dense_blocks[i] for i < k, else blocks[i - k])
 pipeline strategy the schedule runs `blocks` and the dense layers run before it
 (`before_stack`), on each stage's own rows.
 
-Multi-token prediction is not built: the published checkpoint's extra layer (model.layers.61,
-the MTP module) is ignored on import, as transformers' model ignores it.
+Multi-token prediction (`mtp_depth` > 0; zoo/deepseek_v3/mtp.py): `mtp_blocks`, one module
+per depth, trained beside the model through `nll_sum`; logits, generation and evaluation
+never run them. Checkpoints hold depth k as layer num_layers + k - 1.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zoo.errors import UsageError
 from shardings.specs import BlockSharding, LmSharding
+from zoo import loss
+from zoo.deepseek_v3 import mtp
 from zoo.layers.basic import Norm
 from zoo.layers.config import DecoderConfig, causal_keys_per_query
-from zoo.layers.decoder import Block, DecoderLM, make_stack
+from zoo.layers.decoder import Block, DecoderLM, NllSum, make_stack
 from zoo.layers.kv_cache import KVCache
 from zoo.layers.mla import MultiHeadLatentAttention, rope_frequencies, softmax_scale
 from zoo.layers.mlp import Mlp
@@ -39,6 +42,7 @@ from zoo.registry import experts, preset_table
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeepseekV3Config(DecoderConfig):
+    MULTI_TOKEN_PREDICTION = True
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     norm_topk_prob: bool = True
@@ -118,27 +122,40 @@ class DeepseekV3Config(DecoderConfig):
         return experts * 3 * M * self.moe_ffn_dim + M * self.num_experts + shared
 
     def num_params(self, include_embedding: bool = True) -> int:
+        """Every parameter, the multi-token-prediction modules' included (they share the
+        embedding and the LM head, counted once)."""
         M, V, L, k = self.hidden_dim, self.vocab_size, self.num_layers, self.first_dense_layers
         norms = 2 * M + self.kv_lora_rank + self.q_lora_rank
         per_layer = self._attention_params() + norms
-        total = L * per_layer + k * self._layer_ffn(0, True)
-        total += (L - k) * (self._layer_ffn(self.num_experts, False) + self.num_experts)
+        moe_layer = self._layer_ffn(self.num_experts, False) + self.num_experts
+        total = L * per_layer + k * self._layer_ffn(0, True) + (L - k) * moe_layer
+        # Each MTP depth: enorm, hnorm, eh_proj [2M, M], a MoE layer, its head norm.
+        total += self.mtp_depth * (3 * M + 2 * M * M + per_layer + moe_layer)
         total += M + (0 if self.tie_embeddings else M * V)
         return total + (V * M if include_embedding else 0)
+
+    def _mtp_matmul_params(self) -> int:
+        """Matmul params one token runs through per MTP depth: eh_proj, a MoE layer's
+        attention and chosen experts, and the shared LM head again."""
+        M, moe = self.hidden_dim, self._layer_ffn(self.num_experts_per_tok, False)
+        return 2 * M * M + self._attention_params() + moe + M * self.vocab_size
 
     def matmul_params(self) -> int:
         L, k = self.num_layers, self.first_dense_layers
         ffn = k * self._layer_ffn(0, True) + (L - k) * self._layer_ffn(
             self.num_experts_per_tok, False
         )
-        return L * self._attention_params() + ffn + self.hidden_dim * self.vocab_size
+        main = L * self._attention_params() + ffn + self.hidden_dim * self.vocab_size
+        return main + self.mtp_depth * self._mtp_matmul_params()
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x matmul params, plus causal attention: per (query, key) pair 2 N D FLOPs for
-        the scores and 2 N Dv for the weighted sum forward, three times that with backward."""
+        the scores and 2 N Dv for the weighted sum forward, three times that with backward.
+        The MTP depths count as layers (training runs them; inference does not)."""
         keys = causal_keys_per_query(seq_len)
         per_pair = 6.0 * self.num_heads * (self.head_dim + self.v_head_dim)
-        return 6.0 * self.matmul_params() + self.num_layers * per_pair * keys
+        attention_layers = self.num_layers + self.mtp_depth
+        return 6.0 * self.matmul_params() + attention_layers * per_pair * keys
 
     def cache_bytes_per_token(self, itemsize: int = 2) -> int:
         """KV-cache bytes per token, all layers: the latent and the rotary key."""
@@ -170,6 +187,17 @@ class DeepseekV3(DecoderLM):
         # embedded (split over `stage` too): whole on every stage, laid out for that.
         self.dense_blocks = (
             make_stack(cfg, sharding, rngs, k, dense, split_over_stages=False) if k else None
+        )
+        # Multi-token prediction: one module per depth, a list (each depth reads the last).
+        self.mtp_blocks = (
+            nnx.List(
+                [
+                    mtp.MtpModule(cfg, sharding, self.new_block(cfg, sharding, rngs), rngs=rngs)
+                    for _ in range(cfg.mtp_depth)
+                ]
+            )
+            if cfg.mtp_depth
+            else None
         )
 
     @staticmethod
@@ -205,6 +233,54 @@ class DeepseekV3(DecoderLM):
         kvs.append(kv)
         new_kv = None if cache is None else tuple(map(jnp.concatenate, zip(*kvs, strict=True)))
         return x_BTM, (new_kv, stats)
+
+    def mtp_inv_freq(self):
+        """The rope table of the MTP blocks: the MoE layers' (every layer has the same)."""
+        return jnp.asarray(rope_frequencies(self.cfg)[0])
+
+    def nll_sum(
+        self,
+        tokens_BT,
+        *,
+        segment_ids,
+        positions,
+        loss_mask_BT=None,
+        chunk_size: int = 0,
+        packed=True,
+        layers=None,
+    ) -> NllSum:
+        """`DecoderLM.nll_sum`, and with `mtp_depth` > 0 the MTP depths' loss in `.mtp`
+        (an `mtp.MtpLoss`; the trainer weights it by training.mtp_loss_weight)."""
+        if not self.cfg.mtp_depth:
+            return super().nll_sum(
+                tokens_BT,
+                segment_ids=segment_ids,
+                positions=positions,
+                loss_mask_BT=loss_mask_BT,
+                chunk_size=chunk_size,
+                packed=packed,
+                layers=layers,
+            )
+        if layers is not None:
+            raise UsageError(_NO_PIPELINE.format(self.cfg.mtp_depth))
+        h_BTM, _, stats = self.hidden(
+            tokens_BT, segment_ids=segment_ids, positions=positions, packed=packed
+        )
+        targets_BT, mask_BT = loss.target_mask(tokens_BT, segment_ids)
+        if loss_mask_BT is not None:
+            mask_BT = loss.answer_mask(mask_BT, loss_mask_BT)
+        nll_BT = mtp.head_nll(self, h_BTM, targets_BT, mask_BT, chunk_size)
+        extra = mtp.mtp_loss(
+            self,
+            h_BTM,
+            tokens_BT,
+            segment_ids,
+            positions,
+            loss_mask_BT=loss_mask_BT,
+            chunk_size=chunk_size,
+            packed=packed,
+        )
+        return NllSum(jnp.sum(nll_BT), jnp.sum(mask_BT), stats, extra)
 
     def balance_routing(self, load_LE, rate: float):
         """DeepSeek-V3's auxiliary-loss-free balancing: each routed expert's correction bias
@@ -250,6 +326,13 @@ class DeepseekV3(DecoderLM):
             positions=jnp.zeros((B, S), jnp.int32, out_sharding=tokens_spec),
             index=jnp.zeros((), jnp.int32),
         )
+
+
+_NO_PIPELINE = (
+    "model.mtp_depth={}: multi-token prediction does not run under a pipeline strategy "
+    "(a schedule runs one layer stack); use one without `stage`, e.g. fsdp_ep, or "
+    "model.mtp_depth=0"
+)
 
 
 def _dense_block(cfg, sharding: LmSharding, rngs: nnx.Rngs) -> DeepseekBlock:

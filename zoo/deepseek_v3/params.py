@@ -1,9 +1,15 @@
 """DeepSeek-V3 checkpoints <-> ours: transformers' `DeepseekV3ForCausalLM` names (the hub's
 layout, one tensor per expert, which transformers 5 still writes and reads). Layer i of the
-checkpoint is `dense_blocks[i]` for i < first_dense_layers, else `blocks[i - k]`. The
-checkpoint's multi-token-prediction layer (`model.layers.{L}`, past num_hidden_layers) is
-ignored, as transformers ignores it. The hub's FP8 weights (block-scaled, `quant_method:
-fp8`) are dequantized as they are read (zoo/hf_dequantize.py)."""
+checkpoint is `dense_blocks[i]` for i < first_dense_layers, else `blocks[i - k]`. The hub's
+FP8 weights (block-scaled, `quant_method: fp8`) are dequantized as they are read
+(zoo/hf_dequantize.py).
+
+Multi-token prediction: depth k's module is the checkpoint's layer L + k - 1 (past
+num_hidden_layers = L): `enorm`, `hnorm`, `eh_proj`, a MoE layer's attention, experts and
+norms, and `shared_head.norm` -> `mtp_blocks[k - 1]`. Its `embed_tokens` and
+`shared_head.head` are copies of the model's embedding and LM head, which the MTP modules
+share: import ignores them, export writes them (vLLM and SGLang read them). With mtp_depth 0
+(the default, as transformers) every layer past L is ignored."""
 
 from __future__ import annotations
 
@@ -39,6 +45,41 @@ def _layer_rules(cfg: DeepseekV3Config, stack: str) -> list:
     return rules
 
 
+def _moe_rules(stack: str, shared: bool) -> list:
+    """The routed (and shared) experts and the router of every layer of `stack`."""
+    moe = LAYER + "mlp."
+    out = [
+        rule(moe + "gate.weight", f"{stack}/moe/router/weight", transform=LINEAR_IN),
+        rule(moe + "gate.e_score_correction_bias", f"{stack}/moe/e_score_correction_bias"),
+        *(
+            rule(moe + f"experts.{{e}}.{x}_proj.weight", f"{stack}/moe/{x}", transform=t)
+            for x, t in MLP
+        ),
+    ]
+    if shared:
+        out += [
+            rule(
+                moe + f"shared_experts.{x}_proj.weight",
+                f"{stack}/moe/shared/{x}/weight",
+                transform=t,
+            )
+            for x, t in MLP
+        ]
+    return out
+
+
+def _mtp_rules(cfg: DeepseekV3Config) -> list:
+    """Each MTP depth's module (`mtp_blocks[k]`, the checkpoint's layer L + k)."""
+    return [
+        rule(LAYER + "enorm.weight", "mtp_blocks/enorm/weight"),
+        rule(LAYER + "hnorm.weight", "mtp_blocks/hnorm/weight"),
+        rule(LAYER + "eh_proj.weight", "mtp_blocks/eh_proj/weight", transform=LINEAR_IN),
+        rule(LAYER + "shared_head.norm.weight", "mtp_blocks/head_norm/weight"),
+        *_layer_rules(cfg, "mtp_blocks/block"),
+        *_moe_rules("mtp_blocks/block", bool(cfg.num_shared_experts)),
+    ]
+
+
 def rules(cfg: DeepseekV3Config) -> list:
     out = [
         rule("model.embed_tokens.weight", "embed/table"),
@@ -52,31 +93,39 @@ def rules(cfg: DeepseekV3Config) -> list:
             rule(LAYER + f"mlp.{x}_proj.weight", f"dense_blocks/mlp/{x}/weight", transform=t)
             for x, t in MLP
         ]
-    moe = LAYER + "mlp."
-    out += [
-        rule(moe + "gate.weight", "blocks/moe/router/weight", transform=LINEAR_IN),
-        rule(moe + "gate.e_score_correction_bias", "blocks/moe/e_score_correction_bias"),
-        *(
-            rule(moe + f"experts.{{e}}.{x}_proj.weight", f"blocks/moe/{x}", transform=t)
-            for x, t in MLP
-        ),
-    ]
-    if cfg.num_shared_experts:
-        out += [
-            rule(
-                moe + f"shared_experts.{x}_proj.weight",
-                f"blocks/moe/shared/{x}/weight",
-                transform=t,
-            )
-            for x, t in MLP
-        ]
-    return out
+    out += _moe_rules("blocks", bool(cfg.num_shared_experts))
+    return out + (_mtp_rules(cfg) if cfg.mtp_depth else [])
 
 
 def stacks(cfg: DeepseekV3Config) -> dict[str, tuple[int, int]]:
-    k = cfg.first_dense_layers
+    k, L = cfg.first_dense_layers, cfg.num_layers
     dense = {"dense_blocks": (0, k)} if k else {}
-    return {**dense, "blocks": (k, cfg.num_layers - k)}
+    mtp = {"mtp_blocks": (L, cfg.mtp_depth)} if cfg.mtp_depth else {}
+    return {**dense, "blocks": (k, L - k), **mtp}
+
+
+def _mtp_layers(cfg: DeepseekV3Config) -> range:
+    return range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth)
+
+
+def ignored(cfg: DeepseekV3Config) -> tuple[str, ...]:
+    """Every layer past the model's and its MTP depths' (the published checkpoint's MTP
+    layer 61 when mtp_depth is 0, as transformers skips it), and the MTP layers' copies of
+    the embedding and the LM head."""
+    ours = "|".join(str(i) for i in range(cfg.num_layers + cfg.mtp_depth))
+    heads = [
+        rf"model\.layers\.{i}\.(embed_tokens|shared_head\.head)\.weight" for i in _mtp_layers(cfg)
+    ]
+    return (rf"model\.layers\.(?!(?:{ours})\.)\d+\..*", *heads)
+
+
+def copies(cfg: DeepseekV3Config) -> dict[str, tuple[str, ...]]:
+    """The MTP layers' copies of the embedding and the LM head, which export writes."""
+    layers = _mtp_layers(cfg)
+    return {
+        "model.embed_tokens.weight": tuple(f"model.layers.{i}.embed_tokens.weight" for i in layers),
+        "lm_head.weight": tuple(f"model.layers.{i}.shared_head.head.weight" for i in layers),
+    }
 
 
 def _yarn(rope: dict, max_positions: int) -> tuple | None:
@@ -199,8 +248,8 @@ def config_to_hf(cfg: DeepseekV3Config) -> dict:
         "routed_scaling_factor": cfg.routed_scaling_factor,
         "n_shared_experts": cfg.num_shared_experts,
         "first_k_dense_replace": cfg.first_dense_layers,
-        # Multi-token prediction is not built (nor written).
-        "num_nextn_predict_layers": 0,
+        # The MTP depths the export holds (a run without them writes none).
+        "num_nextn_predict_layers": cfg.mtp_depth,
         "dtype": "float32",
     }
 
@@ -212,7 +261,7 @@ HF_FORMAT = HfFormat(
     config_to_hf=config_to_hf,
     rules=rules,
     stacks=stacks,
-    # The published checkpoint's multi-token-prediction module, as transformers skips it.
-    ignored=(r"model\.layers\.61\..*",),
+    ignored=ignored,
+    copies=copies,
     quantizations=(FP8,),
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -36,6 +37,7 @@ RUNTIME_FIELDS = (
     "pipeline_repeats",
     "pipeline_schedule",
     "quantization",
+    "mtp_depth",
 )
 
 # moe_activation values: the experts' gated activation (zoo/layers/moe.py).
@@ -177,8 +179,19 @@ class DecoderConfig:
     # | 'int8' (per-row/column scales); see zoo/layers/quant.py. The LM head, the MoE router
     # and experts and the attention core stay in the compute dtype.
     quantization: str = "none"
+    # Multi-token prediction (DeepSeek-V3, zoo/deepseek_v3/mtp.py): depths of extra
+    # next-next-token heads trained beside the model; 0: none. A training choice, not what
+    # the checkpoint fixes: import reads the checkpoint's MTP layers only when it is set.
+    mtp_depth: int = 0
+    # Whether the family builds multi-token prediction (a class constant, not a field).
+    MULTI_TOKEN_PREDICTION: ClassVar[bool] = False
 
     def __post_init__(self):
+        if self.mtp_depth < 0 or (self.mtp_depth and not self.MULTI_TOKEN_PREDICTION):
+            raise UsageError(
+                f"mtp_depth={self.mtp_depth}; valid: 0 (off), or >= 1 for a family with "
+                "multi-token prediction (DeepSeek-V3)"
+            )
         if self.num_heads % self.num_kv_heads:
             raise UsageError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads="

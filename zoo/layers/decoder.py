@@ -50,6 +50,8 @@ class NllSum(NamedTuple):
     total: jax.Array  # next-token NLL summed over the counted positions, float32
     count: jax.Array  # how many positions count
     router_stats: object  # MoeStats, or None for a dense model
+    # Multi-token prediction's loss (zoo/deepseek_v3/mtp.py's MtpLoss), None without it.
+    mtp: object = None
 
 
 class TokenNll(NamedTuple):
