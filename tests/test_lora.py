@@ -142,6 +142,7 @@ CASES = {
     "fsdp_tp_ep": (2, 2, 2),
     "fsdp_pp": (2, 4),
     "fsdp_tp_pp": (2, 2, 2),
+    "fsdp_ep_pp": (2, 2, 2),
 }
 
 
