@@ -267,11 +267,20 @@ def test_what_cannot_run_says_so():
 
 def test_train_main_logs_the_load_and_moves_the_bias(tmp_path):
     """train_main under fsdp_ep: metrics.jsonl carries each expert's load and correction bias,
-    and the bias moves by the rate's sign step per layer and step (mean of 2 layers: a
-    multiple of rate / 2), towards the less loaded experts."""
+    and the bias moves by the rate's sign step per layer and step, towards the less loaded
+    experts."""
+    records, _ = train_and_check_bias_updates(tmp_path, "fsdp_ep")
+    first = records[0]
+    # After step 1 an expert loaded above the mean in both layers has bias -rate.
+    assert np.array(first["moe_router_bias"])[np.argmax(first["expert_load"])] < 0
+
+
+def train_and_check_bias_updates(workdir, strategy: str, rate=0.01, steps=3):
+    """Three train_main steps of the tiny preset under `strategy` with the bias update on;
+    each step's logged bias is a multiple of rate / 2 (the mean of the 2 MoE layers' sign
+    steps), nonzero, at most step x rate. (The metrics records, the run's output.)"""
     from _train_helpers import SMALL_RUN, cli_flags, run_train_main
 
-    rate, steps = 0.01, 3
     # The small run's settings, not its model dims (the preset's MLA dims hold together).
     overrides = {
         **{k: v for k, v in SMALL_RUN.items() if not k.startswith("model.")},
@@ -285,12 +294,11 @@ def test_train_main_logs_the_load_and_moves_the_bias(tmp_path):
         "training.moe_bias_update_rate": rate,
         "data.global_batch_size": 8,
     }
-    workdir = str(tmp_path)
     result = run_train_main(
-        ["--sharding_strategy=fsdp_ep", f"--workdir={workdir}", *cli_flags(overrides)]
+        [f"--sharding_strategy={strategy}", f"--workdir={workdir}", *cli_flags(overrides)]
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(f"{workdir}/metrics.jsonl") as f:
+    with open(f"{workdir}/metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f if '"loss"' in line]
     assert len(records) == steps and all(np.isfinite(r["loss"]) for r in records)
     for step, record in enumerate(records, start=1):
@@ -299,9 +307,7 @@ def test_train_main_logs_the_load_and_moves_the_bias(tmp_path):
         halves = bias / (rate / 2)
         np.testing.assert_allclose(halves, np.round(halves), atol=1e-2)
         assert np.abs(bias).max() <= step * rate + 1e-6 and np.abs(bias).max() > 0
-    first = records[0]
-    # After step 1 an expert loaded above the mean in both layers has bias -rate.
-    assert np.array(first["moe_router_bias"])[np.argmax(first["expert_load"])] < 0
+    return records, result.stderr + result.stdout
 
 
 def test_auto_attention_runs_xla_and_says_why():

@@ -20,16 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_strategies_equal_one_device as equal
-from _train_helpers import SMALL_RUN, cli_flags, run_train_main
 from flax import nnx
 from model_utils import build_with_params, host_params, one_device_mesh, packed_batch, put_batch
+from test_deepseek_v3 import train_and_check_bias_updates
 from test_moe_strategies import objective_sum
 
 from nnx_zoo.errors import UsageError
 from shardings import get_strategy
 from zoo import create_model, get_config, pipelined
 from zoo.layers import pipeline
-from zoo.registry import PRESET_DIMS
 
 # (preset, strategy, mesh, micro-batches, repeats, layers)
 CASES = [
@@ -209,35 +208,8 @@ def test_1f1b_refuses_a_weighted_aux_loss_in_one_line():
 
 
 def test_train_main_deepseek_under_fsdp_ep_pp_moves_the_routing_bias(tmp_path):
-    """train_main under fsdp_ep_pp: the loads the schedule sums feed DeepSeek's bias update
-    (a multiple of rate / 2: the mean of the 2 MoE layers' sign steps)."""
-    import json
-
-    cfg = get_config("deepseek-v3-tiny")
-    rate, steps = 0.01, 3
-    overrides = {
-        **{k: v for k, v in SMALL_RUN.items() if not k.startswith("model.")},
-        "model.preset": "deepseek-v3-tiny",
-        **{f"model.{f}": getattr(cfg, f) for f in PRESET_DIMS},
-        "optimizer.warmup_steps": 1,
-        "model.scan_unroll": 1,
-        "training.steps": steps,
-        "training.eval_every": 0,
-        "training.moe_bias_update_rate": rate,
-        "data.global_batch_size": 8,
-    }
-    result = run_train_main(
-        ["--sharding_strategy=fsdp_ep_pp", f"--workdir={tmp_path}", *cli_flags(overrides)]
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stderr + result.stdout
+    """train_main under fsdp_ep_pp on the default mesh (stage 2 x expert 4: stacked_layers,
+    not num_layers, sets the stage count): the loads the schedule sums feed DeepSeek's bias
+    update as under fsdp_ep."""
+    _, out = train_and_check_bias_updates(tmp_path, "fsdp_ep_pp")
     assert "fsdp_ep_pp on mesh {'stage': 2, 'data': 1, 'expert': 4}" in out, out[:1500]
-    with open(tmp_path / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f if '"loss"' in line]
-    assert len(records) == steps and all(np.isfinite(r["loss"]) for r in records)
-    for step, record in enumerate(records, start=1):
-        load, bias = np.array(record["expert_load"]), np.array(record["moe_router_bias"])
-        assert len(load) == 8 and abs(load.sum() - 1) < 1e-3
-        halves = bias / (rate / 2)
-        np.testing.assert_allclose(halves, np.round(halves), atol=1e-2)
-        assert np.abs(bias).max() <= step * rate + 1e-6 and np.abs(bias).max() > 0
